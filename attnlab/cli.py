@@ -1,0 +1,42 @@
+"""The `attnlab` console script: one sub-command per tool, found by name.
+
+Each sub-command lives in its own module with a `main(argv)` function; this
+file only maps names to modules, so adding a tool is one line here.
+"""
+
+import importlib
+import sys
+
+# sub-command -> (module, one-line help)
+COMMANDS = {
+    "train": ("attnlab.main", "train or resume a run from a config"),
+    "sweep": ("attnlab.sweep", "run the cross product of config values"),
+    "inspect": ("attnlab.inspect_run", "print a run's config, last metrics and checkpoints"),
+    "generate": ("attnlab.generate", "sample text from a trained language model"),
+    "data": ("attnlab.data.cli", "prepare or show a dataset"),
+}
+
+
+def _usage() -> str:
+  lines = ["usage: attnlab <command> [flags]", "", "commands:"]
+  lines += [f"  {name:<9} {help_}" for name, (_, help_) in COMMANDS.items()]
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  argv = list(sys.argv if argv is None else argv)
+  if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
+    print(_usage())
+    return 0 if len(argv) >= 2 else 2
+  name = argv[1]
+  if name not in COMMANDS:
+    print(f"attnlab: unknown command {name!r}; valid commands: {', '.join(COMMANDS)}",
+          file=sys.stderr)
+    return 2
+  module = importlib.import_module(COMMANDS[name][0])
+  # Each tool sees argv as if it had been started on its own: [prog, flags...].
+  return module.main([f"attnlab {name}"] + argv[2:]) or 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
