@@ -13,6 +13,7 @@ COMMANDS = {
     "sweep": ("attnlab.sweep", "run the cross product of config values"),
     "inspect": ("attnlab.inspect_run", "print a run's config, last metrics and checkpoints"),
     "generate": ("attnlab.generate", "sample text from a trained language model"),
+    "translate": ("attnlab.translate", "translate a sentence with a trained model and plot alignment"),
     "data": ("attnlab.data.cli", "prepare or show a dataset"),
 }
 

@@ -1,0 +1,93 @@
+"""Attention plots: one heatmap, or a grid of heads (and layers) for a head view.
+
+Every function draws with matplotlib's Agg backend (no display needed), returns the figure, and
+saves it as PNG when given `path`.
+"""
+
+import pathlib
+from typing import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import numpy as np  # noqa: E402
+
+
+def _save(fig, path):
+  if path is not None:
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+  return fig
+
+
+def _check_2d(weights, x_labels, y_labels):
+  weights = np.asarray(weights, dtype=np.float32)
+  if weights.ndim != 2:
+    raise ValueError(f"attention weights must be [rows, cols] (queries x keys), got shape "
+                     f"{weights.shape}")
+  for name, labels, n in (("x_labels", x_labels, weights.shape[1]),
+                          ("y_labels", y_labels, weights.shape[0])):
+    if labels is not None and len(labels) != n:
+      raise ValueError(f"{name} has {len(labels)} entries but the weights have {n} along that axis")
+  return weights
+
+
+def _draw(ax, weights, x_labels, y_labels, title, vmax=None):
+  image = ax.imshow(weights, cmap="viridis", vmin=0.0, vmax=vmax, aspect="auto",
+                    interpolation="nearest")
+  for axis_labels, set_ticks, set_labels, rotation in (
+      (x_labels, ax.set_xticks, ax.set_xticklabels, 90),
+      (y_labels, ax.set_yticks, ax.set_yticklabels, 0)):
+    if axis_labels is not None:
+      set_ticks(range(len(axis_labels)))
+      set_labels([str(label) for label in axis_labels], rotation=rotation, fontsize=8)
+  if title:
+    ax.set_title(title, fontsize=9)
+  return image
+
+
+def attention_heatmap(weights, *, x_labels: Sequence[str] | None = None,
+                      y_labels: Sequence[str] | None = None, title: str | None = None,
+                      xlabel: str = "keys", ylabel: str = "queries", ax=None, path=None):
+  """Heatmap of one attention matrix `[rows (queries), cols (keys)]` with optional token labels."""
+  weights = _check_2d(weights, x_labels, y_labels)
+  if ax is None:
+    height, width = weights.shape
+    fig, ax = plt.subplots(figsize=(min(2 + 0.3 * width, 14), min(1.5 + 0.3 * height, 14)))
+  else:
+    fig = ax.figure
+  image = _draw(ax, weights, x_labels, y_labels, title)
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
+  return _save(fig, path)
+
+
+def attention_grid(weights, *, x_labels: Sequence[str] | None = None,
+                   y_labels: Sequence[str] | None = None, title: str | None = None, path=None):
+  """Head view: weights `[heads, rows, cols]` or `[layers, heads, rows, cols]`, one panel each."""
+  weights = np.asarray(weights, dtype=np.float32)
+  if weights.ndim == 3:
+    weights = weights[None]
+  if weights.ndim != 4:
+    raise ValueError(f"attention_grid expects [heads, rows, cols] or [layers, heads, rows, cols], "
+                     f"got shape {weights.shape}")
+  layers, heads = weights.shape[:2]
+  _check_2d(weights[0, 0], x_labels, y_labels)
+  size = 1.2 + 0.18 * max(weights.shape[2:])
+  fig, axes = plt.subplots(layers, heads, figsize=(size * heads, size * layers), squeeze=False)
+  for layer in range(layers):
+    for head in range(heads):
+      ax = axes[layer, head]
+      _draw(ax, weights[layer, head], x_labels if layer == layers - 1 else None,
+            y_labels if head == 0 else None, f"layer {layer} head {head}", vmax=1.0)
+      if layer != layers - 1:
+        ax.set_xticks([])
+      if head != 0:
+        ax.set_yticks([])
+  if title:
+    fig.suptitle(title)
+  fig.tight_layout()
+  return _save(fig, path)

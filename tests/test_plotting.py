@@ -1,0 +1,34 @@
+"""Attention plots: the drawn image holds the weights, files are written, bad shapes are refused."""
+
+import numpy as np
+import pytest
+
+from attnlab import plotting
+
+
+def test_heatmap_draws_the_weights_and_saves_png(tmp_path):
+  w = np.random.default_rng(0).dirichlet(np.ones(5), size=3)  # [3 queries, 5 keys]
+  fig = plotting.attention_heatmap(w, x_labels=list("abcde"), y_labels=["x", "y", "z"],
+                                   path=tmp_path / "sub" / "map.png")
+  np.testing.assert_allclose(np.asarray(fig.axes[0].images[0].get_array()), w, rtol=1e-6)
+  assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == list("abcde")
+  assert (tmp_path / "sub" / "map.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_grid_has_one_panel_per_layer_and_head(tmp_path):
+  w = np.random.default_rng(1).random((2, 3, 4, 4))  # [layers, heads, q, k]
+  fig = plotting.attention_grid(w, x_labels=list("abcd"), y_labels=list("abcd"),
+                                path=tmp_path / "grid.png")
+  panels = [ax for ax in fig.axes if ax.images]
+  assert len(panels) == 6
+  np.testing.assert_allclose(np.asarray(panels[4].images[0].get_array()), w[1, 1], rtol=1e-6)
+  assert (tmp_path / "grid.png").stat().st_size > 0
+
+
+def test_bad_shapes_are_refused():
+  with pytest.raises(ValueError, match=r"must be \[rows, cols\]"):
+    plotting.attention_heatmap(np.zeros((2, 3, 4)))
+  with pytest.raises(ValueError, match="x_labels has 2 entries but the weights have 3"):
+    plotting.attention_heatmap(np.zeros((2, 3)), x_labels=["a", "b"])
+  with pytest.raises(ValueError, match="attention_grid expects"):
+    plotting.attention_grid(np.zeros((4, 4)))
