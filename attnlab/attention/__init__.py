@@ -1,0 +1,51 @@
+"""Pure-functional attention primitives (no Flax): jnp arrays in, jnp arrays out."""
+
+from attnlab.attention.core import FAST_SCORES
+from attnlab.attention.core import HardAttention
+from attnlab.attention.core import IMPLEMENTATIONS
+from attnlab.attention.core import attend
+from attnlab.attention.core import choose_implementation
+from attnlab.attention.core import hard_attend
+from attnlab.attention.core import local_attend
+from attnlab.attention.core import local_window_weights
+from attnlab.attention.core import masked_softmax
+from attnlab.attention.core import merge_heads
+from attnlab.attention.core import monotonic_centers
+from attnlab.attention.core import multi_head_attend
+from attnlab.attention.core import predict_position
+from attnlab.attention.core import reinforce_loss
+from attnlab.attention.core import split_heads
+from attnlab.attention.masks import causal_mask
+from attnlab.attention.masks import check_mask
+from attnlab.attention.masks import combine
+from attnlab.attention.masks import local_mask
+from attnlab.attention.masks import padding_mask
+from attnlab.attention.pooling import average_pooling
+from attnlab.attention.pooling import init_kernel_params
+from attnlab.attention.pooling import learned_kernel_pooling
+from attnlab.attention.pooling import leave_one_out_mask
+from attnlab.attention.pooling import nadaraya_watson
+from attnlab.attention.positional import plot_sinusoidal
+from attnlab.attention.positional import sinusoidal
+from attnlab.attention.scores import PARAMETRIC_SCORES
+from attnlab.attention.scores import SCORE_FNS
+from attnlab.attention.scores import SCORE_PARAM_NAMES
+from attnlab.attention.scores import additive
+from attnlab.attention.scores import cosine
+from attnlab.attention.scores import dot
+from attnlab.attention.scores import general
+from attnlab.attention.scores import get_score_fn
+from attnlab.attention.scores import init_score_params
+from attnlab.attention.scores import location
+from attnlab.attention.scores import scaled_dot
+
+__all__ = [
+    "FAST_SCORES", "HardAttention", "IMPLEMENTATIONS", "PARAMETRIC_SCORES", "SCORE_FNS",
+    "SCORE_PARAM_NAMES", "additive", "attend", "average_pooling", "causal_mask", "check_mask",
+    "choose_implementation", "combine", "cosine", "dot", "general", "get_score_fn",
+    "hard_attend", "init_kernel_params", "init_score_params", "learned_kernel_pooling",
+    "leave_one_out_mask", "local_attend", "local_mask", "local_window_weights", "location",
+    "masked_softmax", "merge_heads", "monotonic_centers", "multi_head_attend",
+    "nadaraya_watson", "padding_mask", "plot_sinusoidal", "predict_position", "reinforce_loss",
+    "scaled_dot", "sinusoidal", "split_heads",
+]

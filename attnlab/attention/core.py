@@ -1,0 +1,454 @@
+"""Attention itself: masked softmax, `attend`, hard (sampled) attention, local attention, heads.
+
+Shapes: q `[..., q_len, d_q]`, k `[..., k_len, d_k]`, v `[..., k_len, d_v]`; leading
+(batch, head) dims broadcast. Masks are bool, True = may attend (see masks.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from attnlab.attention import masks as masks_lib
+from attnlab.attention import scores as scores_lib
+
+Array = jax.Array
+
+# implementation names accepted by attend(); "auto" picks one of the others
+IMPLEMENTATIONS: tuple[str, ...] = ("auto", "reference", "xla", "blocked")
+# scores the fused implementations (xla, blocked) can compute
+FAST_SCORES: tuple[str, ...] = ("dot", "scaled_dot")
+
+
+# ----------------------------------------------------------------------------- softmax
+
+
+def _compute_dtype(dtype: Any) -> Any:
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def _large_negative(dtype: Any) -> Array:
+  return jnp.asarray(-0.7 * jnp.finfo(dtype).max, dtype)
+
+
+def masked_softmax(logits: Array, mask: Array | None = None, axis: int = -1) -> Array:
+  """Softmax over `axis` restricted to allowed entries (mask True).
+
+  Masked entries get exactly 0; a row with no allowed entry gets all zeros (never NaN) and
+  finite (zero) gradients. Computed in at least float32, returned in the logits' float dtype.
+  """
+  logits = jnp.asarray(logits)
+  ct = _compute_dtype(logits.dtype)
+  out_dtype = logits.dtype if jnp.issubdtype(logits.dtype, jnp.floating) else ct
+  x = logits.astype(ct)
+  if mask is None:
+    return jax.nn.softmax(x, axis=axis).astype(out_dtype)
+  mask = masks_lib.check_mask(mask, logits.shape)
+  x = jnp.where(mask, x, _large_negative(ct))  # finite fill: no inf - inf anywhere
+  x_max = jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
+  e = jnp.where(mask, jnp.exp(x - x_max), 0.0)
+  denom = jnp.sum(e, axis=axis, keepdims=True)
+  weights = e / jnp.where(denom > 0, denom, 1.0)  # empty rows: 0 / 1
+  return weights.astype(out_dtype)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _check_qkv(q: Array, k: Array, v: Array) -> tuple[int, ...]:
+  """Validates q/k/v ranks and lengths; returns the broadcast leading dims of q and k."""
+  for name, x, want in (("q", q, "[..., q_len, d_q]"), ("k", k, "[..., k_len, d_k]"),
+                        ("v", v, "[..., k_len, d_v]")):
+    if jnp.ndim(x) < 2:
+      raise ValueError(f"{name} must have shape {want}; got {jnp.shape(x)}")
+  if k.shape[-2] != v.shape[-2]:
+    raise ValueError(f"keys and values must have the same length k_len: k {k.shape}, v {v.shape}")
+  try:
+    jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+  except ValueError:
+    raise ValueError(f"leading (batch/head) dims of q {q.shape}, k {k.shape}, v {v.shape} do "
+                     "not broadcast; expected equal or size-1 leading dims") from None
+  return tuple(jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2]))
+
+
+def _score_logits(q: Array, k: Array, score: str | Callable, params: Any) -> Array:
+  """Logits `[..., q_len, k_len]` from a registry name or a callable fn(q, k, **params)."""
+  if isinstance(score, str):
+    fn = scores_lib.get_score_fn(score)
+    params = {} if params is None else params
+    missing = [p for p in scores_lib.SCORE_PARAM_NAMES[score] if p not in params]
+    if missing:
+      raise ValueError(f"score {score!r} needs params {missing}; make them with "
+                       f"init_score_params({score!r}, rng, d_q, d_k, ...)")
+  elif callable(score):
+    fn = score
+  else:
+    raise ValueError(f"score must be a registry name ({', '.join(sorted(scores_lib.SCORE_FNS))})"
+                     f" or a callable fn(q, k, **params); got {score!r}")
+  return fn(q, k, **({} if params is None else params))
+
+
+def _attention_mask(mask: Any, causal: bool, logits_shape: tuple[int, ...]) -> Array | None:
+  """User mask (validated against the logits) AND the end-aligned causal mask."""
+  if mask is not None:
+    mask = masks_lib.check_mask(mask, logits_shape)
+  if causal:
+    q_len, k_len = logits_shape[-2:]
+    mask = masks_lib.combine(mask, masks_lib.causal_mask(q_len, k_len, offset=None)[0, 0])
+  return mask
+
+
+def _zero_empty_rows(context: Array, mask: Array | None) -> Array:
+  """Zeroes the context of queries with no allowed key (matches the reference path)."""
+  if mask is None:
+    return context
+  row_ok = jnp.any(mask, axis=-1, keepdims=True)  # [..., q_len|1, 1]
+  return jnp.where(row_ok, context, 0.0).astype(context.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _blocked_available() -> bool:
+  try:
+    importlib.import_module("attnlab.attention.blocked")
+  except ImportError:
+    return False
+  return True
+
+
+def choose_implementation(score: str | Callable, return_weights: bool,
+                          implementation: str = "auto", *,
+                          blocked_available: bool | None = None) -> str:
+  """Resolves `implementation` to "reference", "xla" or "blocked".
+
+  auto: reference when weights are wanted or the score is not dot/scaled_dot; otherwise
+  blocked when `attnlab.attention.blocked` imports, else reference. `blocked_available`
+  overrides that import probe (for tests).
+  """
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"unknown implementation {implementation!r}; valid implementations: "
+                     f"{', '.join(IMPLEMENTATIONS)}")
+  fast_ok = isinstance(score, str) and score in FAST_SCORES
+  if implementation in ("xla", "blocked"):
+    if not fast_ok:
+      got = score if isinstance(score, str) else "a callable"
+      raise ValueError(f"implementation {implementation!r} supports only the scores "
+                       f"{', '.join(FAST_SCORES)}; got {got!r}. Use implementation='reference' "
+                       "(or 'auto') for other scores")
+    return implementation
+  if implementation == "reference" or return_weights or not fast_ok:
+    return "reference"
+  available = _blocked_available() if blocked_available is None else blocked_available
+  return "blocked" if available else "reference"
+
+
+def _xla_attention(q: Array, k: Array, v: Array, *, scale: float, mask: Array | None,
+                   causal: bool) -> Array:
+  """jax.nn.dot_product_attention on `[..., len, d]` inputs.
+
+  The last leading dim becomes the heads axis N of its [B, T, N, H] layout, the others are
+  flattened into B. When d_k != d_v the smaller side is zero-padded (dot products unchanged,
+  the scale passed explicitly) and the context sliced back to d_v.
+  """
+  dtype = jnp.result_type(q, k, v)
+  dtype = dtype if jnp.issubdtype(dtype, jnp.floating) else jnp.float32
+  lead = tuple(jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+  q_len, k_len, d_k, d_v = q.shape[-2], k.shape[-2], k.shape[-1], v.shape[-1]
+  d = max(d_k, d_v)
+  if 0 in lead + (q_len, k_len):
+    return jnp.zeros(lead + (q_len, d_v), dtype)
+
+  def prep(x: Array) -> Array:
+    x = x.astype(dtype)
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d - x.shape[-1])])  # [..., len, d]
+    return jnp.broadcast_to(x, lead + x.shape[-2:])
+
+  n = lead[-1] if len(lead) >= 2 else 1
+  b = math.prod(lead) // n if lead else 1
+
+  def to_btnh(x: Array) -> Array:
+    return jnp.swapaxes(x.reshape(b, n, x.shape[-2], d), 1, 2)  # [B, T, N, H]
+
+  mask4 = None
+  if mask is not None:
+    mask4 = jnp.broadcast_to(mask, lead + (q_len, k_len)).reshape(b, n, q_len, k_len)
+  out = jax.nn.dot_product_attention(
+      to_btnh(prep(q)), to_btnh(prep(k)), to_btnh(prep(v)), mask=mask4, scale=scale,
+      is_causal=causal, implementation="xla")  # [B, T, N, H]
+  out = jnp.swapaxes(out, 1, 2).reshape(lead + (q_len, d))  # [..., q_len, d]
+  return out[..., :d_v]  # [..., q_len, d_v]
+
+
+# ----------------------------------------------------------------------------- attend
+
+
+def attend(q: Array, k: Array, v: Array, *, score: str | Callable = "scaled_dot",
+           params: Any = None, mask: Any = None, causal: bool = False,
+           implementation: str = "auto",
+           return_weights: bool = True) -> tuple[Array, Array | None]:
+  """Soft attention: softmax(score(q, k)) @ v.
+
+  Args:
+    q, k, v: `[..., q_len, d_q]`, `[..., k_len, d_k]`, `[..., k_len, d_v]` (k and v may be
+      the same array or differ, e.g. key-value attention with d_v != d_k).
+    score: registry name (see scores.SCORE_FNS) or a callable fn(q, k, **params).
+    params: dict of score parameters (scores.init_score_params); None for parameter-free.
+    mask: bool, broadcastable to the logits `[..., q_len, k_len]`, True = may attend.
+    causal: AND in the look-ahead mask, queries aligned to the end of the keys
+      (key j visible to query i iff j <= i + max(k_len - q_len, 0)).
+    implementation: "reference" (score -> masked_softmax -> weights @ v), "xla"
+      (jax.nn.dot_product_attention), "blocked" (attnlab.attention.blocked), or "auto"
+      (see choose_implementation). Only the reference path returns weights.
+    return_weights: whether weights are wanted (also steers "auto").
+
+  Returns:
+    (context `[..., q_len, d_v]`, weights `[..., q_len, k_len]` or None). Queries with no
+    allowed key get a zero context and zero weights.
+  """
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  lead = _check_qkv(q, k, v)
+  if isinstance(score, str):
+    scores_lib.get_score_fn(score)
+  impl = choose_implementation(score, return_weights, implementation)
+  q_len, k_len = q.shape[-2], k.shape[-2]
+
+  if impl == "reference":
+    logits = _score_logits(q, k, score, params)  # [..., q_len, k_len]
+    full_mask = _attention_mask(mask, causal, logits.shape)
+    weights = masked_softmax(logits, full_mask)  # [..., q_len, k_len]
+    context = jnp.matmul(weights, v)  # [..., q_len, d_v]
+    return context, (weights if return_weights else None)
+
+  if params:
+    raise ValueError(f"score {score!r} takes no params; got {sorted(params)}")
+  if q.shape[-1] != k.shape[-1]:
+    raise ValueError(f"score {score!r} needs d_q == d_k; got q {q.shape} and k {k.shape}")
+  scale = 1.0 / math.sqrt(q.shape[-1]) if score == "scaled_dot" else 1.0
+  logits_shape = lead + (q_len, k_len)
+  # The fused paths get causal as a flag only when q_len == k_len (no alignment question);
+  # otherwise the end-aligned causal mask is folded into the mask.
+  flag_causal = causal and q_len == k_len
+  full_mask = _attention_mask(mask, causal and not flag_causal, logits_shape)
+  if impl == "xla":
+    context = _xla_attention(q, k, v, scale=scale, mask=full_mask, causal=flag_causal)
+  else:
+    blocked = importlib.import_module("attnlab.attention.blocked")
+    all_lead = tuple(jnp.broadcast_shapes(lead, v.shape[:-2]))
+    q, k, v = (jnp.broadcast_to(x, all_lead + x.shape[-2:]) for x in (q, k, v))
+    context = blocked.blocked_attention(q, k, v, scale=scale, mask=full_mask,
+                                        causal=flag_causal)  # [..., q_len, d_v]
+  return _zero_empty_rows(context, full_mask), None
+
+
+# ----------------------------------------------------------------------------- hard attention
+
+
+class HardAttention(NamedTuple):
+  """Result of hard_attend."""
+  # [..., q_len, d_v] context of the sampled key (straight-through: soft gradient)
+  context: Array
+  # [..., q_len, k_len] soft weights the index was sampled from
+  weights: Array
+  # [..., q_len] sampled key index per query
+  index: Array
+  # [..., q_len] log-probability of the sampled index (0 for queries with no allowed key)
+  log_prob: Array
+
+
+def hard_attend(rng: Array, q: Array, k: Array, v: Array, *, score: str | Callable = "scaled_dot",
+                params: Any = None, mask: Any = None, causal: bool = False,
+                straight_through: bool = False) -> HardAttention:
+  """Hard (stochastic) attention: sample one key per query from the soft weights.
+
+  context = v[index]. With straight_through=True the forward value is the same but the
+  gradient reaching the scores (q, k, score params) is that of the soft context
+  (one_hot + w - stop_gradient(w)); v still gets the gradient of the hard selection.
+  Otherwise the context gives no gradient to the scores: train them with
+  `reinforce_loss(log_prob, reward)`. Queries with no allowed key get a zero
+  context and log_prob 0.
+  """
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  _check_qkv(q, k, v)
+  logits = _score_logits(q, k, score, params)  # [..., q_len, k_len]
+  full_mask = _attention_mask(mask, causal, logits.shape)
+  weights = masked_softmax(logits, full_mask)  # [..., q_len, k_len]
+  x = logits.astype(_compute_dtype(logits.dtype))
+  if full_mask is None:
+    row_ok = jnp.ones(logits.shape[:-1], bool)  # [..., q_len]
+  else:
+    x = jnp.where(full_mask, x, _large_negative(x.dtype))
+    row_ok = jnp.any(jnp.broadcast_to(full_mask, logits.shape), axis=-1)  # [..., q_len]
+  index = jax.random.categorical(rng, jax.lax.stop_gradient(x), axis=-1)  # [..., q_len]
+  log_probs = jax.nn.log_softmax(x, axis=-1)  # [..., q_len, k_len]
+  log_prob = jnp.take_along_axis(log_probs, index[..., None], axis=-1)[..., 0]  # [..., q_len]
+  log_prob = jnp.where(row_ok, log_prob, 0.0).astype(weights.dtype)
+  one_hot = jax.nn.one_hot(index, logits.shape[-1], dtype=weights.dtype)  # [..., q_len, k_len]
+  one_hot = one_hot * row_ok[..., None]
+  select = one_hot + weights - jax.lax.stop_gradient(weights) if straight_through else one_hot
+  context = jnp.matmul(select, v)  # [..., q_len, d_v]
+  return HardAttention(context=context, weights=weights, index=index, log_prob=log_prob)
+
+
+def reinforce_loss(log_prob: Array, reward: Any, baseline: Any = None, *,
+                   valid: Any = None) -> Array:
+  """Surrogate loss whose gradient is the REINFORCE estimator: -mean((R - b) · log p).
+
+  reward (and baseline) are per query `[..., q_len]` or per sample `[...]` (broadcast over
+  the queries). (R - b) is held constant; train a learned baseline with its own loss.
+  `valid` (bool `[..., q_len]`) restricts the mean to real queries.
+  """
+  log_prob = jnp.asarray(log_prob)
+  adv = jnp.asarray(reward, log_prob.dtype)
+  if baseline is not None:
+    adv = adv - jnp.asarray(baseline, log_prob.dtype)
+  adv = jax.lax.stop_gradient(adv)
+  if 0 < adv.ndim < log_prob.ndim:
+    adv = adv.reshape(adv.shape + (1,) * (log_prob.ndim - adv.ndim))
+  try:
+    jnp.broadcast_shapes(adv.shape, log_prob.shape)
+  except ValueError:
+    raise ValueError(f"reward/baseline of shape {adv.shape} do not fit log_prob {log_prob.shape};"
+                     " expected per-sample [...] or per-query [..., q_len]") from None
+  terms = adv * log_prob  # [..., q_len]
+  if valid is None:
+    return -jnp.mean(terms)
+  valid = jnp.broadcast_to(jnp.asarray(valid, bool), terms.shape)
+  return -jnp.sum(jnp.where(valid, terms, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
+
+
+# ----------------------------------------------------------------------------- local attention
+
+
+def predict_position(h: Array, w_p: Array, v_p: Array, src_len: Any) -> Array:
+  """Luong local-p aligned position p_t = S · sigmoid(v_pᵀ tanh(W_p h)) in [0, S).
+
+  h `[..., q_len, d]`, w_p `[d, d_p]`, v_p `[d_p]`; src_len S is a scalar or per-example
+  lengths `[batch]` (broadcast over q_len) or `[..., q_len]`. Returns `[..., q_len]`.
+  """
+  h = jnp.asarray(h)
+  if jnp.shape(w_p)[-2:-1] != (h.shape[-1],) or jnp.shape(v_p)[-1:] != jnp.shape(w_p)[-1:]:
+    raise ValueError(f"predict_position expects w_p [d={h.shape[-1]}, d_p] and v_p [d_p]; got "
+                     f"w_p {jnp.shape(w_p)}, v_p {jnp.shape(v_p)}")
+  hidden = jnp.tanh(jnp.matmul(h, w_p))  # [..., q_len, d_p]
+  s = jnp.sum(hidden * v_p, axis=-1)  # [..., q_len]
+  src = jnp.asarray(src_len, s.dtype)
+  if src.ndim and src.ndim == s.ndim - 1:
+    src = src[..., None]  # [batch, 1]
+  return src * jax.nn.sigmoid(s)  # [..., q_len]
+
+
+def _check_half_width(half_width: Any) -> None:
+  if isinstance(half_width, (int, float)) and half_width <= 0:
+    raise ValueError(f"half_width D must be > 0 (window [p - D, p + D], sigma = D/2); "
+                     f"got {half_width}")
+
+
+def _center_distance(center: Any, lead_shape: tuple[int, ...], k_len: int, dtype: Any) -> Array:
+  """s - p_t for key positions s = 0..k_len-1: `[..., q_len, k_len]`."""
+  center = jnp.asarray(center, dtype)
+  try:
+    ok = jnp.broadcast_shapes(center.shape, lead_shape) == tuple(lead_shape)
+  except ValueError:
+    ok = False
+  if not ok:
+    raise ValueError(f"center of shape {center.shape} does not broadcast to the queries' "
+                     f"shape {tuple(lead_shape)}; expected [..., q_len]")
+  return jnp.arange(k_len, dtype=dtype) - center[..., None]  # [..., q_len, k_len]
+
+
+def local_window_weights(weights: Array, center: Any, half_width: Any) -> Array:
+  """Multiplies weights by exp(-(s - p_t)² / (2σ²)), σ = D/2, and zeroes |s - p_t| > D.
+
+  weights `[..., q_len, k_len]`, center p_t `[..., q_len]` (real-valued; gradients flow
+  through the Gaussian), half_width D. The result no longer sums to 1 (as in Luong 2015).
+  """
+  _check_half_width(half_width)
+  weights = jnp.asarray(weights)
+  ct = _compute_dtype(weights.dtype)
+  dist = _center_distance(center, weights.shape[:-1], weights.shape[-1], ct)
+  sigma = jnp.asarray(half_width, ct) / 2.0
+  gauss = jnp.exp(-jnp.square(dist) / (2.0 * jnp.square(sigma)))  # [..., q_len, k_len]
+  inside = jnp.abs(dist) <= half_width
+  return jnp.where(inside, weights * gauss, 0.0).astype(weights.dtype)
+
+
+def local_attend(q: Array, k: Array, v: Array, *, center: Any, half_width: Any,
+                 score: str | Callable = "scaled_dot", params: Any = None, mask: Any = None,
+                 causal: bool = False, window_softmax: bool = True) -> tuple[Array, Array]:
+  """Luong local-p attention: soft attention inside [p_t - D, p_t + D] times a Gaussian.
+
+  window_softmax=True (default, as in the paper) normalises the softmax over the keys inside
+  the window; False takes the softmax over all allowed keys first. Either way the Gaussian-
+  scaled weights no longer sum to 1. local-m is `center=monotonic_centers(q_len, k_len)`.
+  Returns (context `[..., q_len, d_v]`, weights `[..., q_len, k_len]`).
+  """
+  _check_half_width(half_width)
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  _check_qkv(q, k, v)
+  logits = _score_logits(q, k, score, params)  # [..., q_len, k_len]
+  full_mask = _attention_mask(mask, causal, logits.shape)
+  if window_softmax:
+    dist = _center_distance(center, logits.shape[:-1], logits.shape[-1],
+                            _compute_dtype(logits.dtype))
+    full_mask = masks_lib.combine(full_mask, jnp.abs(dist) <= half_width)
+  weights = masked_softmax(logits, full_mask)  # [..., q_len, k_len]
+  weights = local_window_weights(weights, center, half_width)  # [..., q_len, k_len]
+  return jnp.matmul(weights, v), weights  # [..., q_len, d_v]
+
+
+def monotonic_centers(q_len: int, k_len: int | None = None, *, dtype: Any = jnp.float32) -> Array:
+  """Luong local-m centres p_t = t, clipped to the last key: `[q_len]`."""
+  k_len = q_len if k_len is None else k_len
+  return jnp.minimum(jnp.arange(q_len), k_len - 1).astype(dtype)
+
+
+# ----------------------------------------------------------------------------- multi-head
+
+
+def split_heads(x: Array, num_heads: int) -> Array:
+  """`[..., len, heads * d]` -> `[..., heads, len, d]`."""
+  x = jnp.asarray(x)
+  if x.ndim < 2 or x.shape[-1] % num_heads:
+    raise ValueError(f"split_heads expects [..., len, heads*d] with the last dim divisible by "
+                     f"num_heads={num_heads}; got {x.shape}")
+  x = x.reshape(x.shape[:-1] + (num_heads, x.shape[-1] // num_heads))  # [..., len, heads, d]
+  return jnp.swapaxes(x, -2, -3)  # [..., heads, len, d]
+
+
+def merge_heads(x: Array) -> Array:
+  """`[..., heads, len, d]` -> `[..., len, heads * d]` (inverse of split_heads)."""
+  x = jnp.asarray(x)
+  if x.ndim < 3:
+    raise ValueError(f"merge_heads expects [..., heads, len, d]; got {x.shape}")
+  x = jnp.swapaxes(x, -2, -3)  # [..., len, heads, d]
+  return x.reshape(x.shape[:-2] + (x.shape[-2] * x.shape[-1],))  # [..., len, heads*d]
+
+
+def multi_head_attend(q: Array, k: Array, v: Array, num_heads: int, *,
+                      score: str | Callable = "scaled_dot", params: Any = None,
+                      mask: Any = None, causal: bool = False, implementation: str = "auto",
+                      return_weights: bool = True) -> tuple[Array, Array | None]:
+  """Multi-head attention on already-projected q/k/v `[..., len, heads*d]`.
+
+  Each head attends with `score` on its own slice. Params are shared across heads or carry
+  a leading heads axis: general w `[d, d]` or `[heads, d, d]`; additive w_q `[(heads,) d,
+  d_attn]`, w_k `[(heads,) d, d_attn]`, v `[(heads,) d_attn]`; location w `[(heads,) d,
+  max_len]`; cosine beta scalar or `[heads, 1, 1]`. mask: `[batch, 1|heads, q_len|1,
+  k_len]`, or `[batch, q_len|1, k_len]` (same for all heads; a heads axis is inserted).
+  Returns (context `[..., q_len, heads*d_v]`, weights `[..., heads, q_len, k_len]` or None).
+  """
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  qh = split_heads(q, num_heads)  # [..., heads, q_len, d]
+  kh = split_heads(k, num_heads)  # [..., heads, k_len, d]
+  vh = split_heads(v, num_heads)  # [..., heads, k_len, d_v]
+  if mask is not None:
+    mask = jnp.asarray(mask)
+    if mask.ndim == q.ndim:
+      mask = mask[..., None, :, :]  # [batch, 1, q_len|1, k_len]
+  context, weights = attend(qh, kh, vh, score=score, params=params, mask=mask, causal=causal,
+                            implementation=implementation, return_weights=return_weights)
+  return merge_heads(context), weights  # [..., q_len, heads*d_v]

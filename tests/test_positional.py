@@ -1,0 +1,54 @@
+"""Sinusoidal position encodings against a NumPy loop; the heatmap plot."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attnlab.attention import positional
+
+
+def np_sinusoidal(length, dim, base=10000.0):
+  out = np.zeros((length, dim))
+  for i in range(length):
+    for c in range(dim):
+      j = c // 2
+      angle = i / base ** (2 * j / dim)
+      out[i, c] = math.sin(angle) if c % 2 == 0 else math.cos(angle)
+  return out
+
+
+@pytest.mark.parametrize("length,dim,base", [(7, 8, 10000.0), (5, 7, 10000.0), (4, 6, 100.0)])
+def test_sinusoidal_matches_numpy(length, dim, base):
+  got = positional.sinusoidal(length, dim, base)
+  assert got.shape == (length, dim) and got.dtype == jnp.float32
+  np.testing.assert_allclose(got, np_sinusoidal(length, dim, base), rtol=1e-6, atol=1e-6)
+
+
+def test_sinusoidal_properties_dtype_and_jit():
+  enc = np.asarray(positional.sinusoidal(50, 16))
+  np.testing.assert_allclose(enc[0, 0::2], 0.0, atol=1e-7)  # sin(0)
+  np.testing.assert_allclose(enc[0, 1::2], 1.0, atol=1e-7)  # cos(0)
+  np.testing.assert_allclose(enc[:, 0::2] ** 2 + enc[:, 1::2] ** 2, 1.0, atol=1e-6)
+  assert positional.sinusoidal(3, 4, dtype=jnp.bfloat16).dtype == jnp.bfloat16
+  jitted = jax.jit(lambda x: x + positional.sinusoidal(6, 4))(jnp.zeros((2, 6, 4)))
+  np.testing.assert_allclose(jitted[1], np_sinusoidal(6, 4), rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="dim >= 1"):
+    positional.sinusoidal(3, 0)
+
+
+def test_plot_sinusoidal(tmp_path):
+  from matplotlib.figure import Figure
+
+  path = tmp_path / "plots" / "pe.png"
+  fig = positional.plot_sinusoidal(20, 8, path=path)
+  assert isinstance(fig, Figure)
+  assert path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  image = fig.axes[0].images[0].get_array()
+  np.testing.assert_allclose(np.asarray(image), np_sinusoidal(20, 8), rtol=1e-6, atol=1e-6)
+  assert fig.axes[0].get_xlabel() == "dimension" and fig.axes[0].get_ylabel() == "position"
+  other = Figure()
+  ax = other.add_subplot(1, 1, 1)
+  assert positional.plot_sinusoidal(5, 4, ax=ax) is other
