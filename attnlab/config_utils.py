@@ -1,0 +1,367 @@
+"""Config helpers shared by every `configs/*.py`: common fields, typed `key=value` args, runlocal.
+
+Config convention (every model family follows it):
+
+- A config file defines `get_config(arg: str | None = None) -> ml_collections.ConfigDict`. It starts
+  from `base_config()` (the fields every run has), sets `task`, fills `model` and `data`, and ends
+  with `return finalize(config, arg, runlocal=...)`. Its docstring holds the command that launches
+  it.
+- `arg` is `key=value,key=value` (what follows the `:` in `--config=configs/x.py:arg`). Values are
+  typed from the defaults (`num_train_steps=50` is an int, `optimizer.learning_rate=3e-4` a float,
+  `runlocal=True` a bool, `model.score=dot` a string, `model.dims=(64,64)` a tuple); nested keys use
+  dots; an unknown key or a value of the wrong type raises `ConfigError` listing the valid keys.
+- `runlocal=True` shrinks the run to seconds: `finalize` applies `RUNLOCAL` (few steps, small
+  batches, frequent logs and checkpoints) and then the file's own `runlocal` overrides (small model
+  and data); keys given explicitly in `arg` always win over both.
+- Top-level fields (`base_config` documents each): task, seed, num_train_steps, batch_size,
+  log_every, eval_every, checkpoint_every, keep_checkpoints, runlocal, allow_config_change,
+  write_plots, optimizer (name, learning_rate, warmup_steps, schedule, end_learning_rate,
+  weight_decay, b1, b2, momentum, grad_clip), model (ConfigDict), data (ConfigDict).
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib.util
+import json
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import ml_collections
+
+ConfigDict = ml_collections.ConfigDict
+
+
+class UserError(ValueError):
+  """An error caused by the user's input; command-line tools print it as one line, no traceback."""
+
+
+class ConfigError(UserError):
+  """A config key, value or file that cannot be used."""
+
+
+# Applied by `finalize` when runlocal=True, before the config file's own runlocal overrides.
+RUNLOCAL: dict[str, Any] = {
+    "num_train_steps": 20,
+    "batch_size": 8,
+    "log_every": 5,
+    "eval_every": 10,
+    "checkpoint_every": 10,
+    "keep_checkpoints": 2,
+}
+
+OPTIMIZERS = ("adamw", "adam", "sgd")
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+def base_config() -> ConfigDict:
+  """The fields every run has; a config file fills `task`, `model` and `data` and tunes the rest."""
+  config = ConfigDict()
+  # Name of the task in the registry (attnlab.tasks.get_task): it supplies model, data, loss, metrics.
+  config.task = ""
+  # Seed of parameter init, dropout and data order: equal seeds give bit-identical runs.
+  config.seed = 0
+  # Number of optimizer updates.
+  config.num_train_steps = 1000
+  # Examples per training step.
+  config.batch_size = 32
+  # Write train metrics (metrics.jsonl, TensorBoard, progress bar) every this many steps.
+  config.log_every = 50
+  # Evaluate every this many steps (0: only at the end); always evaluates after the last step.
+  config.eval_every = 500
+  # Save a checkpoint every this many steps (0: only at the end); also at the end and on SIGTERM/Ctrl-C.
+  config.checkpoint_every = 500
+  # How many of the most recent checkpoints to keep.
+  config.keep_checkpoints = 3
+  # Shrink the run to seconds (see RUNLOCAL and the config file's own runlocal overrides).
+  config.runlocal = False
+  # Allow continuing a workdir whose config.json differs from this config (config.json is replaced).
+  config.allow_config_change = False
+  # Let the task write its plots (PNG) into the workdir after the last step.
+  config.write_plots = True
+
+  config.optimizer = ConfigDict()
+  # One of adamw, adam, sgd.
+  config.optimizer.name = "adamw"
+  # Peak learning rate, reached after the warmup.
+  config.optimizer.learning_rate = 1e-3
+  # Steps of linear warmup from 0 to learning_rate.
+  config.optimizer.warmup_steps = 0
+  # Decay after the warmup: cosine, linear (both down to end_learning_rate) or constant.
+  config.optimizer.schedule = "cosine"
+  # Learning rate at the last step for the cosine and linear schedules.
+  config.optimizer.end_learning_rate = 0.0
+  # Decoupled weight decay (adamw only).
+  config.optimizer.weight_decay = 0.0
+  # Adam first-moment decay.
+  config.optimizer.b1 = 0.9
+  # Adam second-moment decay.
+  config.optimizer.b2 = 0.999
+  # SGD momentum (0: plain SGD).
+  config.optimizer.momentum = 0.0
+  # Clip gradients to this global norm (0: no clipping).
+  config.optimizer.grad_clip = 0.0
+
+  # Model hyperparameters, defined by the task (see its config file).
+  config.model = ConfigDict()
+  # Data hyperparameters, defined by the task (see its config file).
+  config.data = ConfigDict()
+  return config
+
+
+# ---------------------------------------------------------------------------------------------------
+# key=value args
+
+
+def split_top_level(text: str, sep: str = ",") -> list[str]:
+  """Splits `text` at `sep` outside brackets and quotes: "a=1,b=(2,3)" -> ["a=1", "b=(2,3)"]."""
+  parts, depth, quote, start = [], 0, "", 0
+  for i, ch in enumerate(text):
+    if quote:
+      quote = "" if ch == quote else quote
+    elif ch in "'\"":
+      quote = ch
+    elif ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+    elif ch == sep and depth == 0:
+      parts.append(text[start:i])
+      start = i + 1
+  parts.append(text[start:])
+  return [p.strip() for p in parts if p.strip()]
+
+
+def parse_arg(arg: str | None) -> list[tuple[str, str]]:
+  """"a=1,model.b=x" -> [("a", "1"), ("model.b", "x")]; raises ConfigError on a part without '='."""
+  pairs = []
+  for part in split_top_level(arg or ""):
+    key, eq, value = part.partition("=")
+    if not eq or not key.strip():
+      raise ConfigError(f"config arg {part!r} is not key=value; write e.g. "
+                        f"'configs/x.py:runlocal=True,model.score=dot'")
+    pairs.append((key.strip(), value.strip()))
+  return pairs
+
+
+def flatten(config: Mapping[str, Any] | ConfigDict, prefix: str = "") -> dict[str, Any]:
+  """{"a": 1, "m": {"b": 2}} -> {"a": 1, "m.b": 2} (leaves only; ConfigDicts are descended)."""
+  if isinstance(config, ConfigDict):
+    config = config.to_dict()
+  flat = {}
+  for key, value in config.items():
+    if isinstance(value, Mapping):
+      flat.update(flatten(value, f"{prefix}{key}."))
+    else:
+      flat[f"{prefix}{key}"] = value
+  return flat
+
+
+def _unknown_key(key: str, config: ConfigDict) -> ConfigError:
+  valid = sorted(flatten(config))
+  close = difflib.get_close_matches(key, valid, n=1)
+  hint = f" (did you mean {close[0]!r}?)" if close else ""
+  return ConfigError(f"unknown config key {key!r}{hint}; valid keys: {', '.join(valid)}")
+
+
+def get_value(config: ConfigDict, key: str) -> Any:
+  """The value of a dotted key; raises ConfigError listing the valid keys if there is none."""
+  node, leaf = _lookup(config, key)
+  return node[leaf]
+
+
+def check_override(config: ConfigDict, key: str, text: str | None) -> None:
+  """Raises ConfigError if `key` is not a field of `config` or `text` does not parse to its type."""
+  node, leaf = _lookup(config, key)
+  if text is not None:
+    parse_value(key, text, node[leaf])
+
+
+def _lookup(config: ConfigDict, key: str) -> tuple[ConfigDict, str]:
+  """Returns (parent ConfigDict, leaf name) of a dotted key, or raises ConfigError."""
+  node, parts = config, key.split(".")
+  for part in parts[:-1]:
+    if not isinstance(node, ConfigDict) or part not in node or not isinstance(node[part], ConfigDict):
+      raise _unknown_key(key, config)
+    node = node[part]
+  if parts[-1] not in node:
+    raise _unknown_key(key, config)
+  if isinstance(node[parts[-1]], ConfigDict):
+    raise ConfigError(f"config key {key!r} is a group, not a value; set one of its fields: "
+                      f"{', '.join(sorted(flatten(node[parts[-1]], key + '.')))}")
+  return node, parts[-1]
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def parse_value(key: str, text: str, default: Any) -> Any:
+  """Parses `text` into the type of `default` (the field's current value)."""
+  def bad(expected: str) -> ConfigError:
+    return ConfigError(f"config key {key!r} expects {expected}, got {text!r}")
+  if isinstance(default, bool):
+    if text.lower() in _TRUE:
+      return True
+    if text.lower() in _FALSE:
+      return False
+    raise bad("a bool (True or False)")
+  if isinstance(default, int):
+    try:
+      return int(text)
+    except ValueError:
+      raise bad("an int") from None
+  if isinstance(default, float):
+    try:
+      return float(text)
+    except ValueError:
+      raise bad("a float") from None
+  if isinstance(default, str):
+    return text
+  try:
+    value = ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    if default is None:
+      return text
+    raise bad(f"a Python literal like {default!r}") from None
+  if isinstance(default, (tuple, list)):
+    value = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+    return type(default)(value)
+  return value
+
+
+def set_value(config: ConfigDict, key: str, value: Any) -> None:
+  """Sets a dotted key to a Python value, checking the key exists and the type matches."""
+  node, leaf = _lookup(config, key)
+  default = node[leaf]
+  if isinstance(value, str) and not isinstance(default, str):  # command-line text
+    value = parse_value(key, value, default)
+  elif default is not None and not _type_ok(value, default):
+    raise ConfigError(f"config key {key!r} expects {type(default).__name__}, "
+                      f"got {value!r} ({type(value).__name__})")
+  if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+    value = float(value)
+  if isinstance(default, tuple) and isinstance(value, list):
+    value = tuple(value)
+  node[leaf] = value  # a locked ConfigDict still accepts values for existing keys
+
+
+def _type_ok(value: Any, default: Any) -> bool:
+  if isinstance(default, bool) or isinstance(value, bool):
+    return isinstance(value, bool) and isinstance(default, bool)
+  if isinstance(default, float):
+    return isinstance(value, (int, float))
+  if isinstance(default, (tuple, list)):
+    return isinstance(value, (tuple, list))
+  return isinstance(value, type(default))
+
+
+def apply_args(config: ConfigDict, pairs: Iterable[tuple[str, str]]) -> ConfigDict:
+  """Applies parsed `key=value` string pairs, typing each value from the field's default."""
+  for key, text in pairs:
+    set_value(config, key, text)
+  return config
+
+
+def apply_overrides(config: ConfigDict, overrides: Mapping[str, Any]) -> ConfigDict:
+  """Applies {dotted key: Python value}, checking keys and types."""
+  for key, value in overrides.items():
+    set_value(config, key, value)
+  return config
+
+
+def finalize(config: ConfigDict, arg: str | None,
+             runlocal: Mapping[str, Any] | None = None) -> ConfigDict:
+  """Applies `arg` to the defaults in `config`, then the runlocal shrink if `runlocal=True`.
+
+  Args:
+    config: the config file's defaults (from `base_config()` plus the task's fields).
+    arg: `key=value,...` from the command line (or None).
+    runlocal: the config file's own overrides for runlocal=True (small model/data), applied after
+      the generic `RUNLOCAL` ones; explicit `arg` keys win over both.
+  Returns:
+    The config (not locked: the flag library locks it).
+  """
+  pairs = parse_arg(arg)
+  apply_args(config, pairs)
+  if config.runlocal:
+    for key, value in RUNLOCAL.items():
+      node, leaf = _lookup(config, key)
+      set_value(config, key, min(node[leaf], value))
+    apply_overrides(config, dict(runlocal or {}))
+    apply_args(config, pairs)
+  return config
+
+
+def validate(config: ConfigDict) -> None:
+  """Checks the common fields; raises ConfigError saying what to change."""
+  def need(ok: bool, message: str) -> None:
+    if not ok:
+      raise ConfigError(message)
+  for key in ("task", "seed", "num_train_steps", "batch_size", "log_every", "eval_every",
+              "checkpoint_every", "keep_checkpoints", "optimizer"):
+    need(key in config, f"config has no field {key!r}; start config files from "
+                        f"attnlab.config_utils.base_config()")
+  need(bool(config.task), "config.task is empty; set it to a registered task name")
+  need(config.num_train_steps >= 0, f"num_train_steps must be >= 0, got {config.num_train_steps}")
+  need(config.batch_size >= 1, f"batch_size must be >= 1, got {config.batch_size}")
+  need(config.log_every >= 1, f"log_every must be >= 1, got {config.log_every}")
+  need(config.eval_every >= 0, f"eval_every must be >= 0 (0: only at the end), got {config.eval_every}")
+  need(config.checkpoint_every >= 0,
+       f"checkpoint_every must be >= 0 (0: only at the end), got {config.checkpoint_every}")
+  need(config.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {config.keep_checkpoints}")
+  opt = config.optimizer
+  need(opt.name in OPTIMIZERS,
+       f"unknown optimizer.name {opt.name!r}; valid optimizers: {', '.join(OPTIMIZERS)}")
+  need(opt.schedule in SCHEDULES,
+       f"unknown optimizer.schedule {opt.schedule!r}; valid schedules: {', '.join(SCHEDULES)}")
+  need(opt.warmup_steps >= 0, f"optimizer.warmup_steps must be >= 0, got {opt.warmup_steps}")
+  need(opt.weight_decay == 0 or opt.name == "adamw",
+       f"optimizer.weight_decay={opt.weight_decay} is only used by adamw; set optimizer.name=adamw "
+       f"or optimizer.weight_decay=0")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Files and JSON
+
+
+def load_config_file(spec: str) -> ConfigDict:
+  """Loads `path.py[:arg]` like `--config=` does: imports the file and calls `get_config(arg)`."""
+  path, _, arg = spec.partition(":")
+  if not os.path.isfile(path):
+    raise ConfigError(f"config file {path!r} not found (from {spec!r}); give a path to a "
+                      f"configs/*.py file, relative to the current directory or absolute")
+  module_spec = importlib.util.spec_from_file_location(
+      "attnlab_config_" + os.path.basename(path)[:-3].replace("-", "_"), path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  if not hasattr(module, "get_config"):
+    raise ConfigError(f"config file {path!r} defines no get_config(arg)")
+  return module.get_config(arg) if arg else module.get_config()
+
+
+def to_jsonable(config: ConfigDict | Mapping[str, Any]) -> dict[str, Any]:
+  """The config as plain JSON types (tuples become lists), as stored in config.json."""
+  data = config.to_dict() if isinstance(config, ConfigDict) else dict(config)
+  return json.loads(json.dumps(data))
+
+
+def from_jsonable(data: Mapping[str, Any]) -> ConfigDict:
+  """Inverse of `to_jsonable` (lists stay lists)."""
+  return ConfigDict(dict(data))
+
+
+def config_diff(old: Mapping[str, Any], new: Mapping[str, Any],
+                ignore: Iterable[str] = ("allow_config_change", "write_plots")) -> list[str]:
+  """Human-readable differences "key: old -> new" between two JSON-able configs."""
+  flat_old, flat_new = flatten(to_jsonable(old)), flatten(to_jsonable(new))
+  skip = set(ignore)
+  lines = []
+  for key in sorted(set(flat_old) | set(flat_new)):
+    if key in skip:
+      continue
+    a, b = flat_old.get(key, "<absent>"), flat_new.get(key, "<absent>")
+    if a != b:
+      lines.append(f"{key}: {a!r} -> {b!r}")
+  return lines

@@ -1,0 +1,158 @@
+"""Launch or resume a run: the only place with flags (library code takes config and workdir).
+
+  python -m attnlab.main --config=configs/nadaraya_watson.py:runlocal=True --workdir=/tmp/nw \
+      [--config.optimizer.learning_rate=0.05 ...]
+  attnlab train --config=... --workdir=...        (the same, through the console script)
+
+Running the same command on an existing workdir resumes from its last checkpoint. Errors a user can
+fix (unknown config key, wrong value type, missing config file, a workdir holding a different
+config) print one line to stderr and exit with status 2; a NaN/Inf loss exits with 1; SIGTERM or
+Ctrl-C saves a checkpoint and exits with 128 + the signal number.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from absl import flags
+from ml_collections import config_flags
+
+from attnlab import config_utils
+from attnlab.config_utils import UserError
+
+USAGE_ERROR = 2
+
+
+def _define_flags(argv: Sequence[str]) -> flags.FlagValues:
+  flag_values = flags.FlagValues()
+  config_flags.DEFINE_config_file(
+      "config", None, "Config file and args: configs/<family>.py[:key=value,...]; override any "
+      "field with --config.<field>=<value>.", flag_values=flag_values, lock_config=True,
+      sys_argv=list(argv))
+  flags.DEFINE_string("workdir", None, "Run directory (created, or resumed if it exists).",
+                      flag_values=flag_values)
+  return flag_values
+
+
+def error_line(exc: BaseException) -> str:
+  """The one line to show for an exception: the innermost UserError's message if there is one."""
+  chain, seen = [], set()
+  node: BaseException | None = exc
+  while node is not None and id(node) not in seen:
+    seen.add(id(node))
+    chain.append(node)
+    node = node.__cause__ or node.__context__
+  for item in reversed(chain):  # the original error, not the flag library's re-wrapping
+    if isinstance(item, UserError) and not str(item).startswith("Error whilst parsing"):
+      return str(item)
+  lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+  return lines[0] if lines else type(exc).__name__
+
+
+def _config_spec(argv: Sequence[str]) -> str | None:
+  """The value of --config in argv (path[:args]), or None."""
+  for i, arg in enumerate(argv):
+    if arg.startswith(("--config=", "-config=")):
+      return arg.split("=", 1)[1]
+    if arg in ("--config", "-config") and i + 1 < len(argv):
+      return argv[i + 1]
+  return None
+
+
+def check_config_args(argv: Sequence[str]) -> str | None:
+  """Checks --config's file, its args and every --config.<key>=<value> before the flag library.
+
+  The flag library reports these with tracebacks or defers them; checking first gives one line
+  naming the key and the valid keys. Returns that line, or None when all is well.
+  """
+  spec = _config_spec(argv)
+  if spec is None:
+    return None
+  try:
+    config = config_utils.load_config_file(spec)
+    for arg in argv:
+      if arg.startswith(("--config.", "-config.")):
+        key, eq, value = arg.lstrip("-")[len("config."):].partition("=")
+        config_utils.check_override(config, key, value if eq else None)
+  except UserError as e:
+    return str(e)
+  return None
+
+
+def parse_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> str | None:
+  """Parses argv into flag_values; returns None, or the one-line message of a usage error.
+
+  With -h/--help among the arguments it prints the flags' help and exits with status 0.
+  """
+  if any(arg in ("-h", "--help", "-help", "--helpfull") for arg in argv[1:]):
+    print(f"usage: {argv[0] if argv else 'attnlab'} [flags]\n\n{flag_values.get_help()}")
+    sys.exit(0)
+  message = check_config_args(argv)
+  if message is not None:
+    return message
+  try:
+    extra = flag_values(list(argv))
+  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+    return error_line(e)
+  if len(extra) > 1:
+    return f"unexpected arguments {extra[1:]}; pass options as --name=value"
+  return None
+
+
+def prog_name(argv: Sequence[str], module: str) -> str:
+  """"attnlab train" under the console script, the module name under `python -m`."""
+  prog = argv[0] if argv else module
+  return module if prog.endswith(".py") else prog
+
+
+def setup_logging() -> None:
+  """Progress messages of attnlab to stderr; other libraries only warn."""
+  logger = logging.getLogger("attnlab")
+  if not logger.handlers:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname).1s %(message)s", "%H:%M:%S"))
+    logger.addHandler(handler)
+  logger.setLevel(logging.INFO)
+  logger.propagate = False  # absl's first log call gives the root logger a handler too
+
+
+def run_tool(prog: str, body: Callable[[], int | None]) -> int:
+  """Runs a command-line tool's body, turning user errors and stops into one line and a status."""
+  try:
+    return body() or 0
+  except UserError as e:
+    print(f"{prog}: error: {error_line(e)}", file=sys.stderr)
+    return USAGE_ERROR
+  except Exception as e:
+    from attnlab.train import RunStopped  # pylint: disable=g-import-not-at-top  (imports JAX)
+    if not isinstance(e, RunStopped):
+      raise
+    print(f"{prog}: {e}", file=sys.stderr)
+    return e.exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """`attnlab train` / `python -m attnlab.main`: returns the exit status."""
+  argv = list(sys.argv if argv is None else argv)
+  prog = prog_name(argv, "attnlab.main")
+  flag_values = _define_flags(argv)
+  message = parse_flags(flag_values, argv)
+  if message is None and flag_values.config is None:
+    message = "--config is required, e.g. --config=configs/nadaraya_watson.py:runlocal=True"
+  if message is None and not flag_values.workdir:
+    message = "--workdir is required: the run directory to create or resume"
+  if message is not None:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return USAGE_ERROR
+  setup_logging()
+
+  def body() -> None:
+    from attnlab import train  # pylint: disable=g-import-not-at-top  (imports JAX)
+    train.train_and_evaluate(flag_values.config, flag_values.workdir)
+  return run_tool(prog, body)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,338 @@
+"""Run the cross product of config values and summarise it (mean ± std over seeds).
+
+  python -m attnlab.sweep --config=configs/nadaraya_watson.py:runlocal=True --workdir=runs/sweep \
+      --sweep=model.kernel=gaussian,learned --sweep=seed=0,1,2 [--parallel=2]
+  attnlab sweep --sweep_file=configs/sweeps/nadaraya_watson_kernels.py --workdir=runs/nw_sweep
+
+Each member runs in DIR/<key=value,...>/ (an ordinary run directory: resumable, inspectable,
+loadable with attnlab.analysis.load_run). Members that already finished are skipped, so re-running
+the command completes an interrupted sweep. At the end DIR/summary.csv and DIR/summary.md hold one
+row per setting with the final metrics as mean ± std (sample std, ddof=1) over the `seed` values.
+
+A sweep file (configs/sweeps/*.py) defines `get_sweep()` returning {"config": "path.py[:args]"
+(relative to the sweep file), "axes": {key: [values]}}; --config and --sweep flags add to it.
+With --parallel=N the members run as N concurrent subprocesses (logs in each member's log.txt);
+with the default N=1 they run one after another in this process.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import csv
+import dataclasses
+import importlib.util
+import itertools
+import logging
+import math
+import os
+import pathlib
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from absl import flags
+import ml_collections
+from ml_collections import config_flags
+
+from attnlab import checkpoint
+from attnlab import config_utils
+from attnlab import main as main_lib
+from attnlab.config_utils import UserError
+
+_LOG = logging.getLogger("attnlab.sweep")  # not __name__: it is __main__ under python -m
+
+SEED_KEY = "seed"
+SUMMARY_CSV = "summary.csv"
+SUMMARY_MD = "summary.md"
+# Bookkeeping fields of metrics.jsonl records that are not metrics.
+_NOT_METRICS = ("step", "split", "wall_time", "steps_per_sec")
+
+
+@dataclasses.dataclass
+class Member:
+  """One setting of the sweep and its run directory."""
+  # "key=value,key=value": also the name of its run directory.
+  name: str
+  # {config key: value} of this member.
+  values: dict[str, Any]
+  config: ml_collections.ConfigDict
+  workdir: pathlib.Path
+  # pending, skipped (already complete), done, failed.
+  status: str = "pending"
+  # One line saying why a failed member failed.
+  error: str = ""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Building the sweep
+
+
+def parse_sweep_arg(text: str, config: ml_collections.ConfigDict) -> tuple[str, list[Any]]:
+  """"model.score=dot,general" -> ("model.score", ["dot", "general"]), typed from the config."""
+  key, eq, values_text = text.partition("=")
+  key = key.strip()
+  values = config_utils.split_top_level(values_text)
+  if not eq or not key or not values:
+    raise UserError(f"--sweep={text!r} is not key=value1,value2,...; e.g. --sweep=seed=0,1,2")
+  default = config_utils.get_value(config, key)
+  return key, [config_utils.parse_value(key, value, default) for value in values]
+
+
+def load_sweep_file(path: str | os.PathLike) -> tuple[str | None, dict[str, list[Any]]]:
+  """(base config spec with its path made absolute, axes) from a configs/sweeps/*.py file."""
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise UserError(f"sweep file {str(path)!r} not found; give a configs/sweeps/*.py file")
+  spec = importlib.util.spec_from_file_location(f"attnlab_sweep_{path.stem}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, "get_sweep"):
+    raise UserError(f"sweep file {str(path)!r} defines no get_sweep()")
+  sweep = module.get_sweep()
+  unknown = set(sweep) - {"config", "axes"}
+  if unknown or not isinstance(sweep.get("axes", {}), Mapping):
+    raise UserError(f"get_sweep() in {str(path)!r} must return {{'config': 'path.py[:args]', "
+                    f"'axes': {{key: [values]}}}}; got keys {sorted(sweep)}")
+  base = sweep.get("config")
+  if base:
+    base_path, sep, arg = base.partition(":")
+    base = str((path.parent / base_path).resolve()) + sep + arg
+  return base, {key: list(values) for key, values in sweep.get("axes", {}).items()}
+
+
+def _format(value: Any) -> str:
+  text = str(value).replace(" ", "").replace(os.sep, "_")
+  return text
+
+
+def expand(base: ml_collections.ConfigDict, axes: Mapping[str, Sequence[Any]],
+           workdir: str | os.PathLike) -> list[Member]:
+  """The cross product of `axes` (in their order) applied to copies of `base`."""
+  if not axes:
+    raise UserError("nothing to sweep: give --sweep=key=value1,value2 (or a --sweep_file)")
+  for key, values in axes.items():
+    if not values:
+      raise UserError(f"sweep axis {key!r} has no values")
+  members = []
+  for combo in itertools.product(*axes.values()):
+    values = dict(zip(axes, combo))
+    config = copy.deepcopy(base)
+    config_utils.apply_overrides(config, values)
+    name = ",".join(f"{key}={_format(value)}" for key, value in values.items())
+    members.append(Member(name, values, config, pathlib.Path(workdir).absolute() / name))
+  return members
+
+
+# ---------------------------------------------------------------------------------------------------
+# Running
+
+
+def _run_inprocess(member: Member) -> None:
+  from attnlab import train  # pylint: disable=g-import-not-at-top  (imports JAX)
+  try:
+    train.train_and_evaluate(member.config, member.workdir)
+    member.status = "done"
+  except train.TrainingInterrupted:
+    member.status, member.error = "failed", "interrupted"
+    raise
+  except (UserError, train.RunStopped) as e:
+    member.status, member.error = "failed", main_lib.error_line(e)
+  except Exception as e:  # a crash in one member must not lose the others
+    _LOG.exception("member %s crashed", member.name)
+    member.status, member.error = "failed", f"{type(e).__name__}: {main_lib.error_line(e)}"
+
+
+def _run_subprocess(member: Member) -> None:
+  env = dict(os.environ)
+  package_root = str(pathlib.Path(__file__).resolve().parents[1])
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+  log_path = member.workdir / "log.txt"
+  with open(log_path, "a") as log:
+    result = subprocess.run([sys.executable, "-m", "attnlab.sweep", f"--member={member.workdir}"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
+  if result.returncode == 0:
+    member.status = "done"
+  else:
+    lines = [line for line in log_path.read_text().splitlines() if line.strip()]
+    member.status = "failed"
+    member.error = f"exit status {result.returncode}: {lines[-1] if lines else ''} (see {log_path})"
+
+
+def run_sweep(base: ml_collections.ConfigDict, axes: Mapping[str, Sequence[Any]],
+              workdir: str | os.PathLike, parallel: int = 1) -> list[Member]:
+  """Runs every member that is not complete yet; writes the summary; returns the members."""
+  workdir = pathlib.Path(workdir).absolute()
+  members = expand(base, axes, workdir)
+  for member in members:  # refuse a changed config before anything runs
+    checkpoint.prepare_workdir(member.workdir, member.config)
+  todo = []
+  for member in members:
+    if checkpoint.is_complete(member.workdir, member.config.num_train_steps):
+      member.status = "skipped"
+      _LOG.info("%s: complete, skipped", member.name)
+    else:
+      todo.append(member)
+  _LOG.info("sweep %s: %d members, %d to run", workdir, len(members), len(todo))
+  try:
+    if parallel <= 1:
+      for i, member in enumerate(todo, 1):
+        _LOG.info("[%d/%d] %s", i, len(todo), member.name)
+        _run_inprocess(member)
+    else:
+      with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+        for member, _ in zip(todo, pool.map(_run_subprocess, todo)):
+          _LOG.info("%s: %s %s", member.name, member.status, member.error)
+  finally:
+    write_summary(workdir, members, list(axes))
+  return members
+
+
+# ---------------------------------------------------------------------------------------------------
+# Summary
+
+
+def final_metrics(workdir: str | os.PathLike) -> dict[str, float]:
+  """{"eval/<name>": value} of the last evaluation and "train/loss" of the last train log."""
+  last = checkpoint.last_records(checkpoint.read_metrics(workdir))
+  metrics = {}
+  for split, record in sorted(last.items()):
+    for name, value in record.items():
+      if name in _NOT_METRICS or not isinstance(value, (int, float)):
+        continue
+      if split == "eval" or name == "loss":
+        metrics[f"{split}/{name}"] = float(value)
+  return metrics
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+  mean = sum(values) / len(values)
+  if len(values) < 2:
+    return mean, math.nan
+  return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def summarize(members: Sequence[Member], keys: Sequence[str]) -> list[dict[str, Any]]:
+  """One row per setting of the non-seed keys: {key: value, "seeds": n, "failed": n,
+  "<metric>": (mean, std)} over the complete members of that setting."""
+  group_keys = [key for key in keys if key != SEED_KEY]
+  groups: dict[tuple, list[Member]] = {}
+  for member in members:
+    groups.setdefault(tuple(member.values[k] for k in group_keys), []).append(member)
+  rows = []
+  for setting, group in groups.items():
+    finished = [m for m in group if m.status in ("done", "skipped")]
+    per_member = [final_metrics(m.workdir) for m in finished]
+    names = sorted(set().union(*per_member)) if per_member else []
+    row: dict[str, Any] = dict(zip(group_keys, setting))
+    row["seeds"] = len(finished)
+    row["failed"] = sum(m.status == "failed" for m in group)
+    for name in names:
+      values = [metrics[name] for metrics in per_member if name in metrics]
+      row[name] = _mean_std(values)
+    rows.append(row)
+  return rows
+
+
+def _fmt_number(x: float) -> str:
+  return "" if math.isnan(x) else f"{x:.4g}"
+
+
+def write_summary(workdir: str | os.PathLike, members: Sequence[Member],
+                  keys: Sequence[str]) -> tuple[pathlib.Path, pathlib.Path]:
+  """Writes DIR/summary.csv (mean and std columns) and DIR/summary.md; returns their paths."""
+  workdir = pathlib.Path(workdir)
+  rows = summarize(members, keys)
+  group_keys = [key for key in keys if key != SEED_KEY]
+  metric_names = sorted({k for row in rows for k in row} - set(group_keys) - {"seeds", "failed"})
+  csv_path, md_path = workdir / SUMMARY_CSV, workdir / SUMMARY_MD
+  with open(csv_path, "w", newline="") as f:
+    writer = csv.writer(f)
+    writer.writerow([*group_keys, "seeds", "failed",
+                     *[f"{name}_{stat}" for name in metric_names for stat in ("mean", "std")]])
+    for row in rows:
+      cells = [row[k] for k in group_keys] + [row["seeds"], row["failed"]]
+      for name in metric_names:
+        mean, std = row.get(name, (math.nan, math.nan))
+        cells += [_fmt_number(mean), _fmt_number(std)]
+      writer.writerow(cells)
+  header = [*group_keys, "seeds", "failed", *metric_names]
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  for row in rows:
+    cells = [str(row[k]) for k in group_keys] + [str(row["seeds"]), str(row["failed"])]
+    for name in metric_names:
+      mean, std = row.get(name, (math.nan, math.nan))
+      cells.append("" if math.isnan(mean) else
+                   _fmt_number(mean) + ("" if math.isnan(std) else f" ± {std:.2g}"))
+    lines.append("| " + " | ".join(cells) + " |")
+  seeds = f" over `{SEED_KEY}`" if SEED_KEY in keys else ""
+  md_path.write_text(f"# Sweep {workdir.name}\n\nFinal metrics, mean ± std (ddof=1){seeds}; "
+                     f"`seeds` counts finished members.\n\n" + "\n".join(lines) + "\n")
+  return csv_path, md_path
+
+
+# ---------------------------------------------------------------------------------------------------
+# Command line
+
+
+def _define_flags(argv: Sequence[str]) -> flags.FlagValues:
+  flag_values = flags.FlagValues()
+  config_flags.DEFINE_config_file(
+      "config", None, "Base config: configs/<family>.py[:key=value,...]; --config.<field>=<value> "
+      "overrides apply to every member.", flag_values=flag_values, lock_config=True,
+      sys_argv=list(argv))
+  flags.DEFINE_string("workdir", None, "Sweep directory; member i runs in DIR/<key=value,...>/.",
+                      flag_values=flag_values)
+  flags.DEFINE_multi_string("sweep", [], "key=value1,value2,... (repeat for a cross product).",
+                            flag_values=flag_values)
+  flags.DEFINE_string("sweep_file", None, "A configs/sweeps/*.py file with get_sweep().",
+                      flag_values=flag_values)
+  flags.DEFINE_integer("parallel", 1, "Members to run at once (>1: as subprocesses).",
+                       flag_values=flag_values)
+  flags.DEFINE_string("member", None, "Internal: run the member whose config.json is in this "
+                      "directory (used by --parallel).", flag_values=flag_values)
+  return flag_values
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """`attnlab sweep` / `python -m attnlab.sweep`: returns the exit status."""
+  argv = list(sys.argv if argv is None else argv)
+  prog = main_lib.prog_name(argv, "attnlab.sweep")
+  flag_values = _define_flags(argv)
+  message = main_lib.parse_flags(flag_values, argv)
+  if message is not None:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return main_lib.USAGE_ERROR
+  main_lib.setup_logging()
+  fv = flag_values
+
+  def body() -> int:
+    if fv.member:
+      from attnlab import train  # pylint: disable=g-import-not-at-top
+      train.train_and_evaluate(checkpoint.read_config(fv.member), fv.member)
+      return 0
+    if not fv.workdir:
+      raise UserError("--workdir is required: the sweep directory")
+    base_spec, axes = load_sweep_file(fv.sweep_file) if fv.sweep_file else (None, {})
+    if fv.config is not None:
+      base = fv.config
+    elif base_spec:
+      base = config_utils.load_config_file(base_spec)
+    else:
+      raise UserError("give the base config: --config=configs/<family>.py[:args] or a "
+                      "--sweep_file whose get_sweep() names one")
+    for text in fv.sweep:
+      key, values = parse_sweep_arg(text, base)
+      axes[key] = values
+    members = run_sweep(base, axes, fv.workdir, fv.parallel)
+    print((pathlib.Path(fv.workdir) / SUMMARY_MD).read_text())
+    failed = [m for m in members if m.status == "failed"]
+    for member in failed:
+      print(f"{prog}: member {member.name} failed: {member.error}", file=sys.stderr)
+    return 1 if failed else 0
+  return main_lib.run_tool(prog, body)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

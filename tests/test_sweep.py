@@ -1,0 +1,85 @@
+"""Sweeps: cross product, summary mean ± std over seeds, skipping finished members."""
+
+import csv
+import pathlib
+
+import numpy as np
+import pytest
+
+from attnlab import checkpoint
+from attnlab import config_utils
+from attnlab import sweep
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+NW = str(REPO / "configs" / "nadaraya_watson.py")
+SPEC = f"{NW}:runlocal=True,write_plots=False,num_train_steps=10,eval_every=0,checkpoint_every=0"
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("sweep")
+  status = sweep.main(["attnlab sweep", f"--config={SPEC}", f"--workdir={workdir}",
+                       "--sweep=model.kernel=gaussian,learned", "--sweep=seed=0,1"])
+  return workdir, status
+
+
+def test_members_run_in_their_own_directories(swept):
+  workdir, status = swept
+  assert status == 0
+  names = sorted(p.name for p in workdir.iterdir() if p.is_dir())
+  assert names == ["model.kernel=gaussian,seed=0", "model.kernel=gaussian,seed=1",
+                   "model.kernel=learned,seed=0", "model.kernel=learned,seed=1"]
+  config = checkpoint.read_config(workdir / "model.kernel=learned,seed=1")
+  assert config.model.kernel == "learned" and config.seed == 1 and config.num_train_steps == 10
+
+
+def test_summary_is_mean_and_std_over_seeds(swept):
+  workdir, _ = swept
+  with open(workdir / "summary.csv") as f:
+    rows = list(csv.DictReader(f))
+  assert [row["model.kernel"] for row in rows] == ["gaussian", "learned"]
+  for row in rows:
+    finals = []
+    for seed in (0, 1):
+      records = checkpoint.read_metrics(workdir / f"model.kernel={row['model.kernel']},seed={seed}")
+      finals.append([r for r in records if r["split"] == "eval"][-1]["test_mse"])
+    assert row["seeds"] == "2" and row["failed"] == "0"
+    assert float(row["eval/test_mse_mean"]) == pytest.approx(np.mean(finals), rel=1e-3)
+    assert float(row["eval/test_mse_std"]) == pytest.approx(np.std(finals, ddof=1), rel=1e-3)
+  table = (workdir / "summary.md").read_text()
+  assert "| model.kernel | seeds | failed | eval/test_mse |" in table
+  assert "| learned | 2 | 0 | " in table and " ± " in table
+
+
+def test_rerun_skips_finished_members(swept):
+  workdir, _ = swept
+  metrics = workdir / "model.kernel=learned,seed=0" / "metrics.jsonl"
+  before = metrics.stat().st_mtime_ns
+  base = config_utils.load_config_file(SPEC)
+  members = sweep.run_sweep(base, {"model.kernel": ["gaussian", "learned"], "seed": [0, 1]},
+                            workdir)
+  assert [m.status for m in members] == ["skipped"] * 4
+  assert metrics.stat().st_mtime_ns == before
+
+
+def test_sweep_arg_is_typed_and_checked():
+  config = config_utils.load_config_file(SPEC)
+  assert sweep.parse_sweep_arg("optimizer.learning_rate=0.1,1e-2", config) == (
+      "optimizer.learning_rate", [0.1, 0.01])
+  with pytest.raises(config_utils.ConfigError, match="unknown config key 'model.score'"):
+    sweep.parse_sweep_arg("model.score=dot,general", config)
+
+
+def test_sweep_file_declares_config_and_axes():
+  base, axes = sweep.load_sweep_file(REPO / "configs" / "sweeps" / "nadaraya_watson_kernels.py")
+  assert base == str(REPO / "configs" / "nadaraya_watson.py")
+  assert axes == {"model.kernel": ["average", "gaussian", "learned"], "seed": [0, 1, 2]}
+  members = sweep.expand(config_utils.load_config_file(base), axes, "/tmp/unused")
+  assert len(members) == 9 and members[-1].name == "model.kernel=learned,seed=2"
+
+
+def test_sweep_without_axes_is_one_line_error(tmp_path, capsys):
+  assert sweep.main(["attnlab sweep", f"--config={SPEC}", f"--workdir={tmp_path}"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err == ["attnlab sweep: error: nothing to sweep: give --sweep=key=value1,value2 (or a "
+                 "--sweep_file)"]
