@@ -15,8 +15,9 @@ Config convention (every model family follows it):
   and data); keys given explicitly in `arg` always win over both.
 - Top-level fields (`base_config` documents each): task, seed, num_train_steps, batch_size,
   log_every, eval_every, checkpoint_every, keep_checkpoints, runlocal, allow_config_change,
-  write_plots, optimizer (name, learning_rate, warmup_steps, schedule, end_learning_rate,
-  weight_decay, b1, b2, momentum, grad_clip), model (ConfigDict), data (ConfigDict).
+  write_plots, num_seeds, mesh (data, fsdp, fsdp_min_size: see attnlab/parallel.py), optimizer
+  (name, learning_rate, warmup_steps, schedule, end_learning_rate, weight_decay, b1, b2, momentum,
+  grad_clip), model (ConfigDict), data (ConfigDict).
 """
 
 from __future__ import annotations
@@ -81,6 +82,16 @@ def base_config() -> ConfigDict:
   config.allow_config_change = False
   # Let the task write its plots (PNG) into the workdir after the last step.
   config.write_plots = True
+  # Replicas trained at once by jax.vmap (seeds seed, seed+1, ...; 1: an ordinary run).
+  config.num_seeds = 1
+
+  config.mesh = ConfigDict()
+  # Devices on the data-parallel axis (-1: all devices not on fsdp); one device = the plain path.
+  config.mesh.data = -1
+  # Devices on the FSDP axis: parameters and optimizer state are split over them (1: replicated).
+  config.mesh.fsdp = 1
+  # Under FSDP, state leaves with fewer elements than this stay replicated.
+  config.mesh.fsdp_min_size = 1024
 
   config.optimizer = ConfigDict()
   # One of adamw, adam, sgd.
@@ -311,6 +322,14 @@ def validate(config: ConfigDict) -> None:
   need(config.checkpoint_every >= 0,
        f"checkpoint_every must be >= 0 (0: only at the end), got {config.checkpoint_every}")
   need(config.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {config.keep_checkpoints}")
+  num_seeds = config.get("num_seeds", 1)
+  need(isinstance(num_seeds, int) and num_seeds >= 1,
+       f"num_seeds must be an int >= 1 (1: an ordinary run), got {num_seeds!r}")
+  mesh = config.get("mesh")
+  if mesh is not None:
+    data, fsdp = mesh.get("data", -1), mesh.get("fsdp", 1)
+    need(data == -1 or data >= 1, f"mesh.data must be -1 (all devices) or >= 1, got {data}")
+    need(fsdp >= 1, f"mesh.fsdp must be >= 1 (1: parameters replicated), got {fsdp}")
   opt = config.optimizer
   need(opt.name in OPTIMIZERS,
        f"unknown optimizer.name {opt.name!r}; valid optimizers: {', '.join(OPTIMIZERS)}")
@@ -352,10 +371,23 @@ def from_jsonable(data: Mapping[str, Any]) -> ConfigDict:
   return ConfigDict(dict(data))
 
 
+# Fields added to base_config after runs existed: absent from an old config.json, they read as these
+# defaults (so such runs resume without allow_config_change).
+ADDED_DEFAULTS: dict[str, Any] = {"num_seeds": 1, "mesh.data": -1, "mesh.fsdp": 1,
+                                  "mesh.fsdp_min_size": 1024}
+
+
+# Keys that may change when a run resumes: they change where it runs, not what it computes.
+RESUMABLE_KEYS = ("allow_config_change", "write_plots", "mesh.data", "mesh.fsdp",
+                  "mesh.fsdp_min_size")
+
+
 def config_diff(old: Mapping[str, Any], new: Mapping[str, Any],
-                ignore: Iterable[str] = ("allow_config_change", "write_plots")) -> list[str]:
+                ignore: Iterable[str] = RESUMABLE_KEYS) -> list[str]:
   """Human-readable differences "key: old -> new" between two JSON-able configs."""
   flat_old, flat_new = flatten(to_jsonable(old)), flatten(to_jsonable(new))
+  flat_old = {**ADDED_DEFAULTS, **flat_old}
+  flat_new = {**ADDED_DEFAULTS, **flat_new}
   skip = set(ignore)
   lines = []
   for key in sorted(set(flat_old) | set(flat_new)):

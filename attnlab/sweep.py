@@ -13,6 +13,12 @@ A sweep file (configs/sweeps/*.py) defines `get_sweep()` returning {"config": "p
 (relative to the sweep file), "axes": {key: [values]}}; --config and --sweep flags add to it.
 With --parallel=N the members run as N concurrent subprocesses (logs in each member's log.txt);
 with the default N=1 they run one after another in this process.
+
+A member with `num_seeds=N` (N replicas vmapped in one run, see attnlab/train.py) counts as its N
+seeds in the summary. On a cluster, one array task per member:
+  attnlab sweep ... --list                          # index and name of every member
+  attnlab sweep ... --member_index=$SLURM_ARRAY_TASK_ID   # in task i: run member i only
+  attnlab sweep ... --summarize                     # afterwards: summary of the finished members
 """
 
 from __future__ import annotations
@@ -160,11 +166,40 @@ def _run_subprocess(member: Member) -> None:
     member.error = f"exit status {result.returncode}: {lines[-1] if lines else ''} (see {log_path})"
 
 
+def _mark_finished(members: Sequence[Member]) -> None:
+  for member in members:
+    if (member.status == "pending" and
+        checkpoint.is_complete(member.workdir, member.config.num_train_steps)):
+      member.status = "skipped"
+
+
 def run_sweep(base: ml_collections.ConfigDict, axes: Mapping[str, Sequence[Any]],
-              workdir: str | os.PathLike, parallel: int = 1) -> list[Member]:
-  """Runs every member that is not complete yet; writes the summary; returns the members."""
+              workdir: str | os.PathLike, parallel: int = 1, *,
+              member_index: int | None = None, summarize_only: bool = False) -> list[Member]:
+  """Runs every member that is not complete yet; writes the summary; returns the members.
+
+  `member_index=i` runs member i only (one cluster array task per member) and writes no summary;
+  `summarize_only=True` runs nothing and writes the summary of the members that finished.
+  """
   workdir = pathlib.Path(workdir).absolute()
   members = expand(base, axes, workdir)
+  if summarize_only:
+    _mark_finished(members)
+    write_summary(workdir, members, list(axes))
+    return members
+  if member_index is not None:
+    if not 0 <= member_index < len(members):
+      raise UserError(f"--member_index={member_index} is out of range: the sweep has "
+                      f"{len(members)} members, indices 0..{len(members) - 1} (see --list)")
+    member = members[member_index]
+    checkpoint.prepare_workdir(member.workdir, member.config)
+    if checkpoint.is_complete(member.workdir, member.config.num_train_steps):
+      member.status = "skipped"
+      _LOG.info("%s: complete, skipped", member.name)
+    else:
+      _LOG.info("member %d/%d: %s", member_index, len(members), member.name)
+      _run_inprocess(member)
+    return members
   for member in members:  # refuse a changed config before anything runs
     checkpoint.prepare_workdir(member.workdir, member.config)
   todo = []
@@ -206,6 +241,23 @@ def final_metrics(workdir: str | os.PathLike) -> dict[str, float]:
   return metrics
 
 
+def final_metrics_per_seed(workdir: str | os.PathLike) -> list[dict[str, float]]:
+  """`final_metrics` of each replica of a run: one dict, or N for a run with num_seeds=N."""
+  last = checkpoint.last_records(checkpoint.read_metrics(workdir))
+  per_seed = {split: r["per_seed"] for split, r in last.items()
+              if isinstance(r.get("per_seed"), Mapping)}
+  if not per_seed:
+    return [final_metrics(workdir)]
+  count = max(len(v) for values in per_seed.values() for v in values.values())
+  replicas: list[dict[str, float]] = [{} for _ in range(count)]
+  for split, values in sorted(per_seed.items()):
+    for name, series in values.items():
+      if split == "eval" or name == "loss":
+        for i, value in enumerate(series):
+          replicas[i][f"{split}/{name}"] = float(value)
+  return replicas
+
+
 def _mean_std(values: list[float]) -> tuple[float, float]:
   mean = sum(values) / len(values)
   if len(values) < 2:
@@ -215,7 +267,8 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 def summarize(members: Sequence[Member], keys: Sequence[str]) -> list[dict[str, Any]]:
   """One row per setting of the non-seed keys: {key: value, "seeds": n, "failed": n,
-  "<metric>": (mean, std)} over the complete members of that setting."""
+  "<metric>": (mean, std)} over the complete members of that setting (each replica of a
+  num_seeds=N member counts as one seed)."""
   group_keys = [key for key in keys if key != SEED_KEY]
   groups: dict[tuple, list[Member]] = {}
   for member in members:
@@ -223,10 +276,10 @@ def summarize(members: Sequence[Member], keys: Sequence[str]) -> list[dict[str, 
   rows = []
   for setting, group in groups.items():
     finished = [m for m in group if m.status in ("done", "skipped")]
-    per_member = [final_metrics(m.workdir) for m in finished]
+    per_member = [metrics for m in finished for metrics in final_metrics_per_seed(m.workdir)]
     names = sorted(set().union(*per_member)) if per_member else []
     row: dict[str, Any] = dict(zip(group_keys, setting))
-    row["seeds"] = len(finished)
+    row["seeds"] = len(per_member)
     row["failed"] = sum(m.status == "failed" for m in group)
     for name in names:
       values = [metrics[name] for metrics in per_member if name in metrics]
@@ -267,6 +320,8 @@ def write_summary(workdir: str | os.PathLike, members: Sequence[Member],
                    _fmt_number(mean) + ("" if math.isnan(std) else f" ± {std:.2g}"))
     lines.append("| " + " | ".join(cells) + " |")
   seeds = f" over `{SEED_KEY}`" if SEED_KEY in keys else ""
+  if any(m.config.get("num_seeds", 1) > 1 for m in members):
+    seeds += " and over the replicas of each `num_seeds` run"
   md_path.write_text(f"# Sweep {workdir.name}\n\nFinal metrics, mean ± std (ddof=1){seeds}; "
                      f"`seeds` counts finished members.\n\n" + "\n".join(lines) + "\n")
   return csv_path, md_path
@@ -292,6 +347,13 @@ def _define_flags(argv: Sequence[str]) -> flags.FlagValues:
                        flag_values=flag_values)
   flags.DEFINE_string("member", None, "Internal: run the member whose config.json is in this "
                       "directory (used by --parallel).", flag_values=flag_values)
+  flags.DEFINE_integer("member_index", None, "Run only member i (0-based, in --list order) and "
+                       "write no summary: one cluster array task per member, e.g. "
+                       "--member_index=$SLURM_ARRAY_TASK_ID.", flag_values=flag_values)
+  flags.DEFINE_bool("list", False, "Print the index and name of every member and exit.",
+                    flag_values=flag_values)
+  flags.DEFINE_bool("summarize", False, "Run nothing; write the summary of the finished members "
+                    "(after the array tasks are done).", flag_values=flag_values)
   return flag_values
 
 
@@ -325,8 +387,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     for text in fv.sweep:
       key, values = parse_sweep_arg(text, base)
       axes[key] = values
-    members = run_sweep(base, axes, fv.workdir, fv.parallel)
-    print((pathlib.Path(fv.workdir) / SUMMARY_MD).read_text())
+    if fv.list:
+      members = expand(base, axes, fv.workdir)
+      for i, member in enumerate(members):
+        print(f"{i}\t{member.name}")
+      print(f"{len(members)} members: array task indices 0-{len(members) - 1}", file=sys.stderr)
+      return 0
+    members = run_sweep(base, axes, fv.workdir, fv.parallel, member_index=fv.member_index,
+                        summarize_only=fv.summarize)
+    if fv.member_index is None:
+      print((pathlib.Path(fv.workdir) / SUMMARY_MD).read_text())
     failed = [m for m in members if m.status == "failed"]
     for member in failed:
       print(f"{prog}: member {member.name} failed: {member.error}", file=sys.stderr)

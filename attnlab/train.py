@@ -10,12 +10,21 @@ Determinism: parameters come from `split(key(seed))[0]`; step t's dropout/sampli
 `fold_in(split(key(seed))[1], t)`, so the key needs no saving; the data order comes from the task's
 iterator, whose state is in every checkpoint. A resumed run therefore ends with the same
 parameters, bit for bit, as an uninterrupted one.
+
+Scale (attnlab/parallel.py): with several devices the state lives on a ("data", "fsdp") mesh from
+`config.mesh` and every batch is split over it; with one device nothing changes. With
+`config.num_seeds = N > 1`, N replicas (seeds seed, seed+1, ..., seed+N-1: each its own init key,
+step keys and data order, on the data set built from `config.seed`) train in one program by
+`jax.vmap`: parameters and optimizer state get a leading `[N]` axis (the step counter is shared),
+checkpoints hold all replicas, and each metrics.jsonl record holds the mean over replicas plus
+`seeds` and `per_seed` ({name: [N values]}).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import functools
 import json
 import logging
@@ -35,6 +44,7 @@ import optax
 
 from attnlab import checkpoint
 from attnlab import config_utils
+from attnlab import parallel
 from attnlab import tasks
 
 _LOG = logging.getLogger(__name__)
@@ -118,18 +128,67 @@ def create_train_state(task: tasks.Task, tx: optax.GradientTransformation,
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
 
-def abstract_train_state(task: tasks.Task, tx: optax.GradientTransformation,
-                         rng: jax.Array) -> TrainState:
-  """Shapes, dtypes and shardings of `create_train_state` without computing it (restore target)."""
-  abstract = jax.eval_shape(functools.partial(create_train_state, task, tx), rng)
-  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract)
+def num_seeds_of(config: ml_collections.ConfigDict) -> int:
+  """`config.num_seeds` (1 for configs written before the field existed)."""
+  return int(config.get("num_seeds", 1) or 1)
 
 
-def make_train_step(task: tasks.Task, tx: optax.GradientTransformation, schedule: optax.Schedule):
-  """The jitted update `(state, batch, rng) -> (state, metrics)`; the input state is donated."""
-  def train_step(state: TrainState, batch: Any, rng: jax.Array) -> tuple[TrainState, dict]:
-    TRACE_COUNTS["train_step"] += 1
+def replica_seeds(config: ml_collections.ConfigDict) -> list[int]:
+  """The seeds of a run's replicas: seed, seed+1, ..., seed+num_seeds-1."""
+  return [config.seed + i for i in range(num_seeds_of(config))]
+
+
+# vmap axes of a replicated TrainState: one shared step counter, params and optimizer state [N, ...].
+_REPLICA_AXES = TrainState(step=None, params=0, opt_state=0)
+
+
+def create_replicas(task: tasks.Task, tx: optax.GradientTransformation,
+                    rngs: jax.Array) -> TrainState:
+  """`create_train_state` for each key of `rngs` ([N] keys), stacked: params and optimizer state
+  get a leading [N] axis; the step counter stays one scalar, shared by the replicas."""
+  return jax.vmap(functools.partial(create_train_state, task, tx), out_axes=_REPLICA_AXES)(rngs)
+
+
+def abstract_train_state(task: tasks.Task, tx: optax.GradientTransformation, rng: jax.Array, *,
+                         mesh: jax.sharding.Mesh | None = None) -> TrainState:
+  """Shapes, dtypes and shardings of the initial state without computing it (restore target).
+
+  With `task.config.num_seeds = N > 1` the leaves have a leading [N] axis. Without a mesh the
+  arrays are placed on the first device; with one they follow `parallel.state_shardings`.
+  """
+  num_seeds = num_seeds_of(task.config)
+  if num_seeds > 1:
+    keys = jax.random.split(rng, num_seeds)  # [N] (only their shape matters here)
+    abstract = jax.eval_shape(functools.partial(create_replicas, task, tx), keys)
+  else:
+    abstract = jax.eval_shape(functools.partial(create_train_state, task, tx), rng)
+  if mesh is None:
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                        abstract)
+  shardings = state_shardings_for(task.config, abstract, mesh)
+  return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                      abstract, shardings)
+
+
+def state_shardings_for(config: ml_collections.ConfigDict, abstract: Any,
+                        mesh: jax.sharding.Mesh) -> Any:
+  """`parallel.state_shardings` of a (possibly replicated over seeds) train state under `config`."""
+  min_size = int(config.get("mesh", {}).get("fsdp_min_size", 1024))
+  return parallel.state_shardings(abstract, mesh, min_size=min_size,
+                                  replica_axes=1 if num_seeds_of(config) > 1 else 0)
+
+
+def make_train_step(task: tasks.Task, tx: optax.GradientTransformation, schedule: optax.Schedule,
+                    *, num_seeds: int = 1, mesh: jax.sharding.Mesh | None = None,
+                    state_shardings: Any = None):
+  """The jitted update `(state, batch, rng) -> (state, metrics)`; the input state is donated.
+
+  `rng` is the train key (or its raw uint32 key data); with `num_seeds > 1` state, batch, rng and
+  metrics carry a leading replica axis and the update is vmapped over it. With a mesh, the output
+  state keeps `state_shardings` and the metrics are replicated.
+  """
+  def one_step(state: TrainState, batch: Any, rng: jax.Array) -> tuple[TrainState, dict]:
     step_rng = jax.random.fold_in(rng, state.step)
     grad_fn = jax.value_and_grad(task.loss_fn, has_aux=True)
     (loss, metrics), grads = grad_fn(state.params, batch, step_rng)
@@ -138,7 +197,20 @@ def make_train_step(task: tasks.Task, tx: optax.GradientTransformation, schedule
     metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads),
                "learning_rate": schedule(state.step)}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
-  return jax.jit(train_step, donate_argnums=0)
+
+  def train_step(state: TrainState, batch: Any, rng: jax.Array) -> tuple[TrainState, dict]:
+    TRACE_COUNTS["train_step"] += 1
+    if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+      rng = jax.random.wrap_key_data(rng)  # raw key data, as placed on a multi-host mesh
+    if num_seeds > 1:
+      return jax.vmap(one_step, in_axes=(_REPLICA_AXES, 0, 0), out_axes=(_REPLICA_AXES, 0))(
+          state, batch, rng)
+    return one_step(state, batch, rng)
+
+  if mesh is None:
+    return jax.jit(train_step, donate_argnums=0)
+  return jax.jit(train_step, donate_argnums=0,
+                 out_shardings=(state_shardings, parallel.replicated(mesh)))
 
 
 def run_keys(seed: int) -> tuple[jax.Array, jax.Array]:
@@ -147,35 +219,144 @@ def run_keys(seed: int) -> tuple[jax.Array, jax.Array]:
   return init_rng, train_rng
 
 
+def replica_keys(config: ml_collections.ConfigDict) -> tuple[jax.Array, jax.Array]:
+  """(init key, train key) of `config.seed`, or with num_seeds > 1 both stacked over the replicas
+  ([N] keys, replica i's being `run_keys(seed + i)`)."""
+  seeds = replica_seeds(config)
+  if len(seeds) == 1:
+    return run_keys(seeds[0])
+  pairs = [run_keys(seed) for seed in seeds]
+  stack = lambda keys: jax.random.wrap_key_data(jnp.stack([jax.random.key_data(k) for k in keys]))
+  return stack([p[0] for p in pairs]), stack([p[1] for p in pairs])
+
+
+def replica_iterators(task: tasks.Task, seeds: list[int]) -> list[tasks.BatchIterator]:
+  """One training iterator per seed: the task's iterator as if `config.seed` were that seed.
+
+  The task object is shallow-copied with a config whose seed differs (the Task contract makes the
+  data order depend on `config.seed` only), so data and tokenizers are shared, not rebuilt.
+  """
+  iterators = []
+  for seed in seeds:
+    replica = copy.copy(task)
+    replica.config = copy.deepcopy(task.config)
+    replica.config.seed = seed
+    iterators.append(replica.train_iterator())
+  return iterators
+
+
+class ReplicaBatches:
+  """Stacks the batches of N replica iterators (every leaf gets a leading [N] axis); its state
+  is that of every replica's iterator."""
+
+  def __init__(self, iterators: list[tasks.BatchIterator]):
+    self._iterators = iterators
+
+  def __iter__(self) -> ReplicaBatches:
+    return self
+
+  def __next__(self) -> Any:
+    batches = [next(it) for it in self._iterators]
+    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *batches)
+
+  def get_state(self) -> dict[str, Any]:
+    return {"replicas": [it.get_state() for it in self._iterators]}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    states = state.get("replicas") if isinstance(state, dict) else None
+    if not isinstance(states, list) or len(states) != len(self._iterators):
+      raise checkpoint.CheckpointError(
+          f"the checkpoint's data-iterator state is not that of {len(self._iterators)} replicas "
+          f"(got {str(state)[:80]}); num_seeds changed since it was saved: use a new --workdir")
+    for it, st in zip(self._iterators, states):
+      it.set_state(st)
+
+
+class _PlacedBatches:
+  """A BatchIterator whose batches are placed on the mesh (split over its devices)."""
+
+  def __init__(self, inner: tasks.BatchIterator, mesh: jax.sharding.Mesh, replica_axes: int):
+    self._inner, self._mesh, self._replica_axes = inner, mesh, replica_axes
+
+  def __iter__(self) -> _PlacedBatches:
+    return self
+
+  def __next__(self) -> Any:
+    return parallel.shard_batch(next(self._inner), self._mesh, self._replica_axes)
+
+  def get_state(self) -> dict[str, Any]:
+    return self._inner.get_state()
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self._inner.set_state(state)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Logging
 
 
 class _MetricLogger:
-  """Appends records to metrics.jsonl and TensorBoard."""
+  """Appends records to metrics.jsonl and TensorBoard (on process 0 only)."""
 
-  def __init__(self, workdir: pathlib.Path, start_step: int):
+  def __init__(self, workdir: pathlib.Path, start_step: int, seeds: list[int] | None = None):
+    # The replicas' seeds when num_seeds > 1 (records then carry per-seed values).
+    self._seeds = seeds if seeds and len(seeds) > 1 else None
+    self._enabled = parallel.is_main_process()
+    if not self._enabled:
+      return
     import tensorboardX  # pylint: disable=g-import-not-at-top  (slow import, only when training)
     self._file = open(workdir / checkpoint.METRICS_FILE, "a")
     self._tb = tensorboardX.SummaryWriter(str(workdir / "tensorboard"),
                                           purge_step=start_step + 1 if start_step else None)
 
-  def write(self, step: int, split: str, metrics: dict[str, float], **extra: float) -> None:
+  def write(self, step: int, split: str, metrics: dict[str, float],
+            per_seed: dict[str, list[float]] | None = None, **extra: float) -> None:
+    """One record; `per_seed` ({name: [value per replica]}) is stored beside the means."""
+    if not self._enabled:
+      return
     record = {"step": step, "split": split, **metrics, "wall_time": time.time(), **extra}
+    if per_seed is not None and self._seeds is not None:
+      record["seeds"] = self._seeds
+      record["per_seed"] = per_seed
     self._file.write(json.dumps(record) + "\n")
     self._file.flush()
     for name, value in {**metrics, **extra}.items():
       self._tb.add_scalar(f"{split}/{name}", value, step)
+    if per_seed is not None and self._seeds is not None:
+      for name, values in per_seed.items():
+        for seed, value in zip(self._seeds, values):
+          self._tb.add_scalar(f"{split}_seed{seed}/{name}", value, step)
     self._tb.flush()
 
   def close(self) -> None:
-    self._file.close()
-    self._tb.close()
+    if self._enabled:
+      self._file.close()
+      self._tb.close()
 
 
-def _mean_metrics(pending: list[tuple[int, dict]]) -> dict[str, float]:
-  values = jax.device_get([m for _, m in pending])
-  return {key: float(np.mean([v[key] for v in values])) for key in values[0]}
+def _mean_metrics(pending: list[tuple[int, dict]], num_seeds: int = 1
+                  ) -> tuple[dict[str, float], dict[str, list[float]] | None]:
+  """(metrics averaged over the steps (and replicas), per-replica averages or None)."""
+  values = parallel.to_host([m for _, m in pending])
+  if num_seeds == 1:
+    return {key: float(np.mean([v[key] for v in values])) for key in values[0]}, None
+  per_seed = {key: [float(x) for x in np.mean([np.asarray(v[key]) for v in values], axis=0)]
+              for key in values[0]}  # {name: [N]}
+  return {key: float(np.mean(vals)) for key, vals in per_seed.items()}, per_seed
+
+
+def evaluate(task: tasks.Task, params: Any, num_seeds: int = 1
+             ) -> tuple[dict[str, float], dict[str, list[float]] | None]:
+  """(task.evaluate metrics, None), or with num_seeds > 1 (means over replicas, {name: [N]}).
+
+  Several processes: the parameters are first gathered to every host, which evaluates alone.
+  """
+  params = parallel.to_local(params)
+  if num_seeds == 1:
+    return task.evaluate(params), None
+  results = [task.evaluate(jax.tree.map(lambda x, i=i: x[i], params)) for i in range(num_seeds)]
+  per_seed = {key: [float(r[key]) for r in results] for key in results[0]}
+  return {key: float(np.mean(vals)) for key, vals in per_seed.items()}, per_seed
 
 
 class _StopRequest:
@@ -207,8 +388,8 @@ class _StopRequest:
 def _progress_bar(total: int, initial: int):
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
   # disable=None: drawn on a terminal only (log files get the periodic log lines instead).
-  return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, disable=None,
-              desc="train")
+  return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+              disable=None if parallel.is_main_process() else True, desc="train")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -227,65 +408,121 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     TrainingInterrupted: SIGTERM or Ctrl-C (a checkpoint was saved first).
   """
   config_utils.validate(config)
+  parallel.maybe_initialize_distributed()  # before anything touches a device
   workdir = pathlib.Path(workdir).absolute()
+  mesh = parallel.make_mesh(config)
+  pieces = parallel.batch_divisor(mesh)
+  if config.batch_size % pieces:
+    raise config_utils.ConfigError(
+        f"batch_size={config.batch_size} does not split over the {pieces} devices of the mesh "
+        f"(mesh.data x mesh.fsdp); set batch_size to a multiple of {pieces} or set mesh.data")
   task = tasks.build_task(config)  # before touching the workdir: a bad model config writes nothing
-  checkpoint.prepare_workdir(workdir, config)
+  is_main = parallel.is_main_process()
+  if is_main:
+    checkpoint.prepare_workdir(workdir, config)
   num_steps = config.num_train_steps
   schedule = make_schedule(config.optimizer, num_steps)
   tx = make_optimizer(config.optimizer, schedule)
-  init_rng, train_rng = run_keys(config.seed)
-  train_iter = task.train_iterator()
+  seeds = replica_seeds(config)
+  num_seeds = len(seeds)
+  init_rng, train_rng = replica_keys(config)
+  if num_seeds == 1:
+    train_iter = task.train_iterator()
+  else:
+    train_iter = ReplicaBatches(replica_iterators(task, seeds))
+  abstract = abstract_train_state(task, tx, run_keys(config.seed)[0], mesh=mesh)
+  shardings = None
+  if mesh is not None:
+    shardings = jax.tree.map(lambda x: x.sharding, abstract)
+    train_iter = _PlacedBatches(train_iter, mesh, 1 if num_seeds > 1 else 0)
+    # Raw key data, replicated on the mesh (a key array cannot cross processes as it is).
+    train_rng = parallel.put_replicated(jax.random.key_data(train_rng), mesh)
 
   ckpt = checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR,
                                  max_to_keep=config.keep_checkpoints)
   try:
-    restored = ckpt.restore_latest(abstract_train_state(task, tx, init_rng), quarantine=True)
+    restored = ckpt.restore_latest(abstract, quarantine=is_main)
     if restored is None:
-      state = create_train_state(task, tx, init_rng)
+      state = _initial_state(task, tx, init_rng, num_seeds, mesh, shardings)
     else:
       state, data_state = restored
       train_iter.set_state(data_state)
-      _LOG.info("resuming %s from checkpoint step %d", workdir, int(state.step))
-    start = int(state.step)
-    checkpoint.truncate_metrics(workdir, start)
+      _LOG.info("resuming %s from checkpoint step %d", workdir, _step_of(state))
+    start = _step_of(state)
+    if is_main:
+      checkpoint.truncate_metrics(workdir, start)
     if start >= num_steps:
-      _finish_complete_run(task, state, workdir, start)
+      _finish_complete_run(task, state, workdir, start, seeds)
       return state
-    state = _train_loop(config, workdir, task, state, train_iter, ckpt,
-                        make_train_step(task, tx, schedule), train_rng)
+    train_step = make_train_step(task, tx, schedule, num_seeds=num_seeds, mesh=mesh,
+                                 state_shardings=shardings)
+    state = _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, train_rng,
+                        seeds)
   finally:
     ckpt.close()
-  if config.write_plots:
-    task.write_plots(state.params, workdir)
+  if config.write_plots and is_main:
+    params = parallel.to_local(state.params)
+    if num_seeds > 1:  # the first replica's plots
+      params = jax.tree.map(lambda x: x[0], params)
+    task.write_plots(params, workdir)
   return state
 
 
+def _initial_state(task: tasks.Task, tx: optax.GradientTransformation, init_rng: jax.Array,
+                   num_seeds: int, mesh: jax.sharding.Mesh | None, shardings: Any) -> TrainState:
+  """Step 0 of every replica, created directly in its sharding on a mesh."""
+  if mesh is None:
+    if num_seeds == 1:
+      return create_train_state(task, tx, init_rng)
+    return create_replicas(task, tx, init_rng)
+
+  def create(key_data: jax.Array) -> TrainState:
+    keys = jax.random.wrap_key_data(key_data)
+    if num_seeds == 1:
+      return create_train_state(task, tx, keys)
+    return create_replicas(task, tx, keys)
+  key_data = parallel.put_replicated(jax.random.key_data(init_rng), mesh)
+  return jax.jit(create, out_shardings=shardings)(key_data)
+
+
+def _step_of(state: TrainState) -> int:
+  """The step counter of a state (every replica has the same)."""
+  return int(np.asarray(parallel.to_host(state.step)).reshape(-1)[0])
+
+
 def _finish_complete_run(task: tasks.Task, state: TrainState, workdir: pathlib.Path,
-                         step: int) -> None:
+                         step: int, seeds: list[int]) -> None:
   """A run already at its last step: add the final evaluation if a crash skipped it."""
   if not checkpoint.is_complete(workdir, step):
-    logger = _MetricLogger(workdir, step)
-    logger.write(step, "eval", task.evaluate(state.params))
+    logger = _MetricLogger(workdir, step, seeds)
+    metrics, per_seed = evaluate(task, state.params, len(seeds))
+    logger.write(step, "eval", metrics, per_seed)
     logger.close()
   _LOG.info("%s is complete (step %d); nothing to train", workdir, step)
 
 
-def _check_finite(pending: list[tuple[int, dict]], ckpt: checkpoint.Checkpointer) -> None:
-  losses = jax.device_get([m["loss"] for _, m in pending])
+def _check_finite(pending: list[tuple[int, dict]], ckpt: checkpoint.Checkpointer,
+                  seeds: list[int] | None = None) -> None:
+  losses = parallel.to_host([m["loss"] for _, m in pending])
   for (step, _), loss in zip(pending, losses):
-    if not np.isfinite(loss):
+    loss = np.asarray(loss).reshape(-1)  # [num_seeds]
+    bad = np.flatnonzero(~np.isfinite(loss))
+    if bad.size:
       last = ckpt.latest_step()
       kept = (f"the last good checkpoint is step {last} in {ckpt.directory}" if last is not None
               else "no checkpoint had been saved yet")
+      which = f" (replica of seed {seeds[bad[0]]})" if seeds and len(seeds) > 1 else ""
       raise NonFiniteLossError(
-          f"loss is {float(loss)} at step {step}; training stopped and nothing was saved after it: "
+          f"loss is {float(loss[bad[0]])} at step {step}{which}; training stopped and nothing "
+          f"was saved after it: "
           f"{kept}, metrics.jsonl is intact. Lower optimizer.learning_rate or set "
           f"optimizer.grad_clip, and pass --config.allow_config_change=True to resume from it")
 
 
-def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, train_rng) -> TrainState:
-  num_steps, start = config.num_train_steps, int(state.step)
-  logger = _MetricLogger(workdir, start)
+def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, train_rng,
+                seeds) -> TrainState:
+  num_steps, start, num_seeds = config.num_train_steps, _step_of(state), len(seeds)
+  logger = _MetricLogger(workdir, start, seeds)
   pending: list[tuple[int, dict]] = []  # per-step metrics (on device) since the last log
   checked = 0  # pending[:checked] are known to have a finite loss
   last_log_step, last_log_time = start, time.time()
@@ -307,13 +544,13 @@ def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, trai
         do_eval = last or (not stopping and config.eval_every > 0 and step % config.eval_every == 0)
         if not (do_log or do_ckpt or do_eval):
           continue
-        _check_finite(pending[checked:], ckpt)  # before anything is written for this step
+        _check_finite(pending[checked:], ckpt, seeds)  # before anything is written for this step
         checked = len(pending)
         if do_log:
           now = time.time()
-          summary = _mean_metrics(pending)
+          summary, per_seed = _mean_metrics(pending, num_seeds)
           steps_per_sec = (step - last_log_step) / max(now - last_log_time, 1e-9)
-          logger.write(step, "train", summary, steps_per_sec=steps_per_sec)
+          logger.write(step, "train", summary, per_seed, steps_per_sec=steps_per_sec)
           bar.set_postfix(loss=f"{summary['loss']:.4g}", refresh=False)
           if bar.disable:
             _LOG.info("step %d: loss %.4g, %.1f steps/s", step, summary["loss"], steps_per_sec)
@@ -322,8 +559,8 @@ def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, trai
         if do_ckpt:
           ckpt.save(step, state, train_iter.get_state())
         if do_eval:
-          eval_metrics = task.evaluate(state.params)
-          logger.write(step, "eval", eval_metrics)
+          eval_metrics, per_seed = evaluate(task, state.params, num_seeds)
+          logger.write(step, "eval", eval_metrics, per_seed)
           _LOG.info("step %d eval: %s", step,
                     ", ".join(f"{k}={v:.4g}" for k, v in eval_metrics.items()))
           last_log_time = time.time()  # throughput counts training only

@@ -1,0 +1,246 @@
+"""Scaling out with jax.sharding: the device mesh from config, sharding rules, multi-host start.
+
+The mesh has two axes, sized by `config.mesh`:
+  data   batches are split over it; parameters are replicated along it (data parallelism)
+  fsdp   batches are split over it too, and parameters and optimizer state are split along their
+         largest divisible dimension (FSDP-style; leaves under `mesh.fsdp_min_size` elements stay
+         replicated)
+`mesh.data = -1` takes every device not used by `fsdp`. When the mesh would hold a single device,
+`make_mesh` returns None and the trainer runs exactly its single-device path.
+
+With `config.num_seeds = N > 1` every state leaf and batch leaf has a leading replica axis `[N, ...]`
+that is never split: the rules below apply to the dimensions after it.
+
+Multi-host: `maybe_initialize_distributed()` calls `jax.distributed.initialize()` when the launcher's
+environment says the job has several processes (SLURM `srun`, Open MPI `mpirun`, or the variables
+JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID set by hand). Every process runs the same
+command; each builds the global batch from the deterministic data iterator and transfers only the
+rows that its own devices hold.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from attnlab.config_utils import ConfigError
+
+_LOG = logging.getLogger(__name__)
+
+# Mesh axis names: batches are split over both, parameters only over FSDP_AXIS.
+DATA_AXIS = "data"
+FSDP_AXIS = "fsdp"
+MESH_AXES = (DATA_AXIS, FSDP_AXIS)
+# Environment switch: 1 forces jax.distributed.initialize() (cluster auto-detection), 0 never calls it.
+DISTRIBUTED_ENV = "ATTNLAB_DISTRIBUTED"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Multi-host start
+
+
+def distributed_env(environ: dict[str, str] | None = None) -> dict[str, Any] | None:
+  """The `jax.distributed.initialize` arguments the environment asks for, or None (one process).
+
+  JAX_COORDINATOR_ADDRESS (with JAX_NUM_PROCESSES and JAX_PROCESS_ID) gives them explicitly; a SLURM
+  step or an Open MPI job with more than one task uses JAX's cluster auto-detection ({}).
+  """
+  env = os.environ if environ is None else environ
+  switch = env.get(DISTRIBUTED_ENV, "").strip().lower()
+  if switch in ("0", "false", "no", "off"):
+    return None
+  if env.get("JAX_COORDINATOR_ADDRESS"):
+    missing = [v for v in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID") if not env.get(v, "").isdigit()]
+    if missing:
+      raise ConfigError(f"JAX_COORDINATOR_ADDRESS is set but {', '.join(missing)} is not an int; "
+                        f"set all three on every host (process ids 0..JAX_NUM_PROCESSES-1)")
+    return {"coordinator_address": env["JAX_COORDINATOR_ADDRESS"],
+            "num_processes": int(env["JAX_NUM_PROCESSES"]),
+            "process_id": int(env["JAX_PROCESS_ID"])}
+  if switch in ("1", "true", "yes", "on"):
+    return {}
+  if int(env.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_STEP_NODELIST" in env:
+    return {}
+  if int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1:
+    return {}
+  return None
+
+
+def maybe_initialize_distributed() -> bool:
+  """Starts JAX's distributed runtime once if the environment is a multi-process job.
+
+  Must run before anything touches a JAX device; the trainer calls it first. Returns whether the
+  runtime is initialised.
+  """
+  if jax.distributed.is_initialized():
+    return True
+  kwargs = distributed_env()
+  if kwargs is None:
+    return False
+  jax.distributed.initialize(**kwargs)
+  _LOG.info("jax.distributed: process %d of %d, %d local / %d global devices",
+            jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count())
+  return True
+
+
+def is_main_process() -> bool:
+  """Whether this process writes logs, metrics and plots (process 0)."""
+  return jax.process_index() == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Mesh
+
+
+def mesh_shape(mesh_config: ml_collections.ConfigDict | None,
+               num_devices: int) -> tuple[int, int]:
+  """(data, fsdp) sizes from `config.mesh` for `num_devices` devices; -1 = the rest."""
+  data = int(mesh_config.get("data", -1)) if mesh_config is not None else -1
+  fsdp = int(mesh_config.get("fsdp", 1)) if mesh_config is not None else 1
+  if fsdp < 1 or data == 0 or data < -1:
+    raise ConfigError(f"mesh.data must be -1 (all devices) or >= 1 and mesh.fsdp >= 1, got "
+                      f"mesh.data={data}, mesh.fsdp={fsdp}")
+  if num_devices % fsdp:
+    raise ConfigError(f"mesh.fsdp={fsdp} does not divide the {num_devices} devices; pick a divisor")
+  if data == -1:
+    data = num_devices // fsdp
+  if data * fsdp > num_devices:
+    raise ConfigError(f"mesh.data={data} x mesh.fsdp={fsdp} needs {data * fsdp} devices but "
+                      f"{num_devices} are available; set mesh.data=-1 to use them all")
+  return data, fsdp
+
+
+def make_mesh(config: ml_collections.ConfigDict,
+              devices: Sequence[jax.Device] | None = None) -> Mesh | None:
+  """The ("data", "fsdp") Mesh of `config.mesh`, or None when it would hold a single device.
+
+  With several processes the mesh must span every device of the job.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  data, fsdp = mesh_shape(config.get("mesh"), len(devices))
+  if data * fsdp == 1:
+    return None
+  if data * fsdp < len(devices):
+    if jax.process_count() > 1:
+      raise ConfigError(f"mesh.data={data} x mesh.fsdp={fsdp} uses {data * fsdp} of the "
+                        f"{len(devices)} devices of this {jax.process_count()}-process job; a "
+                        f"multi-host mesh must use them all (set mesh.data=-1)")
+    _LOG.info("mesh uses %d of %d devices", data * fsdp, len(devices))
+    devices = devices[:data * fsdp]
+  # Auto axes: the compiler propagates shardings (task code needs no sharding annotations).
+  auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+  return jax.make_mesh((data, fsdp), MESH_AXES, axis_types=auto, devices=devices)
+
+
+def batch_divisor(mesh: Mesh | None) -> int:
+  """Number of pieces a batch is split into (data x fsdp devices)."""
+  return 1 if mesh is None else mesh.shape[DATA_AXIS] * mesh.shape[FSDP_AXIS]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sharding rules
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  """The same full value on every device of `mesh`."""
+  return NamedSharding(mesh, P())
+
+
+def leaf_spec(shape: Sequence[int], fsdp: int, min_size: int, replica_axes: int = 0) -> P:
+  """PartitionSpec of one state leaf: its largest dimension divisible by `fsdp` (after the first
+  `replica_axes` dimensions, and ties to the last) over "fsdp", or replicated."""
+  dims = list(shape)[replica_axes:]
+  if fsdp <= 1 or not dims or int(np.prod(dims)) < min_size:
+    return P()
+  candidates = [i for i, d in enumerate(dims) if d % fsdp == 0]
+  if not candidates:
+    return P()
+  best = max(candidates, key=lambda i: (dims[i], i))
+  spec = [None] * len(shape)
+  spec[replica_axes + best] = FSDP_AXIS
+  return P(*spec)
+
+
+def state_shardings(abstract_state: Any, mesh: Mesh, *, min_size: int = 1024,
+                    replica_axes: int = 0) -> Any:
+  """NamedShardings for a pytree of arrays/ShapeDtypeStructs (parameters, optimizer state, step).
+
+  Replicated over "data"; split over "fsdp" by `leaf_spec`.
+  """
+  fsdp = mesh.shape[FSDP_AXIS]
+  return jax.tree.map(
+      lambda x: NamedSharding(mesh, leaf_spec(x.shape, fsdp, min_size, replica_axes)),
+      abstract_state)
+
+
+def batch_sharding(mesh: Mesh, ndim: int, replica_axes: int = 0) -> NamedSharding:
+  """Batch leaves: the example axis (after the replica axes) split over ("data", "fsdp")."""
+  if ndim <= replica_axes:
+    return replicated(mesh)
+  spec = [None] * replica_axes + [MESH_AXES]
+  return NamedSharding(mesh, P(*spec))
+
+
+def shard_batch(batch: Any, mesh: Mesh, replica_axes: int = 0) -> Any:
+  """Places a host batch (NumPy pytree, the same global batch on every process) on the mesh.
+
+  Each process transfers only the rows its own devices hold. Leaves without an example axis are
+  replicated. Raises ConfigError when the example axis does not split evenly.
+  """
+  pieces = batch_divisor(mesh)
+
+  def place(path, leaf):
+    leaf = np.asarray(leaf)
+    if leaf.ndim > replica_axes and leaf.shape[replica_axes] % pieces:
+      raise ConfigError(
+          f"batch leaf {jax.tree_util.keystr(path) or 'batch'} has {leaf.shape[replica_axes]} "
+          f"examples, which do not split over the {pieces} devices of the mesh (data x fsdp); set "
+          f"batch_size to a multiple of {pieces}, or choose mesh.data/mesh.fsdp to divide it")
+    sharding = batch_sharding(mesh, leaf.ndim, replica_axes)
+    return jax.make_array_from_callback(leaf.shape, sharding, lambda index: leaf[index])
+  return jax.tree_util.tree_map_with_path(place, batch)
+
+
+def put_replicated(value: Any, mesh: Mesh) -> Any:
+  """A host value (NumPy pytree, equal on every process) replicated over `mesh`."""
+  sharding = replicated(mesh)
+
+  def place(leaf):
+    leaf = np.asarray(leaf)
+    return jax.make_array_from_callback(leaf.shape, sharding, lambda index: leaf[index])
+  return jax.tree.map(place, value)
+
+
+def to_host(tree: Any) -> Any:
+  """NumPy copies of a pytree of (possibly multi-host) arrays: gathered across processes."""
+  if jax.process_count() == 1:
+    return jax.device_get(tree)
+
+  def gather(x):
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+      return np.asarray(jax.device_get(x))
+    if x.is_fully_replicated:
+      return np.asarray(x.addressable_data(0))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return jax.tree.map(gather, tree)
+
+
+def to_local(tree: Any) -> Any:
+  """The pytree as arrays this process can use alone (for host-side evaluation and plots).
+
+  One process: unchanged (jit handles sharded inputs). Several: gathered to this host.
+  """
+  if jax.process_count() == 1:
+    return tree
+  return jax.tree.map(jnp.asarray, to_host(tree))

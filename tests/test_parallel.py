@@ -1,0 +1,262 @@
+"""Data parallelism and FSDP on 4 fake CPU devices, sharded checkpoints, multi-host start rules.
+
+The 4-device runs happen in one subprocess (XLA_FLAGS must be set before JAX is imported), which
+calls `worker` below and writes its results as JSON; the tests check them against a NumPy SGD
+reference and against each other, and restore its sharded checkpoint here, on one device.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attnlab import analysis
+from attnlab import config_utils
+from attnlab import parallel
+from attnlab import tasks
+from attnlab.config_utils import ConfigError
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+D_IN, D_OUT, BATCH, STEPS, LR = 8, 16, 8, 6, 0.1
+
+
+def _batch(seed: int, index: int) -> dict[str, np.ndarray]:
+  rng = np.random.default_rng([seed, index])
+  return {"x": rng.normal(size=(BATCH, D_IN)).astype(np.float32),  # [batch, d_in]
+          "y": rng.normal(size=(BATCH, D_OUT)).astype(np.float32)}  # [batch, d_out]
+
+
+@tasks.register_task("linear_probe")
+class LinearProbeTask(tasks.Task):
+  """Least squares y ≈ x W + b on Gaussian batches drawn from (seed, batch index)."""
+
+  def init(self, rng):
+    return {"kernel": 0.1 * jax.random.normal(rng, (D_IN, D_OUT)), "bias": jnp.zeros((D_OUT,))}
+
+  def train_iterator(self):
+    seed = self.config.seed
+    return tasks.IndexedBatches(lambda i: _batch(seed, i))
+
+  def loss_fn(self, params, batch, rng):
+    pred = batch["x"] @ params["kernel"] + params["bias"]  # [batch, d_out]
+    return jnp.mean(jnp.square(pred - batch["y"])), {}
+
+  def eval_batches(self):
+    return [_batch(1000, 0)]
+
+
+def probe_config(**overrides) -> config_utils.ConfigDict:
+  config = config_utils.base_config()
+  config.task = "linear_probe"
+  config.num_train_steps, config.batch_size, config.log_every = STEPS, BATCH, 1
+  config.eval_every, config.checkpoint_every, config.write_plots = 0, 3, False
+  config.optimizer.name, config.optimizer.schedule = "sgd", "constant"
+  config.optimizer.learning_rate = LR
+  return config_utils.apply_overrides(config, overrides)
+
+
+def worker(out: str) -> None:
+  """Runs in the 4-device subprocess: trains the probe under several meshes, writes JSON."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  from attnlab import train  # pylint: disable=g-import-not-at-top
+  root = pathlib.Path(out).parent
+  result = {"devices": jax.device_count(), "runs": {}}
+
+  def run(name, **overrides):
+    state = train.train_and_evaluate(probe_config(**overrides), root / name)
+    records = checkpoint.read_metrics(root / name)
+    result["runs"][name] = {
+        "losses": [r["loss"] for r in records if r["split"] == "train"],
+        "per_seed": [r.get("per_seed", {}).get("loss") for r in records if r["split"] == "train"],
+        "kernel": np.asarray(jax.device_get(state.params["kernel"])).tolist(),
+        "specs": {k: str(getattr(v.sharding, "spec", "single device"))
+                  for k, v in state.params.items()},
+        "devices": len(state.params["kernel"].sharding.device_set),
+        "opt_specs": [str(getattr(x.sharding, "spec", "single device"))
+                      for x in jax.tree.leaves(state.opt_state)],
+    }
+    return state
+
+  run("one", checkpoint_every=0, **{"mesh.data": 1})
+  run("dp4", checkpoint_every=0)
+  run("fsdp_momentum", checkpoint_every=0, **{"mesh.data": 2, "mesh.fsdp": 2,
+                                              "mesh.fsdp_min_size": 16, "optimizer.momentum": 0.9})
+  run("fsdp4", **{"mesh.data": 1, "mesh.fsdp": 4, "mesh.fsdp_min_size": 16})
+  # Resume the FSDP run from its step-3 checkpoint on a 2-device data-parallel mesh.
+  shutil.copytree(root / "fsdp4", root / "resumed")
+  shutil.rmtree(root / "resumed" / "checkpoints" / str(STEPS))
+  checkpoint.truncate_metrics(root / "resumed", 3)
+  run("resumed", **{"mesh.data": 2, "mesh.fsdp": 1, "mesh.fsdp_min_size": 16})
+  run("seeds_dp4", num_seeds=3, checkpoint_every=0)
+  probe = LinearProbeTask(probe_config())
+  result["init_kernels"] = [np.asarray(probe.init(train.run_keys(seed)[0])["kernel"]).tolist()
+                            for seed in (0, 1, 2)]
+  try:
+    train.train_and_evaluate(probe_config(batch_size=6), root / "bad_batch")
+  except ConfigError as e:
+    result["bad_batch_error"] = str(e)
+  pathlib.Path(out).write_text(json.dumps(result))
+
+
+@pytest.fixture(scope="module")
+def four_devices(tmp_path_factory):
+  root = tmp_path_factory.mktemp("parallel")
+  out = root / "result.json"
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu", ATTNLAB_DISTRIBUTED="0",
+             PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"),
+                                         os.environ.get("PYTHONPATH", "")]))
+  code = f"import test_parallel; test_parallel.worker({str(out)!r})"
+  proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                        timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return root, json.loads(out.read_text())
+
+
+def _numpy_sgd(kernel: np.ndarray, seed: int = 0,
+               momentum: float = 0.0) -> tuple[np.ndarray, list[float]]:
+  """SGD (heavy-ball momentum) on the probe's mean squared error in NumPy: (final kernel, losses)."""
+  w, b, losses = kernel.astype(np.float64), np.zeros(D_OUT), []
+  mw, mb = np.zeros_like(w), np.zeros_like(b)
+  for index in range(STEPS):
+    batch = _batch(seed, index)
+    residual = batch["x"] @ w + b - batch["y"]  # [batch, d_out]
+    losses.append(float(np.mean(residual ** 2)))
+    scale = 2.0 / residual.size
+    mw = scale * batch["x"].T @ residual + momentum * mw  # [d_in, d_out]
+    mb = scale * residual.sum(0) + momentum * mb  # [d_out]
+    w, b = w - LR * mw, b - LR * mb
+  return w, losses
+
+
+def test_data_parallel_and_fsdp_match_numpy_sgd(four_devices):
+  _, result = four_devices
+  assert result["devices"] == 4
+  runs = result["runs"]
+  expected_kernel, expected_losses = _numpy_sgd(np.asarray(result["init_kernels"][0]))
+  for name in ("one", "dp4", "fsdp4"):
+    np.testing.assert_allclose(runs[name]["losses"], expected_losses, rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(runs[name]["kernel"], expected_kernel, rtol=1e-4, atol=1e-6,
+                               err_msg=name)
+  kernel, losses = _numpy_sgd(np.asarray(result["init_kernels"][0]), momentum=0.9)
+  np.testing.assert_allclose(runs["fsdp_momentum"]["losses"], losses, rtol=1e-5)
+  np.testing.assert_allclose(runs["fsdp_momentum"]["kernel"], kernel, rtol=1e-4, atol=1e-6)
+  # The 4-device run reaches the 1-device run's loss at every step (same global batch).
+  np.testing.assert_allclose(runs["dp4"]["losses"], runs["one"]["losses"], rtol=1e-6)
+
+
+def test_shardings_follow_the_mesh(four_devices):
+  runs = four_devices[1]["runs"]
+  assert runs["one"]["devices"] == 1 and runs["one"]["specs"]["kernel"] == "single device"
+  assert runs["dp4"]["devices"] == 4 and runs["dp4"]["specs"]["kernel"] == "P()"
+  # FSDP: the largest divisible dimension (d_out = 16) is split.
+  assert runs["fsdp_momentum"]["specs"] == {"kernel": "P(None, 'fsdp')", "bias": "P('fsdp',)"}
+  # The optimizer state is split like the parameters (momenta); its step count is replicated.
+  assert sorted(runs["fsdp_momentum"]["opt_specs"]) == ["P('fsdp',)", "P()", "P(None, 'fsdp')"]
+  assert runs["fsdp4"]["devices"] == 4
+  assert runs["resumed"]["devices"] == 2 and runs["resumed"]["specs"]["kernel"] == "P()"
+
+
+def test_sharded_checkpoint_restores_on_other_device_counts(four_devices):
+  root, result = four_devices
+  runs = result["runs"]
+  # Saved split over 4 devices at step 3, resumed on 2: the same end point.
+  np.testing.assert_allclose(runs["resumed"]["kernel"], runs["fsdp4"]["kernel"], rtol=1e-6)
+  np.testing.assert_allclose(runs["resumed"]["losses"], runs["fsdp4"]["losses"], rtol=1e-6)
+  # And here, in a 1-device process.
+  run = analysis.load_run(root / "fsdp4")
+  assert run.step == STEPS and len(run.params["kernel"].sharding.device_set) == 1
+  np.testing.assert_array_equal(np.asarray(run.params["kernel"]), runs["fsdp4"]["kernel"])
+
+
+def test_seeds_on_a_mesh_match_single_seed_runs(four_devices):
+  result = four_devices[1]
+  runs = result["runs"]
+  per_step = np.asarray(runs["seeds_dp4"]["per_seed"])  # [steps, 3]
+  assert per_step.shape == (STEPS, 3)
+  np.testing.assert_allclose(per_step[:, 0], runs["one"]["losses"], rtol=1e-5)
+  for seed in (0, 1, 2):
+    _, expected = _numpy_sgd(np.asarray(result["init_kernels"][seed]), seed)
+    np.testing.assert_allclose(per_step[:, seed], expected, rtol=1e-5)
+  np.testing.assert_allclose(runs["seeds_dp4"]["losses"], per_step.mean(1), rtol=1e-6)
+
+
+def test_batch_that_does_not_split_is_a_clear_error(four_devices):
+  message = four_devices[1]["bad_batch_error"]
+  assert "batch_size=6 does not split over the 4 devices" in message and "multiple of 4" in message
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rules that need no devices
+
+
+def test_leaf_spec_splits_the_largest_divisible_dimension():
+  assert parallel.leaf_spec((64, 96), 4, 16) == jax.sharding.PartitionSpec(None, "fsdp")
+  assert parallel.leaf_spec((96, 64), 4, 16) == jax.sharding.PartitionSpec("fsdp", None)
+  assert parallel.leaf_spec((6, 10), 4, 16) == jax.sharding.PartitionSpec()  # nothing divides
+  assert parallel.leaf_spec((64, 96), 4, 10**6) == jax.sharding.PartitionSpec()  # too small
+  assert parallel.leaf_spec((), 4, 0) == jax.sharding.PartitionSpec()
+  # A leading replica axis (num_seeds) is never split.
+  assert parallel.leaf_spec((128, 8, 12), 4, 16, replica_axes=1) == jax.sharding.PartitionSpec(
+      None, None, "fsdp")
+  assert parallel.leaf_spec((64, 96), 1, 16) == jax.sharding.PartitionSpec()
+
+
+def test_mesh_shape_from_config():
+  mesh = config_utils.base_config().mesh
+  assert parallel.mesh_shape(mesh, 8) == (8, 1)
+  mesh.fsdp = 4
+  assert parallel.mesh_shape(mesh, 8) == (2, 4)
+  mesh.data = 1
+  assert parallel.mesh_shape(mesh, 8) == (1, 4)
+  mesh.data = 3
+  with pytest.raises(ConfigError, match="needs 12 devices but 8 are available"):
+    parallel.mesh_shape(mesh, 8)
+  mesh.data, mesh.fsdp = -1, 3
+  with pytest.raises(ConfigError, match="mesh.fsdp=3 does not divide the 8 devices"):
+    parallel.mesh_shape(mesh, 8)
+  # One device: no mesh at all, the trainer's plain path.
+  assert parallel.make_mesh(config_utils.base_config()) is None
+
+
+def test_distributed_start_follows_the_launcher_environment():
+  assert parallel.distributed_env({}) is None
+  slurm = {"SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_PROCID": "0"}
+  assert parallel.distributed_env(slurm) == {}
+  assert parallel.distributed_env({**slurm, "SLURM_NTASKS": "1"}) is None
+  assert parallel.distributed_env({"OMPI_COMM_WORLD_SIZE": "4"}) == {}
+  assert parallel.distributed_env({**slurm, "ATTNLAB_DISTRIBUTED": "0"}) is None
+  assert parallel.distributed_env({"ATTNLAB_DISTRIBUTED": "1"}) == {}
+  manual = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "2",
+            "JAX_PROCESS_ID": "1"}
+  assert parallel.distributed_env(manual) == {"coordinator_address": "10.0.0.1:1234",
+                                              "num_processes": 2, "process_id": 1}
+  with pytest.raises(ConfigError, match="JAX_PROCESS_ID is not an int"):
+    parallel.distributed_env({**manual, "JAX_PROCESS_ID": ""})
+
+
+def test_sweep_members_as_array_tasks(tmp_path, capsys):
+  """--list, one member per --member_index (as cluster array tasks would), then --summarize."""
+  from attnlab import sweep  # pylint: disable=g-import-not-at-top
+  spec = (f"{REPO / 'configs' / 'nadaraya_watson.py'}:runlocal=True,write_plots=False,"
+          f"num_train_steps=4,eval_every=0,checkpoint_every=0,log_every=2")
+  args = ["attnlab sweep", f"--config={spec}", f"--workdir={tmp_path}", "--sweep=seed=0,1"]
+  assert sweep.main([*args, "--list"]) == 0
+  assert capsys.readouterr().out.splitlines() == ["0\tseed=0", "1\tseed=1"]
+  assert sweep.main([*args, "--member_index=2"]) == 2
+  assert "out of range: the sweep has 2 members" in capsys.readouterr().err
+  for index in (1, 0):
+    assert sweep.main([*args, f"--member_index={index}"]) == 0
+    assert not (tmp_path / sweep.SUMMARY_CSV).exists()
+  assert sweep.main([*args, "--summarize"]) == 0
+  finals = [[r for r in analysis.read_metrics(tmp_path / f"seed={s}") if r["split"] == "eval"][-1]
+            ["test_mse"] for s in (0, 1)]
+  table = (tmp_path / sweep.SUMMARY_MD).read_text()
+  assert f"| 2 | 0 | {np.mean(finals):.4g} ± {np.std(finals, ddof=1):.2g} |" in table
