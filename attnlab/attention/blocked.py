@@ -1,0 +1,458 @@
+"""Blocked (flash-style) softmax attention for the dot and scaled_dot scores.
+
+`blocked_attention` computes softmax(scale · q kᵀ) v without ever holding the full
+`[..., q_len, k_len]` score matrix: queries and keys are cut into tiles, each query tile runs
+over the key tiles with an online softmax (running row max and row sum), and a custom VJP
+recomputes the score tiles in the backward pass from q, k and the saved row logsumexp. Peak
+memory therefore grows linearly with the sequence length.
+
+Tiles that a causal mask hides completely are never visited (the loop bounds depend on the
+tile index), tiles it hides in part are masked, and tiles it leaves whole run without any
+mask arithmetic. With a user mask every visited tile is masked, and each tile loop is bounded
+by the first and last tile in which the mask (over the whole head group) leaves anything
+visible, so the padding at the end of short sequences is skipped.
+
+Everything is pure JAX (`lax.fori_loop`, `lax.map`, `dot_general`), so the same code compiles
+for CPU, GPU and TPU; the default tile sizes are tuned for XLA:CPU (see
+experiments/benchmarks/README.md).
+
+Causal alignment follows `masks.causal_mask(offset=None)` and `core.attend`: query i may see
+key j iff j <= i + max(k_len - q_len, 0), i.e. the queries are the last positions when
+k_len > q_len (KV-cache decoding) and start at key 0 otherwise (q_len == k_len in the common
+case).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from attnlab.attention import masks as masks_lib
+
+Array = jax.Array
+
+# scores this implementation computes (others go through core.attend's reference path)
+SUPPORTED_SCORES: tuple[str, ...] = ("dot", "scaled_dot")
+
+# default query tile length (rows of each score tile)
+DEFAULT_BLOCK_Q = 128
+# default key tile length without a causal mask (one tile covers k_len <= 1024: plain softmax)
+DEFAULT_BLOCK_K = 1024
+# default query and key tile length under a causal mask (small enough to skip hidden tiles)
+DEFAULT_CAUSAL_BLOCK = 256
+# default score-tile budget in elements (head_group * block_q * block_k, 2 MiB in float32);
+# the head group is sized to fill it (measured on XLA:CPU, see experiments/benchmarks)
+DEFAULT_TILE_ELEMENTS = 1 << 19
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tiling:
+  """Static description of one blocked-attention problem (hashable: a custom_vjp static)."""
+  # true (unpadded) query length
+  q_len: int
+  # true (unpadded) key length
+  k_len: int
+  # query tile length; the queries are padded to a multiple of it
+  block_q: int
+  # key tile length; the keys are padded to a multiple of it
+  block_k: int
+  # rows of the flattened leading dims handled per step (divides their product)
+  head_group: int
+  # whether the look-ahead mask applies
+  causal: bool
+  # key j visible to query i iff j <= i + causal_offset (when causal)
+  causal_offset: int
+  # whether a user mask is given
+  has_mask: bool
+  # whether that mask has a leading axis of the full flattened size (else size 1)
+  mask_rows: bool
+  # whether the user mask varies along the queries (else broadcast along them)
+  mask_q: bool
+  # whether the user mask varies along the keys (else broadcast along them)
+  mask_k: bool
+  # whether to bound the tile loops by the tiles the user mask leaves visible
+  skip_empty: bool
+
+  @property
+  def num_q_blocks(self) -> int:
+    return -(-self.q_len // self.block_q)
+
+  @property
+  def num_k_blocks(self) -> int:
+    return -(-self.k_len // self.block_k)
+
+  @property
+  def q_pad(self) -> int:
+    return self.num_q_blocks * self.block_q
+
+  @property
+  def k_pad(self) -> int:
+    return self.num_k_blocks * self.block_k
+
+  @property
+  def k_ragged(self) -> bool:
+    """The last key tile holds padding keys that must be masked."""
+    return self.k_pad != self.k_len
+
+  def key_blocks(self, i: Any) -> tuple[Any, Any]:
+    """(full_hi, hi) for query tile i: key tiles [0, full_hi) need no mask, [full_hi, hi) do."""
+    nk, bq, bk = self.num_k_blocks, self.block_q, self.block_k
+    hi: Any = nk
+    full_hi: Any = self.k_len // bk
+    if self.causal:
+      last_row = i * bq + bq - 1 + self.causal_offset  # last key the tile's last row sees
+      hi = jnp.minimum(nk, last_row // bk + 1)
+      full_hi = jnp.minimum(full_hi, (i * bq + self.causal_offset + 1) // bk)
+      full_hi = jnp.minimum(full_hi, hi)
+    if self.has_mask:
+      full_hi = 0
+    return full_hi, hi
+
+  def query_blocks(self, j: Any) -> tuple[Any, Any]:
+    """(lo, full_lo) for key tile j: query tiles [lo, full_lo) need a mask, [full_lo, nq) not."""
+    nq, bq, bk = self.num_q_blocks, self.block_q, self.block_k
+    lo: Any = 0
+    full_lo: Any = 0
+    if self.causal:
+      first_row = jnp.maximum(j * bk - self.causal_offset, 0)  # first row that sees the tile
+      lo = jnp.minimum(first_row // bq, nq)
+      full_row = (j + 1) * bk - 1 - self.causal_offset  # first row that sees all of it
+      full_lo = jnp.clip(-(-full_row // bq), lo, nq)
+    if self.k_ragged:
+      full_lo = jnp.where(j == self.num_k_blocks - 1, nq, full_lo)
+    if self.has_mask:
+      full_lo = nq
+    return lo, full_lo
+
+
+def _fit_block(length: int, target: int) -> int:
+  """Tile length <= target covering `length` in the fewest tiles, with little padding."""
+  if length <= target:
+    return length
+  n = -(-length // target)
+  block = -(-length // n)
+  return min(-(-block // 8) * 8, target)
+
+
+def _tile_mask(t: _Tiling, mask: Array | None, i: Any, j: Any) -> Array:
+  """Which entries of score tile (i, j) may attend: bool broadcastable to [G, bq, bk]."""
+  bq, bk = t.block_q, t.block_k
+  k_pos = j * bk + lax.broadcasted_iota(jnp.int32, (1, 1, bk), 2)  # [1, 1, bk]
+  ok = None
+  if t.causal:
+    q_pos = i * bq + lax.broadcasted_iota(jnp.int32, (1, bq, 1), 1)  # [1, bq, 1]
+    ok = k_pos <= q_pos + t.causal_offset  # [1, bq, bk]
+  if t.k_ragged:
+    valid = k_pos < t.k_len  # [1, 1, bk]
+    ok = valid if ok is None else ok & valid
+  if t.has_mask:
+    m = mask  # [G|1, q_pad|1, k_pad|1]
+    if t.mask_q:
+      m = lax.dynamic_slice_in_dim(m, i * bq, bq, axis=1)
+    if t.mask_k:
+      m = lax.dynamic_slice_in_dim(m, j * bk, bk, axis=2)
+    ok = m if ok is None else ok & m  # [G|1, bq|1, bk|1]
+  return ok
+
+
+def _visible_tiles(t: _Tiling, mask: Array) -> Array:
+  """Whether the user mask leaves any entry of tile (i, j) visible: bool [nq|1, nk|1]."""
+  nq, bq = (t.num_q_blocks, t.block_q) if t.mask_q else (1, 1)
+  nk, bk = (t.num_k_blocks, t.block_k) if t.mask_k else (1, 1)
+  tiles = mask.reshape(mask.shape[0], nq, bq, nk, bk)  # [G|1, nq, bq, nk, bk]
+  return jnp.any(tiles, axis=(0, 2, 4))  # [nq|1, nk|1]
+
+
+def _visible_range(visible: Array, varies: bool, n: int) -> tuple[Any, Any]:
+  """[lo, hi) spanning the visible tiles of one row/column of `_visible_tiles` (n tiles)."""
+  if not varies:  # the mask is constant along this axis: all n tiles or none
+    return 0, jnp.where(visible[0], n, 0)
+  idx = jnp.arange(n)
+  hi = jnp.max(jnp.where(visible, idx + 1, 0))
+  lo = jnp.minimum(jnp.min(jnp.where(visible, idx, n)), hi)
+  return lo, hi
+
+
+def _loop(lo: Any, hi: Any, body, carry):
+  """lax.fori_loop over [lo, hi) that vanishes when the range is statically empty."""
+  if isinstance(lo, int) and isinstance(hi, int) and lo >= hi:
+    return carry
+  return lax.fori_loop(lo, hi, body, carry)
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _forward_group(t: _Tiling, q: Array, k: Array, v: Array,
+                   mask: Array | None) -> tuple[Array, Array]:
+  """Forward pass for one head group: (out [G, q_pad, d_v], lse [G, q_pad])."""
+  g, d_v = q.shape[0], v.shape[2]
+  bq, bk = t.block_q, t.block_k
+  dt = q.dtype
+  visible = _visible_tiles(t, mask) if t.has_mask and t.skip_empty else None
+
+  def q_step(i, carry):
+    out, lse = carry
+    q_i = lax.dynamic_slice_in_dim(q, i * bq, bq, axis=1)  # [G, bq, d]
+
+    def make_step(masked: bool):
+      def k_step(j, c):
+        m, l, acc = c
+        k_j = lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)  # [G, bk, d]
+        v_j = lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)  # [G, bk, d_v]
+        s = jnp.einsum("gqd,gkd->gqk", q_i, k_j)  # [G, bq, bk]
+        ok = _tile_mask(t, mask, i, j) if masked else None
+        if ok is not None:
+          s = jnp.where(ok, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # [G, bq]
+        # a row that has seen only masked keys keeps m = -inf; shift by 0 so exp gives 0
+        m_use = m_new if ok is None else jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp(s - m_use[..., None])  # [G, bq, bk]
+        alpha = jnp.exp(m - m_use)  # [G, bq]
+        l = alpha * l + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("gqk,gkd->gqd", p, v_j)  # [G, bq, d_v]
+        return m_new, l, alpha[..., None] * acc + pv
+      return k_step
+
+    # key tiles [0, full_hi) run unmasked, [lo, hi) masked (lo = full_hi without a user mask)
+    full_hi, hi = t.key_blocks(i)
+    lo = full_hi
+    if visible is not None:  # tiles outside [vis_lo, vis_hi) are hidden by the user mask
+      vis_lo, vis_hi = _visible_range(visible[i if t.mask_q else 0], t.mask_k,
+                                      t.num_k_blocks)
+      lo, hi = vis_lo, jnp.minimum(hi, vis_hi)
+    init = (jnp.full((g, bq), -jnp.inf, dt), jnp.zeros((g, bq), dt),
+            jnp.zeros((g, bq, d_v), dt))
+    c = _loop(0, full_hi, make_step(False), init)
+    m, l, acc = _loop(lo, hi, make_step(True), c)
+    seen = l > 0  # [G, bq]; False for rows with no visible key
+    l_safe = jnp.where(seen, l, 1.0)
+    out_i = acc / l_safe[..., None]  # [G, bq, d_v]
+    lse_i = jnp.where(seen, m + jnp.log(l_safe), jnp.inf)  # [G, bq]; +inf: p = 0 in bwd
+    out = lax.dynamic_update_slice_in_dim(out, out_i, i * bq, axis=1)
+    lse = lax.dynamic_update_slice_in_dim(lse, lse_i, i * bq, axis=1)
+    return out, lse
+
+  init = (jnp.zeros((g, t.q_pad, d_v), dt), jnp.zeros((g, t.q_pad), dt))
+  return lax.fori_loop(0, t.num_q_blocks, q_step, init)
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def _backward_group(t: _Tiling, q: Array, k: Array, v: Array, mask: Array | None,
+                    lse: Array, delta: Array, do: Array) -> tuple[Array, Array, Array]:
+  """Backward pass for one head group: (dq, dk, dv), recomputing the score tiles.
+
+  Works on transposed score tiles `[G, bk, bq]` so that every tile product is a plain
+  (or q·kᵀ-style) matmul; dq is accumulated transposed, `[G, d, q_pad]`.
+  """
+  g, d, d_v = q.shape[0], q.shape[2], v.shape[2]
+  bq, bk = t.block_q, t.block_k
+  dt = q.dtype
+  k_t = jnp.swapaxes(k, 1, 2)  # [G, d, k_pad]
+  visible = _visible_tiles(t, mask) if t.has_mask and t.skip_empty else None
+
+  def k_step(j, carry):
+    dq_t, dk, dv = carry
+    k_j = lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)  # [G, bk, d]
+    k_t_j = lax.dynamic_slice_in_dim(k_t, j * bk, bk, axis=2)  # [G, d, bk]
+    v_j = lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)  # [G, bk, d_v]
+
+    def make_step(masked: bool):
+      def q_step(i, c):
+        dk_j, dv_j, dq_t = c
+        q_i = lax.dynamic_slice_in_dim(q, i * bq, bq, axis=1)  # [G, bq, d]
+        do_i = lax.dynamic_slice_in_dim(do, i * bq, bq, axis=1)  # [G, bq, d_v]
+        lse_i = lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=1)  # [G, bq]
+        delta_i = lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=1)  # [G, bq]
+        s_t = jnp.einsum("gkd,gqd->gkq", k_j, q_i)  # [G, bk, bq]
+        ok = _tile_mask(t, mask, i, j) if masked else None
+        if ok is not None:
+          s_t = jnp.where(jnp.swapaxes(ok, 1, 2), s_t, -jnp.inf)
+        p_t = jnp.exp(s_t - lse_i[:, None, :])  # [G, bk, bq]; 0 where masked or row empty
+        dv_j = dv_j + jnp.einsum("gkq,gqd->gkd", p_t, do_i)  # [G, bk, d_v]
+        dp_t = jnp.einsum("gkd,gqd->gkq", v_j, do_i)  # [G, bk, bq]
+        ds_t = p_t * (dp_t - delta_i[:, None, :])  # [G, bk, bq]
+        dk_j = dk_j + jnp.einsum("gkq,gqd->gkd", ds_t, q_i)  # [G, bk, d]
+        dq_t_i = lax.dynamic_slice_in_dim(dq_t, i * bq, bq, axis=2)  # [G, d, bq]
+        dq_t_i = dq_t_i + jnp.einsum("gdk,gkq->gdq", k_t_j, ds_t)
+        dq_t = lax.dynamic_update_slice_in_dim(dq_t, dq_t_i, i * bq, axis=2)
+        return dk_j, dv_j, dq_t
+      return q_step
+
+    # query tiles [lo, hi) run masked, [full_lo, nq) unmasked (hi = full_lo without a user mask)
+    lo, full_lo = t.query_blocks(j)
+    hi = full_lo
+    if visible is not None:  # tiles outside [vis_lo, vis_hi) are hidden by the user mask
+      vis_lo, vis_hi = _visible_range(visible[:, j if t.mask_k else 0], t.mask_q,
+                                      t.num_q_blocks)
+      lo, hi = jnp.maximum(lo, vis_lo), jnp.minimum(hi, vis_hi)
+    init = (jnp.zeros((g, bk, d), dt), jnp.zeros((g, bk, d_v), dt), dq_t)
+    c = _loop(lo, hi, make_step(True), init)
+    dk_j, dv_j, dq_t = _loop(full_lo, t.num_q_blocks, make_step(False), c)
+    dk = lax.dynamic_update_slice_in_dim(dk, dk_j, j * bk, axis=1)
+    dv = lax.dynamic_update_slice_in_dim(dv, dv_j, j * bk, axis=1)
+    return dq_t, dk, dv
+
+  init = (jnp.zeros((g, d, t.q_pad), dt), jnp.zeros((g, t.k_pad, d), dt),
+          jnp.zeros((g, t.k_pad, d_v), dt))
+  dq_t, dk, dv = lax.fori_loop(0, t.num_k_blocks, k_step, init)
+  return jnp.swapaxes(dq_t, 1, 2), dk, dv  # dq [G, q_pad, d]
+
+
+# ----------------------------------------------------------------------------- head groups
+
+
+def _map_groups(t: _Tiling, fn, arrays: tuple[Array, ...], mask: Array | None):
+  """Applies fn(*arrays, mask) to consecutive head groups of the flattened leading axis."""
+  rows = arrays[0].shape[0]
+  n = rows // t.head_group
+  if n == 1:
+    return fn(*arrays, mask)
+  split = lambda x: x.reshape((n, t.head_group) + x.shape[1:])  # [n, G, ...]
+  if mask is not None and t.mask_rows:
+    outs = lax.map(lambda a: fn(*a[:-1], a[-1]), tuple(map(split, arrays)) + (split(mask),))
+  else:
+    outs = lax.map(lambda a: fn(*a, mask), tuple(map(split, arrays)))
+  return tuple(x.reshape((rows,) + x.shape[2:]) for x in outs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _blocked(t: _Tiling, q: Array, k: Array, v: Array, mask: Array | None) -> Array:
+  out, _ = _map_groups(t, functools.partial(_forward_group, t), (q, k, v), mask)
+  return out
+
+
+def _blocked_fwd(t: _Tiling, q: Array, k: Array, v: Array, mask: Array | None):
+  out, lse = _map_groups(t, functools.partial(_forward_group, t), (q, k, v), mask)
+  return out, (q, k, v, mask, out, lse)
+
+
+def _blocked_bwd(t: _Tiling, res, do: Array):
+  q, k, v, mask, out, lse = res
+  delta = jnp.sum(do * out, axis=-1)  # [rows, q_pad]
+
+  def group(q, k, v, lse, delta, do, mask):
+    return _backward_group(t, q, k, v, mask, lse, delta, do)
+
+  dq, dk, dv = _map_groups(t, group, (q, k, v, lse, delta, do), mask)
+  return dq, dk, dv, None
+
+
+_blocked.defvjp(_blocked_fwd, _blocked_bwd)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _check_block(name: str, value: Any) -> int:
+  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    raise ValueError(f"{name} must be a positive int (tile length); got {value!r}")
+  return value
+
+
+def _group_size(rows: int, target: int) -> int:
+  """Largest divisor of `rows` that is <= target."""
+  return next(g for g in range(max(1, min(rows, target)), 0, -1) if rows % g == 0)
+
+
+def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = None,
+                      mask: Any = None, causal: bool = False, block_q: int | None = None,
+                      block_k: int | None = None, head_group: int | None = None,
+                      skip_empty_tiles: bool = True) -> Array:
+  """softmax(scale · q kᵀ, masked) v, computed tile by tile (flash-style).
+
+  Args:
+    q: queries `[..., q_len, d]`.
+    k: keys `[..., k_len, d]`.
+    v: values `[..., k_len, d_v]`; leading (batch, head) dims of q, k, v broadcast.
+    scale: multiplies the dot products; None = 1/sqrt(d) (scaled_dot), 1.0 = dot score.
+    mask: bool broadcastable to `[..., q_len, k_len]`, True = may attend (a padding mask
+      arrives as `[batch, 1, 1, k_len]`).
+    causal: query i may see key j iff j <= i + max(k_len - q_len, 0).
+    block_q, block_k: query / key tile lengths; default 128 / 1024, or 256 / 256 when
+      causal. Lengths that are not a multiple are padded and masked internally; a length
+      shorter than its tile is one tile.
+    head_group: flattened (batch * heads) rows per tile step; default fills a score tile of
+      DEFAULT_TILE_ELEMENTS (head_group * block_q * block_k); rounded down to a divisor of
+      the number of rows.
+    skip_empty_tiles: bound the tile loops by the first and last tile that the user mask
+      leaves visible (False visits every tile; the result is the same).
+
+  Returns:
+    context `[..., q_len, d_v]` in the inputs' dtype. A query with no visible key gets a zero
+    context and zero gradients. Computation runs in at least float32.
+  """
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  for name, x, want in (("q", q, "[..., q_len, d]"), ("k", k, "[..., k_len, d]"),
+                        ("v", v, "[..., k_len, d_v]")):
+    if x.ndim < 2:
+      raise ValueError(f"{name} must have shape {want}; got {x.shape}")
+  if q.shape[-1] != k.shape[-1]:
+    raise ValueError(f"q and k must share the feature dim d for a dot score; got q {q.shape}, "
+                     f"k {k.shape}")
+  if k.shape[-2] != v.shape[-2]:
+    raise ValueError(f"keys and values must have the same length k_len: k {k.shape}, v {v.shape}")
+  try:
+    lead = tuple(jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+  except ValueError:
+    raise ValueError(f"leading (batch/head) dims of q {q.shape}, k {k.shape}, v {v.shape} do "
+                     "not broadcast; expected equal or size-1 leading dims") from None
+  if block_q is None:
+    block_q = DEFAULT_CAUSAL_BLOCK if causal else DEFAULT_BLOCK_Q
+  if block_k is None:
+    block_k = DEFAULT_CAUSAL_BLOCK if causal else DEFAULT_BLOCK_K
+  block_q = _check_block("block_q", block_q)
+  block_k = _check_block("block_k", block_k)
+  if head_group is not None:
+    head_group = _check_block("head_group", head_group)
+
+  out_dtype = jnp.result_type(q, k, v)
+  if not jnp.issubdtype(out_dtype, jnp.floating):
+    out_dtype = jnp.float32
+  dt = jnp.promote_types(out_dtype, jnp.float32)
+  q_len, d = q.shape[-2:]
+  k_len, d_v = v.shape[-2:]
+  rows = math.prod(lead)
+  if q_len == 0 or k_len == 0 or rows == 0:
+    return jnp.zeros(lead + (q_len, d_v), out_dtype)
+  scale = 1.0 / math.sqrt(d) if scale is None else scale
+
+  if mask is not None:
+    mask = masks_lib.check_mask(mask, lead + (q_len, k_len))
+    mask = mask.reshape((1,) * (len(lead) + 2 - mask.ndim) + mask.shape)
+  block_q, block_k = _fit_block(q_len, block_q), _fit_block(k_len, block_k)
+  if head_group is None:
+    head_group = max(1, DEFAULT_TILE_ELEMENTS // (block_q * block_k))
+  t = _Tiling(
+      q_len=q_len, k_len=k_len, block_q=block_q, block_k=block_k,
+      head_group=_group_size(rows, head_group),
+      causal=bool(causal), causal_offset=max(k_len - q_len, 0), has_mask=mask is not None,
+      mask_rows=mask is not None and math.prod(mask.shape[:-2]) > 1,
+      mask_q=mask is not None and mask.shape[-2] > 1,
+      mask_k=mask is not None and mask.shape[-1] > 1, skip_empty=bool(skip_empty_tiles))
+
+  def flat(x: Array, length: int, pad: int) -> Array:
+    x = jnp.broadcast_to(x.astype(dt), lead + x.shape[-2:]).reshape((rows, length, -1))
+    return jnp.pad(x, ((0, 0), (0, pad - length), (0, 0)))  # [rows, pad, feat]
+
+  qf = flat(q.astype(dt) * scale, q_len, t.q_pad)  # [rows, q_pad, d]
+  kf = flat(k, k_len, t.k_pad)  # [rows, k_pad, d]
+  vf = flat(v, k_len, t.k_pad)  # [rows, k_pad, d_v]
+  mf = None
+  if mask is not None:
+    m_rows = rows if t.mask_rows else 1
+    m_q, m_k = mask.shape[-2:]
+    mf = jnp.broadcast_to(mask, (lead if t.mask_rows else (1,) * len(lead)) + (m_q, m_k))
+    mf = mf.reshape((m_rows, m_q, m_k))
+    mf = jnp.pad(mf, ((0, 0), (0, t.q_pad - q_len if t.mask_q else 0),
+                      (0, t.k_pad - k_len if t.mask_k else 0)))  # [rows|1, q_pad|1, k_pad|1]
+  out = _blocked(t, qf, kf, vf, mf)  # [rows, q_pad, d_v]
+  return out[:, :q_len].reshape(lead + (q_len, d_v)).astype(out_dtype)

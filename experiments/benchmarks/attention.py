@@ -1,0 +1,295 @@
+"""Attention speed and memory benchmark: attnlab paths vs jax.nn and torch, side by side.
+
+Times softmax attention (scaled_dot score) forward and forward+backward, with and without a
+causal mask, for
+  reference   attnlab `attend(implementation="reference")` (einsum + masked softmax)
+  blocked     attnlab `attend(implementation="blocked")` (attnlab.attention.blocked)
+  jax.nn.dpa  `jax.nn.dot_product_attention` (its XLA implementation)
+  torch       `torch.nn.functional.scaled_dot_product_attention` (CPU, when torch imports:
+              `pip install -e '.[torch]'`)
+and prints one table with ms, GFLOP/s and the speed-ups of blocked over jax.nn.dpa and torch,
+then the same cells in process CPU time (all threads; steadier than wall time on a shared
+machine, and CPU ms / wall ms tells how many cores a call kept busy).
+FLOPs are counted as 4·B·H·S²·D forward and 3x that forward+backward, also for causal cells
+(dense-equivalent GFLOP/s). Each cell is the best of --reps timed calls after a warm-up; the
+implementations take turns in every round so that load from other processes hits them alike.
+
+A last table gives the peak memory of one jitted forward+backward (arguments, outputs and
+XLA temporaries, from the compiled executable's memory analysis: deterministic, no run
+needed) for blocked vs reference at growing lengths, with the growth factor per doubling.
+
+Run from the repository root:
+  python experiments/benchmarks/attention.py                 # S = 128, 512, 1024 + memory
+  python experiments/benchmarks/attention.py --seq=512,1024 --reps=7
+  python experiments/benchmarks/attention.py --quick         # small and fast smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+from attnlab.attention import core  # noqa: E402  (after the path set-up)
+
+try:  # torch is optional: the [torch] extra
+  import torch
+except ImportError:  # pragma: no cover - depends on the environment
+  torch = None
+
+IMPLS = ("reference", "blocked", "jax.nn.dpa", "torch")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--seq", default="128,512,1024",
+                 help="comma-separated sequence lengths to time (q_len = k_len)")
+  p.add_argument("--batch", type=int, default=8, help="batch size B")
+  p.add_argument("--heads", type=int, default=8, help="number of heads H")
+  p.add_argument("--head-dim", type=int, default=64, help="head dim D")
+  p.add_argument("--reps", type=int, default=5, help="timed calls per cell (best is kept)")
+  p.add_argument("--impls", default=",".join(IMPLS),
+                 help=f"comma-separated implementations among {', '.join(IMPLS)}")
+  p.add_argument("--passes", default="fwd,fwd+bwd", help="fwd and/or fwd+bwd")
+  p.add_argument("--causal", default="no,yes", help="no and/or yes")
+  p.add_argument("--memory-seq", default="1024,2048,4096",
+                 help="lengths for the peak-memory table ('' to skip it)")
+  p.add_argument("--torch-threads", type=int, default=0,
+                 help="torch.set_num_threads (0 = torch's default, one per core)")
+  p.add_argument("--quick", action="store_true",
+                 help="smoke run: S=128,256, B=2, 2 reps, memory at 256,512")
+  args = p.parse_args(argv)
+  if args.quick:
+    args.seq, args.batch, args.reps, args.memory_seq = "128,256", 2, 2, "256,512"
+  args.seq = _int_list(args.seq, "--seq")
+  args.memory_seq = _int_list(args.memory_seq, "--memory-seq") if args.memory_seq else []
+  args.impls = [x.strip() for x in args.impls.split(",") if x.strip()]
+  unknown = [x for x in args.impls if x not in IMPLS]
+  if unknown:
+    p.error(f"unknown --impls {unknown}; valid: {', '.join(IMPLS)}")
+  if "torch" in args.impls and torch is None:
+    print("torch is not installed (pip install -e '.[torch]'): its column is skipped")
+    args.impls.remove("torch")
+  if torch is not None and args.torch_threads > 0:
+    torch.set_num_threads(args.torch_threads)
+  args.passes = [x.strip() for x in args.passes.split(",") if x.strip()]
+  if any(x not in ("fwd", "fwd+bwd") for x in args.passes):
+    p.error(f"--passes takes fwd and/or fwd+bwd; got {args.passes}")
+  causal = [x.strip() for x in args.causal.split(",") if x.strip()]
+  if any(x not in ("no", "yes") for x in causal):
+    p.error(f"--causal takes no and/or yes; got {causal}")
+  args.causal = [x == "yes" for x in causal]
+  return args
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+  try:
+    values = [int(x) for x in text.split(",") if x.strip()]
+  except ValueError:
+    raise SystemExit(f"{flag} expects comma-separated integers, e.g. 512,1024; got {text!r}")
+  if not values or min(values) < 1:
+    raise SystemExit(f"{flag} expects positive integers; got {text!r}")
+  return values
+
+
+# ----------------------------------------------------------------------------- callables
+
+
+def _attnlab_fn(impl: str, causal: bool) -> Callable:
+  def f(q, k, v):  # [B, H, S, D] each
+    return core.attend(q, k, v, score="scaled_dot", causal=causal, implementation=impl,
+                       return_weights=False)[0]
+  return f
+
+
+def _dpa_fn(causal: bool) -> Callable:
+  def f(q, k, v):  # [B, S, H, D] each (jax.nn's layout)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
+  return f
+
+
+def jax_callables(impl: str, causal: bool) -> dict[str, Callable]:
+  f = _dpa_fn(causal) if impl == "jax.nn.dpa" else _attnlab_fn(impl, causal)
+
+  def fwd_bwd(q, k, v, do):
+    out, vjp = jax.vjp(f, q, k, v)
+    return out, vjp(do)
+
+  return {"fwd": jax.jit(f), "fwd+bwd": jax.jit(fwd_bwd)}
+
+
+def torch_callables(causal: bool) -> dict[str, Callable]:
+  sdpa = torch.nn.functional.scaled_dot_product_attention
+
+  def fwd(q, k, v, do):
+    with torch.no_grad():
+      return sdpa(q, k, v, is_causal=causal)
+
+  def fwd_bwd(q, k, v, do):
+    for x in (q, k, v):
+      x.grad = None
+    out = sdpa(q, k, v, is_causal=causal)
+    out.backward(do)
+    return out
+
+  return {"fwd": fwd, "fwd+bwd": fwd_bwd}
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def make_inputs(b: int, h: int, s: int, d: int, seed: int = 0) -> dict[str, tuple]:
+  """The same numbers in each implementation's layout."""
+  rng = np.random.default_rng(seed)
+  q, k, v, do = (rng.standard_normal((b, h, s, d), dtype=np.float32) for _ in range(4))
+  bhsd = tuple(jnp.asarray(x) for x in (q, k, v, do))  # [B, H, S, D]
+  bshd = tuple(jnp.asarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v, do))  # [B, S, H, D]
+  out = {"reference": bhsd, "blocked": bhsd, "jax.nn.dpa": bshd}
+  if torch is not None:
+    out["torch"] = tuple(torch.from_numpy(x.copy()).requires_grad_(i < 3)
+                         for i, x in enumerate((q, k, v, do)))
+  return out
+
+
+def _run_once(impl: str, fn: Callable, args: tuple, pass_: str) -> tuple[float, float]:
+  """(wall seconds, process CPU seconds over all threads) of one call."""
+  t0, c0 = time.perf_counter(), time.process_time()
+  if impl == "torch":
+    fn(*args)
+  else:
+    jax.block_until_ready(fn(*args) if pass_ == "fwd+bwd" else fn(*args[:3]))
+  return time.perf_counter() - t0, time.process_time() - c0
+
+
+def time_cell(fns: dict[str, Callable], inputs: dict[str, tuple], pass_: str,
+              reps: int) -> dict[str, tuple[float, float]]:
+  """Best-of-reps (wall, CPU) seconds per implementation, taking turns every round."""
+  times: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
+  for name, fn in fns.items():  # warm-up: compile and first touch
+    _run_once(name, fn, inputs[name], pass_)
+  for _ in range(reps):
+    for name, fn in fns.items():
+      times[name].append(_run_once(name, fn, inputs[name], pass_))
+  return {name: (min(t[0] for t in ts), min(t[1] for t in ts)) for name, ts in times.items()}
+
+
+def check_agreement(b: int, h: int, s: int, d: int, causal: bool) -> float:
+  """Max |blocked - reference| of the context on the benchmark inputs (sanity check)."""
+  q, k, v, _ = make_inputs(b, h, s, d)["reference"]
+  ref = jax.jit(_attnlab_fn("reference", causal))(q, k, v)
+  blk = jax.jit(_attnlab_fn("blocked", causal))(q, k, v)
+  return float(jnp.max(jnp.abs(ref - blk)))
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def memory_bytes(impl: str, b: int, h: int, s: int, d: int,
+                 causal: bool = False) -> tuple[int, int]:
+  """(peak, temporaries) in bytes of the compiled jitted forward+backward.
+
+  peak = arguments + outputs + XLA temporaries (minus aliased buffers).
+  """
+  fwd_bwd = jax_callables(impl, causal)["fwd+bwd"]
+  spec = jax.ShapeDtypeStruct((b, h, s, d), jnp.float32)
+  stats = fwd_bwd.lower(spec, spec, spec, spec).compile().memory_analysis()
+  peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+          + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+  return int(peak), int(stats.temp_size_in_bytes)
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def _fmt_table(header: list[str], rows: list[list[str]]) -> str:
+  widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+  line = lambda r: "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |"
+  sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+  return "\n".join([line(header), sep] + [line(r) for r in rows])
+
+
+def speed_tables(args: argparse.Namespace) -> tuple[str, str]:
+  """(wall-clock table, CPU-time table)."""
+  b, h, d = args.batch, args.heads, args.head_dim
+  header = ["S", "causal", "pass"] + [f"{i} ms (GFLOP/s)" for i in args.impls]
+  cpu_header = ["S", "causal", "pass"] + [f"{i} CPU ms (GFLOP/CPU-s)" for i in args.impls]
+  if "blocked" in args.impls:
+    header += [f"blocked speed-up vs {i}" for i in args.impls if i in ("jax.nn.dpa", "torch")]
+  rows, cpu_rows = [], []
+  for s in args.seq:
+    inputs = make_inputs(b, h, s, d)
+    for causal in args.causal:
+      fns = {i: (torch_callables(causal) if i == "torch" else jax_callables(i, causal))
+             for i in args.impls}
+      for pass_ in args.passes:
+        timed = time_cell({i: fns[i][pass_] for i in args.impls}, inputs, pass_, args.reps)
+        best = {i: timed[i][0] for i in args.impls}
+        cpu = {i: timed[i][1] for i in args.impls}
+        flops = 4 * b * h * s * s * d * (3 if pass_ == "fwd+bwd" else 1)
+        row = [str(s), "yes" if causal else "no", pass_]
+        cpu_rows.append(row + [f"{cpu[i] * 1e3:.1f} ({flops / max(cpu[i], 1e-9) / 1e9:.0f})"
+                               for i in args.impls])
+        row = row + [f"{best[i] * 1e3:.1f} ({flops / best[i] / 1e9:.0f})" for i in args.impls]
+        if "blocked" in args.impls:
+          row += [f"{best[i] / best['blocked']:.2f}x" for i in args.impls
+                  if i in ("jax.nn.dpa", "torch")]
+        rows.append(row)
+        print("  measured", " ".join(row), flush=True)
+  return _fmt_table(header, rows), _fmt_table(cpu_header, cpu_rows)
+
+
+def memory_table(args: argparse.Namespace) -> str:
+  b, h, d = args.batch, args.heads, args.head_dim
+  header = ["S", "blocked peak MiB", "growth", "blocked temp MiB", "reference peak MiB",
+            "growth", "reference temp MiB"]
+  rows, prev = [], None
+  growth = lambda now, before: "" if before is None else f"{now / before:.2f}x"
+  for s in args.memory_seq:
+    blk, blk_temp = memory_bytes("blocked", b, h, s, d)
+    ref, ref_temp = memory_bytes("reference", b, h, s, d)
+    rows.append([str(s), f"{blk / 2**20:.1f}", growth(blk, prev and prev[0]),
+                 f"{blk_temp / 2**20:.1f}", f"{ref / 2**20:.1f}", growth(ref, prev and prev[1]),
+                 f"{ref_temp / 2**20:.1f}"])
+    prev = (blk, ref)
+  return _fmt_table(header, rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+  args = parse_args(argv)
+  b, h, d = args.batch, args.heads, args.head_dim
+  torch_info = (f"torch {torch.__version__} ({torch.get_num_threads()} threads)"
+                if torch is not None else "torch not installed")
+  print(f"attention benchmark: B={b} H={h} D={d} float32, best of {args.reps}; "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"jax {jax.__version__} ({jax.default_backend()}), {torch_info}")
+  if hasattr(os, "getloadavg"):
+    print("load average before: %.2f %.2f %.2f" % os.getloadavg())
+  for causal in args.causal:
+    err = check_agreement(min(b, 2), min(h, 2), min(args.seq), d, causal)
+    print(f"blocked vs reference max |diff| (S={min(args.seq)}, causal={causal}): {err:.1e}")
+  t0 = time.perf_counter()
+  table, cpu_table = speed_tables(args)
+  print("\nspeed: wall ms per call (dense-equivalent GFLOP/s); speed-up = other ms / blocked ms")
+  print(table)
+  print("\nwork: process CPU ms per call, all threads (GFLOP per CPU-second); on a shared "
+        "machine this is steadier than wall time, and it shows how many cores a call used")
+  print(cpu_table)
+  if args.memory_seq:
+    print("\npeak memory of one jitted forward+backward (compiled memory analysis), "
+          f"B={b} H={h} D={d}:")
+    print(memory_table(args))
+  if hasattr(os, "getloadavg"):
+    print("load average after: %.2f %.2f %.2f" % os.getloadavg())
+  print(f"total {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+  main()
