@@ -267,9 +267,9 @@ def test_blocked_is_called_lazily_with_scale_mask_and_causal(monkeypatch, qkv):
                        return_weights=False)
   assert w is None
   np.testing.assert_allclose(calls[0]["scale"], 1 / np.sqrt(D))
-  # q_len != k_len: the end-aligned causal mask is folded into the mask, not the flag
-  assert calls[0]["causal"] is False
-  np.testing.assert_array_equal(calls[0]["mask"], np.asarray(mask) & np_causal(Q, K))
+  # blocked shares the end-aligned causal rule: the flag goes through even when q_len != k_len
+  assert calls[0]["causal"] is True
+  np.testing.assert_array_equal(calls[0]["mask"], np.asarray(mask))
   np.testing.assert_allclose(ctx, np_attend(q, k, v, mask=np.asarray(mask) & np_causal(Q, K))[0],
                              **TOL)
   core.attend(k, k, v, score="dot", causal=True, implementation="blocked")

@@ -229,9 +229,10 @@ def attend(q: Array, k: Array, v: Array, *, score: str | Callable = "scaled_dot"
     raise ValueError(f"score {score!r} needs d_q == d_k; got q {q.shape} and k {k.shape}")
   scale = 1.0 / math.sqrt(q.shape[-1]) if score == "scaled_dot" else 1.0
   logits_shape = lead + (q_len, k_len)
-  # The fused paths get causal as a flag only when q_len == k_len (no alignment question);
-  # otherwise the end-aligned causal mask is folded into the mask.
-  flag_causal = causal and q_len == k_len
+  # Causal goes to the fused kernel as a flag, so it can skip hidden tiles: always for blocked
+  # (same end-aligned rule), for xla only when q_len == k_len (its alignment is not ours
+  # otherwise); else the end-aligned causal mask is folded into the mask.
+  flag_causal = causal and (impl == "blocked" or q_len == k_len)
   full_mask = _attention_mask(mask, causal and not flag_causal, logits_shape)
   if impl == "xla":
     context = _xla_attention(q, k, v, scale=scale, mask=full_mask, causal=flag_causal)
