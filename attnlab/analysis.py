@@ -41,10 +41,18 @@ class Run:
   params: Any
   # The checkpoint step they come from.
   step: int
+  # For a run of several vmapped seeds (config.num_seeds > 1): the replica whose params these are
+  # (seed = config.seed + replica), or None when params keep the leading [num_seeds] axis.
+  replica: int | None = None
 
 
-def load_run(workdir: str | os.PathLike, step: int | str = "latest") -> Run:
+def load_run(workdir: str | os.PathLike, step: int | str = "latest",
+             replica: int | None = 0) -> Run:
   """The config, model and parameters of checkpoint `step` ("latest" or an int) of a run.
+
+  A run of several seeds in one program (config.num_seeds = N > 1) stores params with a leading
+  [N] axis: `replica` picks one (0..N-1, seed = config.seed + replica) so `model.apply` works as
+  for a single-seed run; `replica=None` keeps them all.
 
   With "latest", an unreadable newest checkpoint is reported and the previous one is used.
   Raises:
@@ -72,8 +80,17 @@ def load_run(workdir: str | os.PathLike, step: int | str = "latest") -> Run:
       raise checkpoint.CheckpointError(f"step must be 'latest' or a step number, got {step!r}")
   finally:
     ckpt.close()
-  return Run(workdir=workdir, config=config, task=task, model=task.model, params=state.params,
-             step=int(state.step))
+  params, num_seeds = state.params, train.num_seeds_of(config)
+  if num_seeds == 1:
+    replica = None
+  elif replica is not None:
+    if not 0 <= replica < num_seeds:
+      raise checkpoint.CheckpointError(
+          f"replica must be in 0..{num_seeds - 1} (the run trained num_seeds={num_seeds}), "
+          f"got {replica}")
+    params = jax.tree.map(lambda x: x[replica], params)
+  return Run(workdir=workdir, config=config, task=task, model=task.model, params=params,
+             step=int(state.step), replica=replica)
 
 
 def attention_maps(run: Run, *args: Any, **kwargs: Any) -> dict[str, jax.Array]:

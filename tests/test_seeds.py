@@ -62,7 +62,7 @@ def test_each_replica_matches_its_single_seed_run(runs):
 
 def test_replica_evaluation_matches_numpy(runs):
   root, vmapped, _, _ = runs
-  run = analysis.load_run(root / "vmapped")  # all replicas, stacked
+  run = analysis.load_run(root / "vmapped", replica=None)  # all replicas, stacked
   data = run.task.data
   final = _records(root / "vmapped")[-1][2]
   for i, w in enumerate(np.asarray(run.params["w"])):
@@ -72,6 +72,12 @@ def test_replica_evaluation_matches_numpy(runs):
     expected = np.mean((weights @ data.y_train - (data.x_test + np.sin(data.x_test))) ** 2)
     assert final["per_seed"]["test_mse"][i] == pytest.approx(expected, rel=1e-4)
   np.testing.assert_array_equal(np.asarray(run.params["w"]), np.asarray(vmapped.params["w"]))
+  # By default load_run hands back one replica, shaped like a single-seed run.
+  one = analysis.load_run(root / "vmapped", replica=2)
+  assert one.replica == 2
+  np.testing.assert_array_equal(np.asarray(one.params["w"]), np.asarray(vmapped.params["w"])[2])
+  with pytest.raises(ValueError, match=r"replica must be in 0\.\.2"):
+    analysis.load_run(root / "vmapped", replica=3)
 
 
 def test_resume_restores_every_replica_and_its_data_order(runs, tmp_path):
