@@ -1,0 +1,22 @@
+"""Flax modules that own parameters and call attnlab.attention: attention, Transformer blocks,
+embeddings. See each module's docstring (attention.py documents the KV cache and sowing)."""
+
+from attnlab.layers.attention import SCORES
+from attnlab.layers.attention import MultiHeadAttention
+from attnlab.layers.attention import check_score_and_implementation
+from attnlab.layers.dense import Dense
+from attnlab.layers.dense import default_kernel_init
+from attnlab.layers.dense import matmul
+from attnlab.layers.embeddings import POSITIONS
+from attnlab.layers.embeddings import Embeddings
+from attnlab.layers.transformer import ACTIVATIONS
+from attnlab.layers.transformer import MLP
+from attnlab.layers.transformer import NORM_POSITIONS
+from attnlab.layers.transformer import TransformerBlock
+from attnlab.layers.transformer import get_activation
+
+__all__ = [
+    "ACTIVATIONS", "Dense", "Embeddings", "MLP", "MultiHeadAttention", "NORM_POSITIONS",
+    "POSITIONS", "SCORES", "TransformerBlock", "check_score_and_implementation",
+    "default_kernel_init", "get_activation", "matmul",
+]

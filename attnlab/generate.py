@@ -1,0 +1,103 @@
+"""Sample text from a trained language model (a causal_lm run).
+
+  attnlab generate --workdir=runs/gpt_nano --prompt="ROMEO:" --num_tokens=300 --temperature=0.8
+  attnlab generate --workdir=runs/gpt_nano --prompt="ROMEO:" --temperature=0 (greedy)
+  attnlab generate --workdir=runs/gpt_nano --top_k=10 --top_p=0.9 --seed=3 --step=1000
+  attnlab generate --workdir=runs/gpt_add --prompt="12+345=" --temperature=0
+
+Restores the run's checkpoint (latest by default) with attnlab.analysis.load_run, encodes the
+prompt with the run's tokenizer, and samples with the KV cache (attnlab.models.gpt.generate).
+Prints the prompt followed by the generated text.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+
+from absl import flags
+
+from attnlab import main as main_lib
+from attnlab.config_utils import UserError
+
+
+def _define_flags() -> flags.FlagValues:
+  fv = flags.FlagValues()
+  flags.DEFINE_string("workdir", None, "Run directory of a causal_lm run.", flag_values=fv)
+  flags.DEFINE_string("prompt", "", "Text to continue (default: the dataset's usual prompt).",
+                      flag_values=fv)
+  flags.DEFINE_integer("num_tokens", 300, "Tokens to generate.", flag_values=fv)
+  flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy.", flag_values=fv)
+  flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens only (0: all).",
+                       flag_values=fv)
+  flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the smallest set with this probability "
+                     "(1: all).", flag_values=fv)
+  flags.DEFINE_integer("seed", 0, "Sampling seed.", flag_values=fv)
+  flags.DEFINE_string("step", "latest", "Checkpoint step to restore, or 'latest'.",
+                      flag_values=fv)
+  flags.DEFINE_bool("use_cache", True, "Use the KV cache (--nouse_cache runs a full forward pass "
+                    "per token).", flag_values=fv)
+  flags.DEFINE_bool("timing", False, "Print tokens/s to stderr.", flag_values=fv)
+  return fv
+
+
+def _check(fv: flags.FlagValues) -> str | None:
+  if not fv.workdir:
+    return "--workdir is required: the run directory of a causal_lm run (attnlab train ...)"
+  if fv.num_tokens < 1:
+    return f"--num_tokens must be >= 1, got {fv.num_tokens}"
+  if fv.temperature < 0:
+    return f"--temperature must be >= 0 (0 = greedy), got {fv.temperature}"
+  if fv.top_k < 0:
+    return f"--top_k must be >= 0 (0: no top-k filter), got {fv.top_k}"
+  if not 0.0 < fv.top_p <= 1.0:
+    return f"--top_p must be in (0, 1], got {fv.top_p}"
+  if fv.step != "latest" and not fv.step.isdigit():
+    return f"--step must be a checkpoint step number or 'latest', got {fv.step!r}"
+  return None
+
+
+def generate_text(workdir: str, prompt: str = "", *, num_tokens: int = 300,
+                  temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                  step: str | int = "latest", use_cache: bool = True) -> tuple[str, str, float]:
+  """(prompt used, generated text, seconds spent generating incl. compilation)."""
+  from attnlab import analysis  # pylint: disable=g-import-not-at-top  (imports JAX)
+  run = analysis.load_run(workdir, step)
+  task = run.task
+  if not hasattr(task, "sample_text"):
+    raise UserError(f"{workdir} is a {run.config.task!r} run; attnlab generate needs a causal_lm "
+                    "run (configs/gpt.py)")
+  prompt = prompt or task.default_prompt
+  start = time.perf_counter()
+  text = task.sample_text(run.params, prompt, num_tokens=num_tokens, temperature=temperature,
+                          top_k=top_k or None, top_p=top_p if top_p < 1.0 else None, seed=seed,
+                          use_cache=use_cache)
+  return prompt, text, time.perf_counter() - start
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """`attnlab generate` / `python -m attnlab.generate`: returns the exit status."""
+  argv = list(sys.argv if argv is None else argv)
+  prog = main_lib.prog_name(argv, "attnlab.generate")
+  fv = _define_flags()
+  message = main_lib.parse_flags(fv, argv)
+  if message is None:
+    message = _check(fv)
+  if message is not None:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return main_lib.USAGE_ERROR
+  main_lib.setup_logging()
+
+  def body() -> None:
+    prompt, text, seconds = generate_text(
+        fv.workdir, fv.prompt, num_tokens=fv.num_tokens, temperature=fv.temperature,
+        top_k=fv.top_k, top_p=fv.top_p, seed=fv.seed, step=fv.step, use_cache=fv.use_cache)
+    print(prompt + text)
+    if fv.timing:
+      print(f"{fv.num_tokens} tokens in {seconds:.2f} s (including compilation)", file=sys.stderr)
+  return main_lib.run_tool(prog, body)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,279 @@
+"""BERT-style encoder-only Transformer: pretraining heads (MLM + NSP) and a [CLS] classifier.
+
+Encoder (`BertEncoder`): token + learned position + segment embeddings, summed, LayerNorm,
+dropout -> `num_layers` bidirectional post-LN TransformerBlocks (BERT's layout) under a padding
+mask -> a pooler (Dense + tanh) on the final [CLS] vector. Any score of the attention registry
+works (`score`); every block sows its weights `[batch, heads, len, len]` under
+`intermediates/encoder/block_<i>/self_attention/attention_weights` when "intermediates" is mutable.
+
+Heads:
+- `BertForPretraining`: the MLM head (Dense + activation + LayerNorm, then logits through the
+  transposed token table plus an output bias) evaluated only at the gathered masked positions,
+  and the NSP head (Dense to 2 classes) on the pooled [CLS] vector.
+- `BertForClassification`: dropout + Dense to `num_classes` on the pooled [CLS] vector.
+
+Both keep the encoder under the sub-module name "encoder", so `params["encoder"]` of a
+pretraining run is exactly the encoder of a classifier (`transfer_encoder`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from attnlab.attention import masks as masks_lib
+from attnlab.layers import Dense
+from attnlab.layers import Embeddings
+from attnlab.layers import TransformerBlock
+from attnlab.layers import check_score_and_implementation
+from attnlab.layers import default_kernel_init
+from attnlab.layers import get_activation
+
+Array = jax.Array
+
+# size name -> encoder hyperparameters.
+SIZES: dict[str, dict[str, int]] = {
+    # BERT-Tiny (Turc et al. 2019): 2 layers, 128 dims, 2 heads.
+    "tiny": dict(num_layers=2, d_model=128, num_heads=2, mlp_dim=512),
+    # BERT-Mini: 4 layers, 256 dims, 4 heads.
+    "mini": dict(num_layers=4, d_model=256, num_heads=4, mlp_dim=1024),
+    # For tests and runlocal: seconds on a CPU.
+    "test": dict(num_layers=2, d_model=32, num_heads=2, mlp_dim=64),
+}
+# Number of segment (token type) ids: sentence A = 0, sentence B = 1.
+NUM_SEGMENTS = 2
+
+
+def size_config(name: str) -> dict[str, int]:
+  """The hyperparameters of size `name`; raises ValueError listing the valid sizes."""
+  if name not in SIZES:
+    raise ValueError(f"unknown BERT size {name!r}; valid sizes: {', '.join(SIZES)}")
+  return dict(SIZES[name])
+
+
+class BertEncoder(nn.Module):
+  """tokens `[batch, len]` -> (sequence output `[batch, len, d]`, pooled [CLS] `[batch, d]`)."""
+  # Number of token ids.
+  vocab_size: int
+  # Number of Transformer blocks.
+  num_layers: int = 2
+  # Residual stream width.
+  d_model: int = 128
+  # Attention heads per block.
+  num_heads: int = 2
+  # MLP hidden size.
+  mlp_dim: int = 512
+  # Longest sequence (rows of the position table).
+  max_len: int = 128
+  # Dropout on the embeddings and the residual branches (training only).
+  dropout_rate: float = 0.1
+  # Dropout on the attention weights (training only; forces the reference attention path).
+  attention_dropout_rate: float = 0.0
+  # Attention score name (attnlab.attention.scores).
+  score: str = "scaled_dot"
+  # attend() implementation: auto, reference, xla, blocked.
+  implementation: str = "auto"
+  # MLP activation: gelu (BERT), gelu_tanh, relu.
+  activation: str = "gelu"
+  # LayerNorm placement in the blocks: post (BERT) or pre.
+  norm_position: str = "post"
+  # Compute dtype (None: float32).
+  dtype: Any = None
+
+  def setup(self):
+    check_score_and_implementation(self.score, self.implementation)
+    if self.d_model % self.num_heads:
+      raise ValueError(f"d_model={self.d_model} must be divisible by num_heads={self.num_heads}")
+    self.embed = Embeddings(self.vocab_size, self.d_model, self.max_len, position="learned",
+                            dropout_rate=0.0, embedding_init=default_kernel_init,
+                            dtype=self.dtype)
+    self.segment = nn.Embed(NUM_SEGMENTS, self.d_model, embedding_init=default_kernel_init,
+                            dtype=self.dtype)
+    self.embed_norm = nn.LayerNorm(epsilon=1e-12, dtype=self.dtype)
+    self.embed_dropout = nn.Dropout(self.dropout_rate)
+    self.blocks = [
+        TransformerBlock(
+            num_heads=self.num_heads, mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
+            attention_dropout_rate=self.attention_dropout_rate, score=self.score,
+            implementation=self.implementation, causal=False, norm_position=self.norm_position,
+            activation=self.activation, use_bias=True, layer_norm_epsilon=1e-12,
+            max_len=self.max_len, dtype=self.dtype, name=f"block_{i}")
+        for i in range(self.num_layers)]
+    # A pre-LN stack needs a final LayerNorm; a post-LN one ends normalised already.
+    self.final_norm = (nn.LayerNorm(epsilon=1e-12, dtype=self.dtype)
+                       if self.norm_position == "pre" else None)
+    self.pooler = Dense(self.d_model, dtype=self.dtype)
+
+  def __call__(self, tokens: Array, segments: Array | None = None, valid: Array | None = None,
+               *, deterministic: bool = True,
+               sow_weights: bool | None = None) -> tuple[Array, Array]:
+    """Encodes `[CLS] A [SEP] (B [SEP])` sequences.
+
+    Args:
+      tokens: int `[batch, len]`, position 0 the [CLS] token.
+      segments: int `[batch, len]`, 0 for sentence A (and [CLS]), 1 for sentence B; None = all 0.
+      valid: bool `[batch, len]`, True = real token; None = `tokens != 0` (0 is the pad id).
+        Padded keys receive no attention.
+      deterministic: False enables dropout (needs a "dropout" rng).
+      sow_weights: sow every block's attention weights (None: when "intermediates" is mutable).
+    Returns:
+      (sequence output `[batch, len, d]`, pooled [CLS] vector `[batch, d]`).
+    """
+    if tokens.ndim != 2:
+      raise ValueError(f"tokens must be [batch, len] ids; got shape {tokens.shape}")
+    if segments is None:
+      segments = jnp.zeros_like(tokens)
+    if valid is None:
+      valid = tokens != 0
+    x = self.embed(tokens)  # [batch, len, d]
+    x = x + self.segment(segments)  # [batch, len, d]
+    x = self.embed_dropout(self.embed_norm(x), deterministic=deterministic)
+    mask = masks_lib.padding_mask(valid.astype(bool))  # [batch, 1, 1, len]
+    for block in self.blocks:
+      x = block(x, mask=mask, deterministic=deterministic,
+                sow_weights=sow_weights)  # [batch, len, d]
+    if self.final_norm is not None:
+      x = self.final_norm(x)
+    pooled = jnp.tanh(self.pooler(x[:, 0]))  # [batch, d]
+    return x, pooled
+
+
+def _encoder(module: nn.Module) -> BertEncoder:
+  return BertEncoder(
+      vocab_size=module.vocab_size, num_layers=module.num_layers, d_model=module.d_model,
+      num_heads=module.num_heads, mlp_dim=module.mlp_dim, max_len=module.max_len,
+      dropout_rate=module.dropout_rate, attention_dropout_rate=module.attention_dropout_rate,
+      score=module.score, implementation=module.implementation, activation=module.activation,
+      norm_position=module.norm_position, dtype=module.dtype, name="encoder")
+
+
+class BertForPretraining(nn.Module):
+  """Encoder + MLM head (tied to the token table) + NSP head on the pooled [CLS] vector."""
+  # Number of token ids.
+  vocab_size: int
+  # Number of Transformer blocks.
+  num_layers: int = 2
+  # Residual stream width.
+  d_model: int = 128
+  # Attention heads per block.
+  num_heads: int = 2
+  # MLP hidden size.
+  mlp_dim: int = 512
+  # Longest sequence.
+  max_len: int = 128
+  # Dropout on embeddings and residual branches.
+  dropout_rate: float = 0.1
+  # Dropout on the attention weights.
+  attention_dropout_rate: float = 0.0
+  # Attention score name.
+  score: str = "scaled_dot"
+  # attend() implementation.
+  implementation: str = "auto"
+  # Activation of the MLPs and of the MLM transform.
+  activation: str = "gelu"
+  # LayerNorm placement in the blocks.
+  norm_position: str = "post"
+  # Compute dtype (None: float32).
+  dtype: Any = None
+
+  def setup(self):
+    self.encoder = _encoder(self)
+    self.mlm_transform = Dense(self.d_model, dtype=self.dtype)
+    self.mlm_norm = nn.LayerNorm(epsilon=1e-12, dtype=self.dtype)
+    self.mlm_bias = self.param("mlm_bias", nn.initializers.zeros, (self.vocab_size,))
+    self.nsp = Dense(2, dtype=self.dtype)
+
+  def __call__(self, tokens: Array, segments: Array | None = None, valid: Array | None = None,
+               mlm_positions: Array | None = None, *, deterministic: bool = True,
+               sow_weights: bool | None = None) -> tuple[Array, Array]:
+    """(MLM logits `[batch, P, vocab]`, NSP logits `[batch, 2]`), both float32.
+
+    mlm_positions: int `[batch, P]`, the positions to predict (padding entries may point
+      anywhere; the loss weights them out); None = every position (P = len).
+    """
+    x, pooled = self.encoder(tokens, segments, valid, deterministic=deterministic,
+                             sow_weights=sow_weights)  # [batch, len, d], [batch, d]
+    if mlm_positions is not None:
+      x = jnp.take_along_axis(x, mlm_positions[..., None], axis=1)  # [batch, P, d]
+    h = get_activation(self.activation)(self.mlm_transform(x))  # [batch, P, d]
+    h = self.mlm_norm(h)
+    mlm_logits = self.encoder.embed.attend(h) + self.mlm_bias  # [batch, P, vocab]
+    nsp_logits = self.nsp(pooled)  # [batch, 2]
+    return mlm_logits.astype(jnp.float32), nsp_logits.astype(jnp.float32)
+
+
+class BertForClassification(nn.Module):
+  """Encoder + dropout + Dense(num_classes) on the pooled [CLS] vector."""
+  # Number of token ids.
+  vocab_size: int
+  # Number of classes.
+  num_classes: int = 2
+  # Number of Transformer blocks.
+  num_layers: int = 2
+  # Residual stream width.
+  d_model: int = 128
+  # Attention heads per block.
+  num_heads: int = 2
+  # MLP hidden size.
+  mlp_dim: int = 512
+  # Longest sequence.
+  max_len: int = 128
+  # Dropout on embeddings, residual branches and the classifier input.
+  dropout_rate: float = 0.1
+  # Dropout on the attention weights.
+  attention_dropout_rate: float = 0.0
+  # Attention score name.
+  score: str = "scaled_dot"
+  # attend() implementation.
+  implementation: str = "auto"
+  # MLP activation.
+  activation: str = "gelu"
+  # LayerNorm placement in the blocks.
+  norm_position: str = "post"
+  # Compute dtype (None: float32).
+  dtype: Any = None
+
+  def setup(self):
+    self.encoder = _encoder(self)
+    self.classifier_dropout = nn.Dropout(self.dropout_rate)
+    self.classifier = Dense(self.num_classes, dtype=self.dtype)
+
+  def __call__(self, tokens: Array, segments: Array | None = None, valid: Array | None = None,
+               *, deterministic: bool = True, sow_weights: bool | None = None) -> Array:
+    """Class logits `[batch, num_classes]` (float32)."""
+    _, pooled = self.encoder(tokens, segments, valid, deterministic=deterministic,
+                             sow_weights=sow_weights)  # [batch, d]
+    pooled = self.classifier_dropout(pooled, deterministic=deterministic)
+    return self.classifier(pooled).astype(jnp.float32)  # [batch, num_classes]
+
+
+def transfer_encoder(pretrained: Any, target: Any) -> Any:
+  """`target` params with their "encoder" subtree replaced by `pretrained["encoder"]`.
+
+  Raises ValueError naming the first leaf whose shape differs (the two models' encoder
+  hyperparameters or vocabularies disagree).
+  """
+  if "encoder" not in pretrained or "encoder" not in target:
+    raise ValueError("both parameter trees need an 'encoder' subtree (BertForPretraining / "
+                     "BertForClassification params)")
+  src = jax.tree_util.tree_flatten_with_path(pretrained["encoder"])[0]
+  dst = jax.tree_util.tree_flatten_with_path(target["encoder"])[0]
+  src_shapes = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in src}
+  dst_shapes = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in dst}
+  for key in sorted(set(src_shapes) | set(dst_shapes)):
+    if src_shapes.get(key) != dst_shapes.get(key):
+      raise ValueError(f"pretrained encoder does not fit: encoder{key} is "
+                       f"{src_shapes.get(key, 'absent')} in the checkpoint but "
+                       f"{dst_shapes.get(key, 'absent')} in the model; use the same size, "
+                       f"score, max_len and tokenizer as the pretraining run")
+  out = dict(target)
+  out["encoder"] = jax.tree.map(lambda x: jnp.asarray(x), pretrained["encoder"])
+  return out
+
+
+def count_params(params: Any) -> int:
+  """Number of scalars in a parameter pytree."""
+  return sum(int(x.size) for x in jax.tree.leaves(params))

@@ -1,0 +1,257 @@
+"""GPT-style decoder-only language model, and text generation with a KV cache.
+
+Model: token + position embeddings -> `num_layers` pre-LN causal TransformerBlocks -> final
+LayerNorm -> logits through the transposed token table (the LM head is tied to the embedding).
+Residual-output kernels start at std 0.02 / sqrt(2 * num_layers) (GPT-2).
+
+Generation (`generate`) runs through `attnlab.decoding.sample` (temperature 0 = greedy) with a
+step function over one of two states:
+
+- KV cache (use_cache=True): the prompt minus its last token fills the cache in one call (a
+  prefill); each step then feeds one token, so it costs one position, not the whole prefix. The
+  learned position table has `block_size` rows, so when the cache is full the last
+  `keep` tokens (default block_size // 2) are re-encoded into a fresh cache (one forward pass of
+  `keep` tokens) and generation goes on: each new token then sees between `keep` and
+  block_size - 1 earlier tokens.
+- No cache (use_cache=False): every step runs the full forward pass over the last block_size
+  tokens (the sliding window of nanoGPT's sampler).
+
+While prompt + generated tokens fit in block_size the two give identical logits, hence
+identical tokens under greedy decoding (tests/test_gpt.py checks); beyond it their contexts
+differ as described.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from attnlab import decoding
+from attnlab.layers import Embeddings
+from attnlab.layers import TransformerBlock
+from attnlab.layers import check_score_and_implementation
+
+Array = jax.Array
+
+# size name -> (num_layers, num_heads, d_model, block_size).
+SIZES: dict[str, dict[str, int]] = {
+    # nanoGPT's CPU setting for Shakespeare characters.
+    "nano": dict(num_layers=4, num_heads=4, d_model=128, block_size=64),
+    # nanoGPT's shakespeare_char setting.
+    "small": dict(num_layers=6, num_heads=6, d_model=384, block_size=256),
+    # For tests and runlocal: seconds on a CPU.
+    "tiny": dict(num_layers=2, num_heads=2, d_model=32, block_size=32),
+}
+
+
+def size_config(name: str) -> dict[str, int]:
+  """The hyperparameters of size `name`; raises ValueError listing the valid sizes."""
+  if name not in SIZES:
+    raise ValueError(f"unknown GPT size {name!r}; valid sizes: {', '.join(SIZES)}")
+  return dict(SIZES[name])
+
+
+class GPT(nn.Module):
+  """Decoder-only Transformer: tokens `[batch, len]` -> next-token logits `[batch, len, vocab]`."""
+  # Number of token ids.
+  vocab_size: int
+  # Number of Transformer blocks.
+  num_layers: int = 4
+  # Attention heads per block.
+  num_heads: int = 4
+  # Residual stream width.
+  d_model: int = 128
+  # Longest context (rows of the position table, cache length).
+  block_size: int = 64
+  # MLP hidden size = mlp_ratio * d_model.
+  mlp_ratio: int = 4
+  # Dropout on embeddings and residual branches (training only).
+  dropout_rate: float = 0.0
+  # Dropout on the attention weights (training only; forces the reference attention path).
+  attention_dropout_rate: float = 0.0
+  # Attention score name (attnlab.attention.scores).
+  score: str = "scaled_dot"
+  # attend() implementation: auto, reference, xla, blocked.
+  implementation: str = "auto"
+  # Position encoding: learned, sinusoidal, none.
+  position: str = "learned"
+  # MLP activation: gelu_tanh, gelu, relu.
+  activation: str = "gelu_tanh"
+  # Biases in Dense layers and LayerNorms (nanoGPT's recipe: none).
+  use_bias: bool = False
+  # Compute dtype (None: float32).
+  dtype: Any = None
+
+  def setup(self):
+    check_config(self)
+    init = nn.initializers.normal(stddev=0.02)
+    out_init = nn.initializers.normal(stddev=0.02 / math.sqrt(2 * self.num_layers))
+    self.embed = Embeddings(self.vocab_size, self.d_model, self.block_size,
+                            position=self.position, dropout_rate=self.dropout_rate,
+                            embedding_init=init, dtype=self.dtype)
+    self.blocks = [
+        TransformerBlock(
+            num_heads=self.num_heads, mlp_dim=self.mlp_ratio * self.d_model,
+            dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
+            score=self.score, implementation=self.implementation, causal=True,
+            norm_position="pre", activation=self.activation, use_bias=self.use_bias,
+            max_len=self.block_size, kernel_init=init, out_kernel_init=out_init,
+            dtype=self.dtype, name=f"block_{i}")
+        for i in range(self.num_layers)]
+    self.ln_f = nn.LayerNorm(epsilon=1e-5, use_bias=self.use_bias, dtype=self.dtype)
+
+  def __call__(self, tokens: Array, *, deterministic: bool = True, decode: bool = False,
+               sow_weights: bool | None = None) -> Array:
+    """tokens `[batch, len]` -> logits `[batch, len, vocab]` (float32).
+
+    deterministic: False enables dropout (needs a "dropout" rng).
+    decode: KV-cache mode (see the module docstring and init_cache); len may be 1 or a chunk.
+    sow_weights: sow every block's attention weights (None: when "intermediates" is mutable).
+    """
+    x = self.embed(tokens, deterministic=deterministic, decode=decode)  # [batch, len, d]
+    for block in self.blocks:
+      x = block(x, deterministic=deterministic, decode=decode, sow_weights=sow_weights)
+    x = self.ln_f(x)  # [batch, len, d]
+    return self.embed.attend(x).astype(jnp.float32)  # [batch, len, vocab]
+
+
+def check_config(model: GPT) -> None:
+  """Raises ValueError (listing the valid choices) for a GPT that cannot be built."""
+  from attnlab.layers import embeddings, transformer  # pylint: disable=g-import-not-at-top
+  check_score_and_implementation(model.score, model.implementation)
+  transformer.get_activation(model.activation)
+  if model.position not in embeddings.POSITIONS:
+    raise ValueError(f"unknown position encoding {model.position!r}; valid: "
+                     f"{', '.join(embeddings.POSITIONS)}")
+  for name in ("vocab_size", "num_layers", "num_heads", "d_model", "block_size", "mlp_ratio"):
+    if getattr(model, name) < 1:
+      raise ValueError(f"{name} must be >= 1, got {getattr(model, name)}")
+  if model.d_model % model.num_heads:
+    raise ValueError(f"d_model={model.d_model} must be divisible by num_heads={model.num_heads}")
+  for name in ("dropout_rate", "attention_dropout_rate"):
+    if not 0.0 <= getattr(model, name) < 1.0:
+      raise ValueError(f"{name} must be in [0, 1), got {getattr(model, name)}")
+
+
+def count_params(params: Any) -> int:
+  """Number of scalars in a parameter pytree."""
+  return sum(int(x.size) for x in jax.tree.leaves(params))
+
+
+# ------------------------------------------------------------------------------ KV cache
+
+
+def init_cache(model: GPT, batch_size: int) -> Any:
+  """A zeroed KV cache (the "cache" collection) for `batch_size` sequences of block_size."""
+  tokens = jnp.zeros((batch_size, model.block_size), jnp.int32)
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, decode=True))["cache"]
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def decode_chunk(model: GPT, params: Any, cache: Any, tokens: Array) -> tuple[Array, Any]:
+  """Feeds `tokens` `[batch, L]` after what the cache holds: (logits `[batch, L, vocab]`, cache)."""
+  logits, variables = model.apply({"params": params, "cache": cache}, tokens, decode=True,
+                                  mutable=["cache"])
+  return logits, variables["cache"]
+
+
+def _cached_step_fn(model: GPT, params: Any, keep: int):
+  """step_fn(state, token) for decoding.sample; state {cache, window, length}."""
+  block = model.block_size
+
+  def refill(state):
+    window = state["window"]  # [batch, block]
+    kept = window[:, block - keep:]  # [batch, keep]
+    fresh = jax.tree.map(jnp.zeros_like, state["cache"])
+    _, cache = decode_chunk(model, params, fresh, kept)
+    window = jnp.zeros_like(window).at[:, :keep].set(kept)  # [batch, block]
+    return {"cache": cache, "window": window, "length": jnp.full_like(state["length"], keep)}
+
+  def step_fn(state, token):
+    state = jax.lax.cond(state["length"][0] >= block, refill, lambda s: s, state)
+    logits, cache = decode_chunk(model, params, state["cache"], token[:, None])  # [b, 1, vocab]
+    n = state["length"]  # [batch]
+    window = jax.vmap(lambda w, i, t: w.at[i].set(t))(state["window"], n, token)  # [b, block]
+    return logits[:, 0], {"cache": cache, "window": window, "length": n + 1}, ()
+
+  return step_fn
+
+
+def _uncached_step_fn(model: GPT, params: Any):
+  """step_fn(state, token) running the full forward pass over the last block_size tokens."""
+  block = model.block_size
+
+  def step_fn(state, token):
+    window, n = state["window"], state["length"]  # [batch, block], [batch]
+    full = n[0] >= block
+    window = jnp.where(full, jnp.roll(window, -1, axis=1), window)  # drop the oldest token
+    n = jnp.where(full, n - 1, n)
+    window = jax.vmap(lambda w, i, t: w.at[i].set(t))(window, n, token)  # [batch, block]
+    logits = model.apply({"params": params}, window)  # [batch, block, vocab]
+    last = jnp.take_along_axis(logits, n[:, None, None], axis=1)[:, 0]  # [batch, vocab]
+    return last, {"window": window, "length": n + 1}, ()
+
+  return step_fn
+
+
+@functools.partial(jax.jit, static_argnames=("model", "num_tokens", "top_k", "top_p",
+                                             "use_cache", "keep", "end_id"))
+def _generate(model: GPT, params: Any, prompt: Array, rng: Array, temperature: Array, *,
+              num_tokens: int, top_k: int | None, top_p: float | None, use_cache: bool,
+              keep: int, end_id: int | None) -> decoding.Decoded:
+  batch, length = prompt.shape
+  context, start = prompt[:, :-1], prompt[:, -1]  # the last prompt token is the first input
+  window = jnp.zeros((batch, model.block_size), jnp.int32).at[:, :length - 1].set(context)
+  state = {"window": window, "length": jnp.full((batch,), length - 1, jnp.int32)}
+  if use_cache:
+    cache = init_cache(model, batch)
+    if length > 1:
+      _, cache = decode_chunk(model, params, cache, context)
+    state["cache"] = cache
+    step_fn = _cached_step_fn(model, params, keep)
+  else:
+    step_fn = _uncached_step_fn(model, params)
+  return decoding.sample(step_fn, state, start, rng, num_steps=num_tokens,
+                         temperature=temperature, top_k=top_k, top_p=top_p, end_id=end_id)
+
+
+def generate(model: GPT, params: Any, prompt: Any, rng: Array, *, num_tokens: int,
+             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+             use_cache: bool = True, keep: int | None = None,
+             end_id: int | None = None) -> decoding.Decoded:
+  """Continues each prompt row by `num_tokens` tokens (jit-compiled, one scan).
+
+  Args:
+    model, params: a GPT and its parameters.
+    prompt: int `[batch, len]` (or `[len]`), len >= 1; all rows the same length. Only the last
+      block_size tokens are used.
+    rng: JAX key for sampling.
+    num_tokens: tokens to generate.
+    temperature: 0 = greedy; otherwise softmax(logits / temperature) after top-k/top-p.
+    top_k, top_p: optional filters (decoding.filter_logits).
+    use_cache: KV-cache decoding (default) or a full forward pass per token.
+    keep: tokens kept when the cache is full (default block_size // 2; 1 <= keep < block_size).
+    end_id: stop a row at this token (the rest is padding 0).
+  Returns:
+    decoding.Decoded with tokens `[batch, num_tokens]`.
+  """
+  prompt = jnp.asarray(prompt, jnp.int32)
+  if prompt.ndim == 1:
+    prompt = prompt[None]
+  if prompt.ndim != 2 or prompt.shape[1] < 1:
+    raise ValueError(f"prompt must be token ids [batch, len] with len >= 1; got shape "
+                     f"{prompt.shape}. An empty text prompt can start from a newline")
+  prompt = prompt[:, -model.block_size:]
+  keep = model.block_size // 2 if keep is None else int(keep)
+  if not 1 <= keep < model.block_size:
+    raise ValueError(f"keep must be in [1, block_size={model.block_size}), got {keep}")
+  if isinstance(temperature, (int, float)) and temperature < 0:
+    raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+  return _generate(model, params, prompt, rng, jnp.asarray(temperature, jnp.float32),
+                   num_tokens=int(num_tokens), top_k=top_k, top_p=top_p, use_cache=use_cache,
+                   keep=keep, end_id=end_id)

@@ -1,0 +1,369 @@
+"""RNN encoder-decoder for sequence-to-sequence tasks, with or without attention.
+
+The encoder embeds the source and runs 1..n GRU or LSTM layers over it (optionally bidirectional,
+the two directions' states concatenated). The decoder is one recurrent cell scanned over time
+(`nn.scan`, no Python loop over steps); what it sees of the source is the `attention` choice:
+
+- `none`: the encoder's final state initialises the decoder and is its only view of the source;
+- `bahdanau`: before the cell step, the previous decoder state scores every encoder state; the
+  weighted sum (the context vector) is concatenated with the previous output's embedding as the
+  cell input, and the output layer reads [new state; context];
+- `luong`: after the cell step, the new state scores the encoder states; the attentional hidden
+  state tanh(W_c [context; state]) feeds the output layer and, with `input_feeding`, the next step.
+
+The score function comes from `attnlab.attention.scores` by name, and `window` picks how the
+weights are spread: `global` (a softmax over every source position), `local` (local-p: a predicted
+centre and a Gaussian-weighted window of half-width D), or `hard` (one sampled position, trained
+with REINFORCE; the most likely position when decoding). Every step's attention weights are
+returned in `aux["attention_weights"]` `[batch, tgt_len, src_len]` and sown under
+`intermediates/attention_weights`.
+
+Decoding goes through `attnlab.decoding` with `Seq2Seq.init_decode_state` and
+`Seq2Seq.decode_step` (see `make_step_fn`).
+"""
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from attnlab.attention import core as attn_core
+from attnlab.attention import masks as attn_masks
+from attnlab.attention import scores as attn_scores
+
+ATTENTIONS = ("none", "bahdanau", "luong")
+WINDOWS = ("global", "local", "hard")
+CELLS = ("gru", "lstm")
+# Scores with no parameters of their own need queries and keys of the same size.
+_SAME_SIZE_SCORES = ("dot", "scaled_dot", "cosine")
+
+Carry = Any  # one layer's recurrent state: [batch, hidden] (GRU) or a (c, h) pair (LSTM)
+
+
+def _check_choice(name: str, value: str, valid: tuple[str, ...]) -> None:
+  if value not in valid:
+    raise ValueError(f"unknown {name} {value!r}; valid choices: {', '.join(valid)}")
+
+
+def _make_cell(cell: str, features: int, name: str | None = None) -> nn.RNNCellBase:
+  _check_choice("cell", cell, CELLS)
+  if cell == "gru":
+    return nn.GRUCell(features, name=name)
+  return nn.LSTMCell(features, name=name)
+
+
+def _hidden(carry: Carry) -> jax.Array:
+  """The output state of one layer's carry (h of an LSTM's (c, h))."""
+  return carry[1] if isinstance(carry, tuple) else carry
+
+
+class Encoder(nn.Module):
+  """Embedding + stacked (bi)directional GRU/LSTM layers over the source."""
+  vocab_size: int
+  embed_dim: int
+  hidden_dim: int
+  cell: str = "gru"
+  num_layers: int = 1
+  bidirectional: bool = False
+  dropout_rate: float = 0.0
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array, lengths: jax.Array, *,
+               deterministic: bool = True) -> tuple[jax.Array, list[Carry]]:
+    """Returns the top layer's states `[batch, src_len, enc_dim]` and each layer's final carry.
+
+    enc_dim is hidden_dim, or 2 * hidden_dim when bidirectional (forward; backward). Positions at
+    or after a sequence's length do not change its final carry.
+    """
+    x = nn.Embed(self.vocab_size, self.embed_dim, name="embed")(tokens)  # [batch, src_len, embed]
+    x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+    finals = []
+    for layer in range(self.num_layers):
+      if self.bidirectional:
+        rnn = nn.Bidirectional(
+            nn.RNN(_make_cell(self.cell, self.hidden_dim, f"layer{layer}_fwd")),
+            nn.RNN(_make_cell(self.cell, self.hidden_dim, f"layer{layer}_bwd")),
+            return_carry=True)
+        (fwd, bwd), x = rnn(x, seq_lengths=lengths)  # x: [batch, src_len, 2 * hidden]
+        final = jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=-1), fwd, bwd)
+      else:
+        rnn = nn.RNN(_make_cell(self.cell, self.hidden_dim, f"layer{layer}"), return_carry=True)
+        final, x = rnn(x, seq_lengths=lengths)  # x: [batch, src_len, hidden]
+      if layer < self.num_layers - 1:
+        x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+      finals.append(final)
+    return x, finals
+
+
+class DecoderCell(nn.Module):
+  """One decoder time step: attention (per `attention`) + stacked recurrent cells.
+
+  Called as `cell(carry, embedded, memory, deterministic=...)` and returns
+  `(new_carry, (features, weights, log_prob))`: `features` `[batch, out_dim]` feed the output
+  layer, `weights` `[batch, src_len]` are the attention weights (zeros for `none`), `log_prob`
+  `[batch]` is the log-probability of the sampled position for hard attention (zeros otherwise).
+  """
+  hidden_dim: int
+  enc_dim: int
+  cell: str = "gru"
+  num_layers: int = 1
+  attention: str = "bahdanau"
+  score: str = "additive"
+  window: str = "global"
+  attn_dim: int | None = None
+  local_half_width: int = 2
+  input_feeding: bool = True
+  max_src_len: int | None = None
+  cosine_beta: float = 5.0
+
+  def setup(self):
+    _check_choice("attention", self.attention, ATTENTIONS)
+    _check_choice("window", self.window, WINDOWS)
+    _check_choice("score", self.score, tuple(attn_scores.SCORE_FNS))
+    self.cells = [_make_cell(self.cell, self.hidden_dim, f"cell_{i}")
+                  for i in range(self.num_layers)]
+    if self.attention == "none":
+      return
+    d_k = self.key_dim
+    # cosine gets a trainable key strength beta; dot and scaled_dot have no parameters.
+    beta = self.cosine_beta if self.score == "cosine" else None
+    self.score_params = None
+    if self.score in attn_scores.PARAMETRIC_SCORES or beta is not None:
+      self.score_params = self.param(
+          "score", lambda rng: attn_scores.init_score_params(
+              self.score, rng, self.hidden_dim, d_k, d_attn=self.attn_dim,
+              max_len=self.max_src_len, beta=beta))
+    if self.window == "local":
+      # local-p: p_t = S * sigmoid(v_p^T tanh(W_p h_t)).
+      d_p = self.attn_dim or self.hidden_dim
+      self.w_p = self.param("w_p", nn.initializers.lecun_normal(), (self.hidden_dim, d_p))
+      self.v_p = self.param("v_p", nn.initializers.normal(d_p ** -0.5), (d_p,))
+    if self.attention == "luong":
+      self.combine = nn.Dense(self.hidden_dim, use_bias=False, name="combine")
+
+  @property
+  def key_dim(self) -> int:
+    """Size of the keys the score sees: encoder states, projected when the score needs it."""
+    return self.hidden_dim if self.score in _SAME_SIZE_SCORES else self.enc_dim
+
+  def _attend(self, query: jax.Array, memory: dict[str, jax.Array],
+              deterministic: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Context `[batch, enc_dim]`, weights `[batch, src_len]`, log-prob `[batch]` of one step."""
+    q = query[:, None, :]  # [batch, 1, hidden]
+    keys, values, mask = memory["keys"], memory["values"], memory["mask"]
+    batch = query.shape[0]
+    log_prob = jnp.zeros((batch,), jnp.float32)
+    if self.window == "global":
+      context, weights = attn_core.attend(
+          q, keys, values, score=self.score, params=self.score_params, mask=mask,
+          implementation="reference")
+    elif self.window == "local":
+      center = attn_core.predict_position(q, self.w_p, self.v_p, memory["lengths"])  # [batch, 1]
+      context, weights = attn_core.local_attend(
+          q, keys, values, center=center, half_width=self.local_half_width,
+          score=self.score, params=self.score_params, mask=mask)
+    elif deterministic:
+      # Hard attention at test time: the single most likely position. The weights reported are
+      # the distribution the position is chosen from (as when training).
+      _, weights = attn_core.attend(q, keys, values, score=self.score, params=self.score_params,
+                                    mask=mask, implementation="reference")  # [batch, 1, src_len]
+      chosen = jax.nn.one_hot(jnp.argmax(weights, axis=-1), keys.shape[-2])  # [batch, 1, src_len]
+      context = jnp.matmul(chosen * jnp.any(mask, -1, keepdims=True), values)  # [batch, 1, enc]
+    else:
+      # The weights reported are the distribution the position was sampled from.
+      hard = attn_core.hard_attend(self.make_rng("sample"), q, keys, values, score=self.score,
+                                   params=self.score_params, mask=mask)
+      context, weights, log_prob = hard.context, hard.weights, hard.log_prob[:, 0]
+    return context[:, 0], weights[:, 0], log_prob
+
+  def _step_cells(self, carry: list[Carry], x: jax.Array) -> tuple[list[Carry], jax.Array]:
+    new = []
+    for cell, c in zip(self.cells, carry):
+      c, x = cell(c, x)  # x: [batch, hidden]
+      new.append(c)
+    return new, x
+
+  def __call__(self, carry: dict[str, Any], embedded: jax.Array, memory: dict[str, jax.Array],
+               deterministic: bool = True):
+    rnn = list(carry["rnn"])
+    if self.attention == "none":
+      rnn, h = self._step_cells(rnn, embedded)
+      weights = jnp.zeros(memory["mask"].shape[:1] + memory["mask"].shape[-1:], h.dtype)
+      features, log_prob = h, jnp.zeros(h.shape[:1], jnp.float32)
+    elif self.attention == "bahdanau":
+      context, weights, log_prob = self._attend(_hidden(rnn[-1]), memory, deterministic)
+      rnn, h = self._step_cells(rnn, jnp.concatenate([embedded, context], axis=-1))
+      features = jnp.concatenate([h, context], axis=-1)  # [batch, hidden + enc_dim]
+    else:  # luong
+      x = embedded
+      if self.input_feeding:
+        x = jnp.concatenate([embedded, carry["feed"]], axis=-1)  # [batch, embed + hidden]
+      rnn, h = self._step_cells(rnn, x)
+      context, weights, log_prob = self._attend(h, memory, deterministic)
+      features = jnp.tanh(self.combine(jnp.concatenate([context, h], axis=-1)))  # [batch, hidden]
+    new_carry = {"rnn": tuple(rnn), "feed": features if self.attention == "luong"
+                 else carry["feed"]}
+    return new_carry, (features, weights, log_prob)
+
+
+class Seq2Seq(nn.Module):
+  """Encoder-decoder with a config-chosen cell, attention style, score and window.
+
+  `__call__(src, src_lengths, tgt_in, train=...)` runs teacher-forced decoding and returns
+  `(logits [batch, tgt_len, tgt_vocab], aux)`, aux = {"attention_weights": [batch, tgt_len,
+  src_len]} plus, for hard attention, "log_prob" [batch, tgt_len] (log-probability of each sampled
+  position, for REINFORCE). Padding ids are 0 in both vocabularies.
+  """
+  src_vocab_size: int
+  tgt_vocab_size: int
+  # Size of the token embeddings (source and target).
+  embed_dim: int = 64
+  # Size of every recurrent layer (per direction in the encoder).
+  hidden_dim: int = 128
+  # Recurrent cell: gru or lstm.
+  cell: str = "gru"
+  # Stacked recurrent layers in the encoder and in the decoder.
+  num_layers: int = 1
+  # Whether the encoder also reads the source right to left.
+  bidirectional: bool = False
+  # none | bahdanau | luong.
+  attention: str = "bahdanau"
+  # Score function name from attnlab.attention.scores.
+  score: str = "additive"
+  # global | local (local-p window) | hard (sampled, REINFORCE).
+  window: str = "global"
+  # Hidden size of the additive score and of the local-p position predictor (None: hidden_dim).
+  attn_dim: int | None = None
+  # Half-width D of the local-p window.
+  local_half_width: int = 2
+  # Luong: feed the previous attentional state into the next step.
+  input_feeding: bool = True
+  # Longest source the model accepts (the location score's parameter size).
+  max_src_len: int | None = None
+  # Initial key strength of the cosine score (trainable; cosine alone lies in [-1, 1]).
+  cosine_beta: float = 5.0
+  # Dropout on embeddings, between layers and before the output layer.
+  dropout_rate: float = 0.0
+
+  def setup(self):
+    _check_choice("attention", self.attention, ATTENTIONS)
+    _check_choice("window", self.window, WINDOWS)
+    _check_choice("cell", self.cell, CELLS)
+    if self.score not in attn_scores.SCORE_FNS:
+      raise ValueError(f"unknown score {self.score!r}; valid scores: "
+                       f"{', '.join(attn_scores.SCORE_FNS)}")
+    if self.score == "location" and not self.max_src_len:
+      raise ValueError("score='location' needs max_src_len (the longest source length)")
+    enc_dim = self.hidden_dim * (2 if self.bidirectional else 1)
+    self.encoder = Encoder(self.src_vocab_size, self.embed_dim, self.hidden_dim, self.cell,
+                           self.num_layers, self.bidirectional, self.dropout_rate)
+    self.tgt_embed = nn.Embed(self.tgt_vocab_size, self.embed_dim)
+    self.decoder_cell = DecoderCell(
+        self.hidden_dim, enc_dim, self.cell, self.num_layers, self.attention, self.score,
+        self.window, self.attn_dim, self.local_half_width, self.input_feeding, self.max_src_len,
+        self.cosine_beta)
+    if enc_dim != self.hidden_dim:
+      # The encoder's final states (2 * hidden when bidirectional) -> the decoder's first states.
+      self.bridge = [nn.Dense(self.hidden_dim, name=f"bridge_{i}") for i in range(self.num_layers)]
+    if self.attention != "none" and self.score in _SAME_SIZE_SCORES and enc_dim != self.hidden_dim:
+      self.key_proj = nn.Dense(self.hidden_dim, use_bias=False)
+    self.dropout = nn.Dropout(self.dropout_rate)
+    self.output = nn.Dense(self.tgt_vocab_size)
+
+  def encode(self, src: jax.Array, src_lengths: jax.Array, *,
+             train: bool = False) -> dict[str, Any]:
+    """The decoder's start state: {"carry": {...}, "memory": {...}}, every leaf batch-first."""
+    enc_dim = self.hidden_dim * (2 if self.bidirectional else 1)
+    src_lengths = src_lengths.astype(jnp.int32)
+    states, finals = self.encoder(src, src_lengths, deterministic=not train)  # [b, s, enc_dim]
+    if enc_dim != self.hidden_dim:
+      finals = [jax.tree.map(lambda a, bridge=bridge: jnp.tanh(bridge(a)), f)
+                for f, bridge in zip(finals, self.bridge)]
+    keys = states
+    if self.attention != "none" and self.score in _SAME_SIZE_SCORES and enc_dim != self.hidden_dim:
+      keys = self.key_proj(states)  # [batch, src_len, hidden]
+    mask = attn_masks.padding_mask(src_lengths, src.shape[1])[:, 0]  # [batch, 1, src_len]
+    batch = src.shape[0]
+    carry = {"rnn": tuple(finals), "feed": jnp.zeros((batch, self.hidden_dim), states.dtype)}
+    memory = {"keys": keys, "values": states, "mask": mask, "lengths": src_lengths}
+    return {"carry": carry, "memory": memory}
+
+  def _logits(self, features: jax.Array, train: bool) -> jax.Array:
+    return self.output(self.dropout(features, deterministic=not train))
+
+  def __call__(self, src: jax.Array, src_lengths: jax.Array, tgt_in: jax.Array, *,
+               train: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+    state = self.encode(src, src_lengths, train=train)
+    embedded = self.dropout(self.tgt_embed(tgt_in), deterministic=not train)  # [b, t, embed]
+    deterministic = not train
+
+    def body(cell, carry, x, memory):
+      return cell(carry, x, memory, deterministic=deterministic)
+
+    scan = nn.scan(body, variable_broadcast="params", split_rngs={"params": False, "sample": True},
+                   in_axes=(1, nn.broadcast), out_axes=1)
+    _, (features, weights, log_prob) = scan(self.decoder_cell, state["carry"], embedded,
+                                            state["memory"])
+    # features: [batch, tgt_len, out_dim]; weights: [batch, tgt_len, src_len]
+    self.sow("intermediates", "attention_weights", weights)
+    logits = self._logits(features, train)  # [batch, tgt_len, tgt_vocab]
+    aux = {"attention_weights": weights}
+    if self.attention != "none" and self.window == "hard":
+      aux["log_prob"] = log_prob  # [batch, tgt_len]: log p of each sampled source position
+    return logits, aux
+
+  def decode_step(self, state: dict[str, Any], tokens: jax.Array
+                  ) -> tuple[jax.Array, dict[str, Any], jax.Array]:
+    """One greedy/beam step for `attnlab.decoding`: (logits [b, vocab], new state, weights [b, s])."""
+    embedded = self.tgt_embed(tokens)  # [batch, embed]
+    carry, (features, weights, _) = self.decoder_cell(state["carry"], embedded, state["memory"],
+                                                      deterministic=True)
+    logits = self._logits(features, False)  # [batch, tgt_vocab]
+    return logits, {"carry": carry, "memory": state["memory"]}, weights
+
+
+def make_step_fn(model: Seq2Seq, params: Any):
+  """A `step_fn(state, tokens) -> (logits, state, aux)` for `attnlab.decoding`."""
+  def step_fn(state, tokens):
+    return model.apply({"params": params}, state, tokens, method=Seq2Seq.decode_step)
+  return step_fn
+
+
+def init_decode_state(model: Seq2Seq, params: Any, src: jax.Array,
+                      src_lengths: jax.Array) -> dict[str, Any]:
+  """Encodes the source: the `state` argument of `attnlab.decoding` functions."""
+  return model.apply({"params": params}, src, src_lengths, method=Seq2Seq.encode)
+
+
+def make_translation_model(model_config: Any, src_vocab_size: int, tgt_vocab_size: int,
+                           max_src_len: int) -> Seq2Seq:
+  """The Seq2Seq module described by a `config.model` group (see configs/seq2seq.py).
+
+  Raises ConfigError (a ValueError) naming the valid choices for an unknown cell, attention,
+  score or window.
+  """
+  from attnlab.config_utils import ConfigError  # pylint: disable=g-import-not-at-top
+  for key, valid in (("cell", CELLS), ("attention", ATTENTIONS), ("window", WINDOWS),
+                     ("score", tuple(attn_scores.SCORE_FNS))):
+    if model_config[key] not in valid:
+      raise ConfigError(f"unknown model.{key} {model_config[key]!r}; valid choices: "
+                        f"{', '.join(valid)}")
+  return Seq2Seq(
+      src_vocab_size=src_vocab_size,
+      tgt_vocab_size=tgt_vocab_size,
+      embed_dim=model_config.embed_dim,
+      hidden_dim=model_config.hidden_dim,
+      cell=model_config.cell,
+      num_layers=model_config.num_layers,
+      bidirectional=model_config.bidirectional,
+      attention=model_config.attention,
+      score=model_config.score,
+      window=model_config.window,
+      attn_dim=model_config.attn_dim or None,
+      local_half_width=model_config.local_half_width,
+      input_feeding=model_config.input_feeding,
+      max_src_len=max_src_len,
+      cosine_beta=model_config.cosine_beta,
+      dropout_rate=model_config.dropout_rate,
+  )

@@ -1,0 +1,445 @@
+"""Transformer encoder-decoder for translation (task "translation", `model.name=transformer`).
+
+  source tokens -> Embeddings -> num_layers encoder TransformerBlocks (self-attention with a
+    source padding mask) -> [final LayerNorm] = encoder outputs `[batch, src_len, d]`
+  target tokens -> Embeddings -> num_decoder_layers DecoderBlocks (self-attention with the
+    look-ahead mask; cross-attention from the target positions to the encoder outputs with the
+    source padding mask) -> [final LayerNorm] -> logits `[batch, tgt_len, tgt_vocab]`
+
+The blocks are `attnlab.layers.TransformerBlock` (pre-LN by default, post-LN as in Vaswani et al.
+with `norm_position="post"`), so every score function of `attnlab.attention.scores` and every
+`attend` implementation is available by name. Positions are sinusoidal (default) or learned.
+`share_embeddings`: "none" (separate source/target tables and output layer), "target" (the target
+table is also the output layer, logits scaled by d_model ** -0.5) or "all" (one table of
+max(src_vocab, tgt_vocab) rows for source, target and output: meaningful when both sides use the
+same vocabulary, e.g. reverse/copy with characters).
+
+Training (`__call__`) is teacher-forced: the decoder reads `<start> y_1 .. y_n` and predicts
+`y_1 .. y_n <end>`; the look-ahead mask keeps position t from seeing target tokens after t.
+
+Decoding (`encode` + `decode_step`, driven by `attnlab.decoding` through the translation task)
+keeps in its state, per decoder layer, the cross-attention keys/values projected once from the
+encoder outputs, and the self-attention KV cache of `attnlab.layers.MultiHeadAttention` (the Flax
+"cache" collection, carried explicitly in the state so the task can call `model.apply` without
+mutable collections). Each step feeds one token and costs one position. The cache holds `max_len`
+positions: decoding more steps than that is not supported (the config's default max_len covers
+twice the longest training source). `make_step_fn(..., use_cache=False)` is the uncached reference
+(every step re-runs the decoder over the whole prefix); tests check both give the same tokens.
+
+Attention weights are sown by every attention module: `intermediates/encoder_layer_<i>/
+self_attention/attention_weights` and `intermediates/decoder_layer_<i>/{self,cross}_attention/
+attention_weights` `[batch, heads, q_len, k_len]` (`attention_grids` collects them per layer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attnlab import decoding
+from attnlab.attention import core
+from attnlab.attention import masks as masks_lib
+from attnlab.layers import Dense
+from attnlab.layers import Embeddings
+from attnlab.layers import MultiHeadAttention
+from attnlab.layers import NORM_POSITIONS
+from attnlab.layers import POSITIONS
+from attnlab.layers import TransformerBlock
+from attnlab.layers import check_score_and_implementation
+from attnlab.layers import get_activation
+from attnlab.layers import matmul
+
+Array = jax.Array
+
+# size name -> (num_layers, num_heads, d_model, mlp_dim); num_decoder_layers = num_layers.
+SIZES: dict[str, dict[str, int]] = {
+    # For tests and runlocal: seconds on a CPU.
+    "tiny": dict(num_layers=1, num_heads=2, d_model=16, mlp_dim=32),
+    # Synthetic tasks (dates, reverse) on a CPU, about the parameter count of the RNN baseline.
+    "small": dict(num_layers=2, num_heads=4, d_model=64, mlp_dim=128),
+    # Marathi on a CPU.
+    "medium": dict(num_layers=3, num_heads=4, d_model=128, mlp_dim=512),
+    # Vaswani et al. (2017) "base".
+    "base": dict(num_layers=6, num_heads=8, d_model=512, mlp_dim=2048),
+}
+# Embedding sharing choices (module docstring).
+SHARE_EMBEDDINGS: tuple[str, ...] = ("none", "target", "all")
+
+
+def size_config(name: str) -> dict[str, int]:
+  """The hyperparameters of size `name`; raises ValueError listing the valid sizes."""
+  if name not in SIZES:
+    raise ValueError(f"unknown Transformer size {name!r}; valid sizes: {', '.join(SIZES)}")
+  return dict(SIZES[name])
+
+
+def _is_memory(x: Any) -> bool:
+  return isinstance(x, Mapping) and "key" in x and "value" in x
+
+
+class CrossAttention(MultiHeadAttention):
+  """MultiHeadAttention that also takes precomputed keys/values of the encoder outputs.
+
+  `inputs_kv` is either the encoder outputs `[batch, src_len, d]` (projected on every call, as in
+  MultiHeadAttention) or a dict {"key", "value"} `[batch, heads, src_len, head_dim]` made once by
+  `project_memory` from the same parameters (decoding). Both give the same numbers.
+  """
+
+  @nn.compact
+  def __call__(self, inputs_q: Array, inputs_kv: Any = None, *, mask: Array | None = None,
+               deterministic: bool = True, decode: bool = False,
+               sow_weights: bool | None = None) -> Array:
+    if not _is_memory(inputs_kv):
+      return super().__call__(inputs_q, inputs_kv, mask=mask, deterministic=deterministic,
+                              decode=decode, sow_weights=sow_weights)
+    check_score_and_implementation(self.score, self.implementation)
+    kh, vh = inputs_kv["key"], inputs_kv["value"]  # [batch, heads, src_len, head_dim]
+    d_model = inputs_q.shape[-1]
+    inner = self.qkv_features or d_model
+    head_dim = inner // self.num_heads
+    dtype = self.dtype or jnp.float32
+    w_q = self.param("query_kernel", self.kernel_init, (d_model, inner), jnp.float32)
+    q = matmul(inputs_q.astype(dtype), w_q.astype(dtype))  # [batch, q_len, inner]
+    if self.use_bias:
+      q = q + self.param("query_bias", nn.initializers.zeros, (inner,), jnp.float32).astype(dtype)
+    qh = core.split_heads(q, self.num_heads)  # [batch, heads, q_len, head_dim]
+    if sow_weights is None:
+      sow_weights = self.is_mutable_collection("intermediates")
+    params = self._score_params(head_dim)
+    implementation = "reference" if sow_weights else self.implementation
+    context, weights = core.attend(qh, kh.astype(dtype), vh.astype(dtype), score=self.score,
+                                   params=params, mask=mask, implementation=implementation,
+                                   return_weights=bool(sow_weights))
+    # context [batch, heads, q_len, head_dim]; weights [batch, heads, q_len, src_len] or None
+    if sow_weights:
+      self.sow("intermediates", "attention_weights", weights)
+    out = core.merge_heads(context.astype(dtype))  # [batch, q_len, inner]
+    return Dense(self.out_features or d_model, use_bias=self.use_bias,
+                 kernel_init=self.out_kernel_init, dtype=dtype, name="out")(out)
+
+
+def project_memory(params: Mapping[str, Any], encoded: Array, num_heads: int) -> dict[str, Array]:
+  """Keys/values `[batch, heads, src_len, head_dim]` of one cross-attention's parameters."""
+  out = {}
+  for name in ("key", "value"):
+    kernel = params[f"{name}_kernel"]  # [d_enc, inner]
+    x = matmul(encoded.astype(kernel.dtype), kernel)  # [batch, src_len, inner]
+    if f"{name}_bias" in params:
+      x = x + params[f"{name}_bias"]
+    out[name] = core.split_heads(x, num_heads)  # [batch, heads, src_len, head_dim]
+  return out
+
+
+class DecoderBlock(TransformerBlock):
+  """TransformerBlock whose cross-attention accepts precomputed encoder keys/values."""
+
+  def _attention(self, name: str, causal: bool) -> MultiHeadAttention:
+    if name != "cross_attention":
+      return super()._attention(name, causal)
+    return CrossAttention(
+        num_heads=self.num_heads, score=self.score, implementation=self.implementation,
+        dropout_rate=self.attention_dropout_rate, use_bias=self.use_bias, causal=False,
+        max_len=self.max_len, kernel_init=self.kernel_init, out_kernel_init=self.out_kernel_init,
+        dtype=self.dtype, name=name)
+
+
+class Transformer(nn.Module):
+  """Encoder-decoder Transformer (module docstring). Padding id 0 in both vocabularies."""
+  # Source vocabulary size.
+  src_vocab_size: int
+  # Target vocabulary size.
+  tgt_vocab_size: int
+  # Encoder blocks.
+  num_layers: int = 2
+  # Decoder blocks (None: num_layers).
+  num_decoder_layers: int | None = None
+  # Attention heads of every attention layer.
+  num_heads: int = 4
+  # Model width (embeddings, residual stream).
+  d_model: int = 64
+  # Hidden size of the position-wise MLPs.
+  mlp_dim: int = 128
+  # Dropout on embeddings and on every residual branch (training only).
+  dropout_rate: float = 0.0
+  # Dropout on the attention weights (training only).
+  attention_dropout_rate: float = 0.0
+  # Score function name (attnlab.attention.scores.SCORE_FNS) of every attention layer.
+  score: str = "scaled_dot"
+  # attend() implementation: auto, reference, xla or blocked.
+  implementation: str = "auto"
+  # Position encoding: sinusoidal or learned.
+  position: str = "sinusoidal"
+  # none | target | all (module docstring).
+  share_embeddings: str = "none"
+  # LayerNorm placement: pre (stable, default) or post (Vaswani et al.).
+  norm_position: str = "pre"
+  # MLP activation (attnlab.layers.ACTIVATIONS).
+  activation: str = "relu"
+  # Longest source and target (position tables, KV-cache length, location score size).
+  max_len: int = 64
+  # Decoder layer whose head-averaged cross-attention decode_step reports (-1: the last).
+  weights_layer: int = -1
+
+  def setup(self):
+    if self.position not in POSITIONS or self.position == "none":
+      raise ValueError(f"unknown position {self.position!r}; valid: sinusoidal, learned")
+    if self.share_embeddings not in SHARE_EMBEDDINGS:
+      raise ValueError(f"unknown share_embeddings {self.share_embeddings!r}; valid: "
+                       f"{', '.join(SHARE_EMBEDDINGS)}")
+    if self.norm_position not in NORM_POSITIONS:
+      raise ValueError(f"unknown norm_position {self.norm_position!r}; valid: "
+                       f"{', '.join(NORM_POSITIONS)}")
+    check_score_and_implementation(self.score, self.implementation)
+    get_activation(self.activation)
+    if self.d_model % self.num_heads:
+      raise ValueError(f"d_model={self.d_model} must be divisible by num_heads={self.num_heads}")
+    if not -self.decoder_depth <= self.weights_layer < self.decoder_depth:
+      raise ValueError(f"weights_layer={self.weights_layer} is not a decoder layer; valid: "
+                       f"-{self.decoder_depth}..{self.decoder_depth - 1}")
+    # Token tables start at unit scale, like the sinusoids they are added to.
+    embed = lambda vocab, name: Embeddings(
+        vocab, self.d_model, self.max_len, position=self.position,
+        dropout_rate=self.dropout_rate, embedding_init=nn.initializers.normal(1.0), name=name)
+    if self.share_embeddings == "all":
+      self.src_embed = embed(max(self.src_vocab_size, self.tgt_vocab_size), "embed")
+      self.tgt_embed = self.src_embed
+    else:
+      self.src_embed = embed(self.src_vocab_size, "src_embed")
+      self.tgt_embed = embed(self.tgt_vocab_size, "tgt_embed")
+    block = dict(num_heads=self.num_heads, mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
+                 attention_dropout_rate=self.attention_dropout_rate, score=self.score,
+                 implementation=self.implementation, norm_position=self.norm_position,
+                 activation=self.activation, max_len=self.max_len)
+    self.encoder_layers = [TransformerBlock(**block, name=f"encoder_layer_{i}")
+                           for i in range(self.num_layers)]
+    self.decoder_layers = [DecoderBlock(**block, causal=True, cross_attention=True,
+                                        name=f"decoder_layer_{i}")
+                           for i in range(self.decoder_depth)]
+    if self.norm_position == "pre":
+      self.encoder_norm = nn.LayerNorm(name="encoder_norm")
+      self.decoder_norm = nn.LayerNorm(name="decoder_norm")
+    if self.share_embeddings == "none":
+      self.output = Dense(self.tgt_vocab_size, name="output")
+
+  @property
+  def decoder_depth(self) -> int:
+    return self.num_layers if self.num_decoder_layers is None else self.num_decoder_layers
+
+  # ------------------------------------------------------------------------------- stacks
+
+  def encode_source(self, src: Array, src_lengths: Array, *, train: bool = False
+                    ) -> tuple[Array, Array]:
+    """(encoder outputs `[batch, src_len, d]`, source padding mask `[batch, 1, 1, src_len]`)."""
+    mask = masks_lib.padding_mask(src_lengths.astype(jnp.int32), src.shape[1])
+    x = self.src_embed(src, deterministic=not train)  # [batch, src_len, d]
+    for layer in self.encoder_layers:
+      x = layer(x, mask=mask, deterministic=not train)  # [batch, src_len, d]
+    if self.norm_position == "pre":
+      x = self.encoder_norm(x)
+    return x, mask
+
+  def decode_tokens(self, tgt: Array, memory: Any, src_mask: Array, *, train: bool = False,
+                    decode: bool = False) -> Array:
+    """Decoder logits `[batch, tgt_len, tgt_vocab]`.
+
+    memory: the encoder outputs `[batch, src_len, d]`, or a list with one {"key", "value"} dict
+      per decoder layer (`project_memory`).
+    decode: feed `tgt` into the self-attention KV cache (needs the "cache" collection mutable).
+    """
+    y = self.tgt_embed(tgt, deterministic=not train, decode=decode)  # [batch, tgt_len, d]
+    for i, layer in enumerate(self.decoder_layers):
+      encoded = memory[i] if isinstance(memory, (list, tuple)) else memory
+      y = layer(y, encoded=encoded, encoder_mask=src_mask, deterministic=not train,
+                decode=decode)  # [batch, tgt_len, d]
+    if self.norm_position == "pre":
+      y = self.decoder_norm(y)
+    if self.share_embeddings == "none":
+      return self.output(y)  # [batch, tgt_len, tgt_vocab]
+    logits = self.tgt_embed.attend(y) * self.d_model ** -0.5  # [batch, tgt_len, vocab]
+    return logits[..., :self.tgt_vocab_size]
+
+  def __call__(self, src: Array, src_lengths: Array, tgt_in: Array, *, train: bool = False
+               ) -> tuple[Array, dict[str, Array]]:
+    """Teacher forcing: (logits `[batch, tgt_len, tgt_vocab]`, aux).
+
+    aux holds "attention_weights" `[batch, tgt_len, src_len]` (weights_layer's cross-attention,
+    averaged over heads) when the "intermediates" collection is mutable, else nothing.
+    """
+    encoded, mask = self.encode_source(src, src_lengths, train=train)
+    logits = self.decode_tokens(tgt_in, encoded, mask, train=train)
+    aux = {}
+    if self.is_mutable_collection("intermediates"):
+      layer = self.decoder_layers[self.weights_layer]
+      sown = layer.variables.get("intermediates", {})
+      if "cross_attention" in sown:
+        weights = sown["cross_attention"]["attention_weights"][-1]  # [b, heads, tgt_len, src_len]
+        aux["attention_weights"] = jnp.mean(weights, axis=1)
+    return logits, aux
+
+  # ------------------------------------------------------------------------------- decoding
+
+  def _unbound(self) -> Transformer:
+    return self.clone(parent=None)
+
+  def encode(self, src: Array, src_lengths: Array) -> dict[str, Any]:
+    """The decoding state: cross keys/values per layer, source mask, an empty KV cache."""
+    encoded, mask = self.encode_source(src, src_lengths)
+    params = self.variables["params"]
+    memory = [project_memory(params[f"decoder_layer_{i}"]["cross_attention"], encoded,
+                             self.num_heads) for i in range(self.decoder_depth)]
+    batch = src.shape[0]
+    mask = jnp.broadcast_to(mask, (batch, 1, 1, src.shape[1]))  # batch-first leaf for beams
+
+    def cache_shapes(params, memory, mask):
+      tokens = jnp.zeros((batch, self.max_len), jnp.int32)
+      _, variables = self._unbound().apply({"params": params}, tokens, memory, mask, decode=True,
+                                           method=Transformer.decode_tokens, mutable=["cache"])
+      return variables["cache"]
+
+    shapes = jax.eval_shape(cache_shapes, params, memory, mask)
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return {"memory": memory, "mask": mask, "cache": cache}
+
+  def decode_step(self, state: dict[str, Any], tokens: Array
+                  ) -> tuple[Array, dict[str, Any], Array]:
+    """One step for attnlab.decoding: (logits `[b, vocab]`, new state, cross weights `[b, s]`)."""
+    variables = {"params": self.variables["params"], "cache": state["cache"]}
+    logits, updated = self._unbound().apply(
+        variables, tokens[:, None].astype(jnp.int32), state["memory"], state["mask"],
+        decode=True, method=Transformer.decode_tokens, mutable=["cache", "intermediates"])
+    layer = f"decoder_layer_{range(self.decoder_depth)[self.weights_layer]}"
+    weights = updated["intermediates"][layer]["cross_attention"]["attention_weights"][0]
+    new_state = {**state, "cache": updated["cache"]}
+    return logits[:, 0], new_state, jnp.mean(weights[:, :, 0], axis=1)  # [b, vocab], [b, s]
+
+  def encode_uncached(self, src: Array, src_lengths: Array) -> dict[str, Any]:
+    """State of the uncached reference decoder: source, lengths, a growing target prefix."""
+    batch = src.shape[0]
+    return {"src": src, "src_lengths": src_lengths.astype(jnp.int32),
+            "prefix": jnp.zeros((batch, self.max_len), jnp.int32),
+            "index": jnp.zeros((batch,), jnp.int32)}
+
+  def decode_step_uncached(self, state: dict[str, Any], tokens: Array
+                           ) -> tuple[Array, dict[str, Any], Array]:
+    """Like decode_step, but re-runs encoder and decoder over the whole prefix (no cache)."""
+    index = state["index"]  # [batch]
+    prefix = jax.vmap(lambda p, t, i: p.at[i].set(t))(state["prefix"], tokens.astype(jnp.int32),
+                                                      index)  # [batch, max_len]
+    encoded, mask = self.encode_source(state["src"], state["src_lengths"])
+    logits, inter = self._unbound().apply(
+        {"params": self.variables["params"]}, prefix, encoded, mask,
+        method=Transformer.decode_tokens, mutable=["intermediates"])  # [b, max_len, V]
+    layer = f"decoder_layer_{range(self.decoder_depth)[self.weights_layer]}"
+    weights = inter["intermediates"][layer]["cross_attention"]["attention_weights"][0]
+    pick = lambda a, i: a[i]
+    step_logits = jax.vmap(pick)(logits, index)  # [batch, vocab]
+    step_weights = jax.vmap(pick)(jnp.mean(weights, axis=1), index)  # [batch, src_len]
+    return step_logits, {**state, "prefix": prefix, "index": index + 1}, step_weights
+
+
+def make_step_fn(model: Transformer, params: Any, *, use_cache: bool = True):
+  """A `step_fn(state, tokens) -> (logits, state, cross weights)` for attnlab.decoding."""
+  method = Transformer.decode_step if use_cache else Transformer.decode_step_uncached
+
+  def step_fn(state, tokens):
+    return model.apply({"params": params}, state, tokens, method=method)
+  return step_fn
+
+
+def init_decode_state(model: Transformer, params: Any, src: Array, src_lengths: Array, *,
+                      use_cache: bool = True) -> dict[str, Any]:
+  """The `state` for make_step_fn(model, params, use_cache=use_cache)."""
+  method = Transformer.encode if use_cache else Transformer.encode_uncached
+  return model.apply({"params": params}, src, src_lengths, method=method)
+
+
+def greedy_decode(model: Transformer, params: Any, src: Array, src_lengths: Array, *,
+                  start_id: int, end_id: int, max_len: int, beam_size: int = 1,
+                  use_cache: bool = True) -> decoding.Decoded:
+  """Greedy (beam_size 1) or beam-search decoding of a padded source batch."""
+  state = init_decode_state(model, params, src, src_lengths, use_cache=use_cache)
+  step_fn = make_step_fn(model, params, use_cache=use_cache)
+  start = jnp.full((src.shape[0],), start_id, jnp.int32)
+  if beam_size <= 1:
+    return decoding.greedy(step_fn, state, start, max_len=max_len, end_id=end_id)
+  return decoding.beam_search(step_fn, state, start, beam_size=beam_size, max_len=max_len,
+                              end_id=end_id)
+
+
+def attention_grids(model: Transformer, params: Any, src: Array, src_lengths: Array,
+                    tgt_in: Array) -> dict[str, np.ndarray]:
+  """Sown weights of one teacher-forced pass, stacked per kind as `[layers, batch, heads, q, k]`.
+
+  Keys: "encoder_self" (q = k = src), "decoder_self" (q = k = tgt), "cross" (q = tgt, k = src);
+  `weights[:, i]` is the `[layers, heads, rows, cols]` grid of example i for
+  attnlab.plotting.attention_grid.
+  """
+  _, state = model.apply({"params": params}, src, src_lengths, tgt_in, mutable=["intermediates"])
+  inter = state["intermediates"]
+  grab = lambda prefix, n, kind: np.stack([np.asarray(
+      inter[f"{prefix}_layer_{i}"][kind]["attention_weights"][0]) for i in range(n)])
+  return {"encoder_self": grab("encoder", model.num_layers, "self_attention"),
+          "decoder_self": grab("decoder", model.decoder_depth, "self_attention"),
+          "cross": grab("decoder", model.decoder_depth, "cross_attention")}
+
+
+def count_params(params: Any) -> int:
+  """Number of scalars in a parameter pytree."""
+  return int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(params)))
+
+
+def make_translation_model(model_config: Any, src_vocab_size: int, tgt_vocab_size: int,
+                           max_src_len: int) -> Transformer:
+  """The Transformer described by a `config.model` group (configs/transformer.py).
+
+  Fields left at 0 take their value from `model.size`; `model.max_len` 0 means
+  max(64, 2 * max_src_len + 2). Raises ConfigError (a ValueError) naming the valid choices.
+  """
+  from attnlab.config_utils import ConfigError  # pylint: disable=g-import-not-at-top
+  try:
+    sizes = size_config(model_config.size)
+  except ValueError as e:
+    raise ConfigError(f"model.size: {e}") from None
+  pick = lambda key: model_config.get(key, 0) or sizes[key]
+  choices = {"position": ("sinusoidal", "learned"), "share_embeddings": SHARE_EMBEDDINGS,
+             "norm_position": NORM_POSITIONS}
+  for key, valid in choices.items():
+    if model_config[key] not in valid:
+      raise ConfigError(f"unknown model.{key} {model_config[key]!r}; valid choices: "
+                        f"{', '.join(valid)}")
+  try:
+    check_score_and_implementation(model_config.score, model_config.implementation)
+    get_activation(model_config.activation)
+  except ValueError as e:
+    raise ConfigError(f"model: {e}") from None
+  num_layers, num_heads, d_model = pick("num_layers"), pick("num_heads"), pick("d_model")
+  if d_model % num_heads:
+    raise ConfigError(f"model.d_model={d_model} must be divisible by model.num_heads={num_heads}")
+  max_len = model_config.max_len or max(64, 2 * max_src_len + 2)
+  if max_len < max_src_len:
+    raise ConfigError(f"model.max_len={max_len} is shorter than the longest training source "
+                      f"({max_src_len} tokens); raise it or set 0 (automatic)")
+  return Transformer(
+      src_vocab_size=src_vocab_size,
+      tgt_vocab_size=tgt_vocab_size,
+      num_layers=num_layers,
+      num_decoder_layers=model_config.num_decoder_layers or num_layers,
+      num_heads=num_heads,
+      d_model=d_model,
+      mlp_dim=pick("mlp_dim"),
+      dropout_rate=model_config.dropout_rate,
+      attention_dropout_rate=model_config.attention_dropout_rate,
+      score=model_config.score,
+      implementation=model_config.implementation,
+      position=model_config.position,
+      share_embeddings=model_config.share_embeddings,
+      norm_position=model_config.norm_position,
+      activation=model_config.activation,
+      max_len=max_len,
+      weights_layer=model_config.weights_layer,
+  )

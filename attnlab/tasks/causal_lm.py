@@ -1,0 +1,299 @@
+"""Causal (next-token) language modelling with the GPT model (task "causal_lm").
+
+Datasets (config.data.name):
+- `tiny_shakespeare`: the 90% / 10% character split of attnlab.data; character tokenizer by
+  default (`data.tokenizer=subword` trains a sentencepiece model of `data.vocab_size` pieces on
+  the training text, cached under `data.tokenizer_dir`). Training batches are `batch_size`
+  windows of block_size + 1 tokens at random offsets (nanoGPT's sampler), drawn from a generator
+  seeded by (seed, step), so a resumed run sees the same batches. Evaluation covers every
+  non-overlapping block_size window of the validation text (or the first `data.eval_windows`).
+- `addition`: the synthetic "a+b=c" texts of attnlab.data, one per sequence:
+  inputs `<start> a+b=c`, targets `a+b=c <end>`, padded to a fixed length. Evaluation adds the
+  exact-answer accuracy: the fraction of validation sums whose greedy continuation after "=" is
+  exactly the answer and `<end>`. It is computed in one teacher-forced pass: greedy decoding
+  reproduces the answer iff the argmax at every answer position equals the target (each greedy
+  step then sees exactly the teacher-forced prefix).
+
+Metrics: loss (mean cross-entropy per target token, nats), perplexity = exp(loss), token
+accuracy, and for addition exact_match.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from attnlab import data as data_lib
+from attnlab.config_utils import ConfigError
+from attnlab.data import tokenizers as tok_lib
+from attnlab.models import gpt as gpt_lib
+from attnlab.tasks import register_task
+from attnlab.tasks.base import IndexedBatches
+from attnlab.tasks.base import Task
+from attnlab.tasks.base import rng_for
+
+# Datasets this task trains on.
+DATASETS = ("tiny_shakespeare", "addition")
+# Tokenizers for tiny_shakespeare (addition always uses characters).
+TOKENIZERS = ("char", "subword")
+# Characters of the addition texts.
+ADDITION_ALPHABET = "0123456789+="
+
+
+def default_tokenizer_dir() -> pathlib.Path:
+  """Where trained subword tokenizers are cached ($XDG_CACHE_HOME/attnlab/tokenizers)."""
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return pathlib.Path(base) / "attnlab" / "tokenizers"
+
+
+def build_model(model_cfg: Any, vocab_size: int) -> gpt_lib.GPT:
+  """The GPT of `config.model`: size preset, explicit dims (0 = from the size) and options."""
+  try:
+    dims = gpt_lib.size_config(model_cfg.size)
+  except ValueError as e:
+    raise ConfigError(f"model.size: {e}") from None
+  for key in dims:
+    value = model_cfg.get(key, 0)
+    if value:
+      dims[key] = int(value)
+  try:
+    model = gpt_lib.GPT(
+        vocab_size=vocab_size, **dims, mlp_ratio=model_cfg.mlp_ratio,
+        dropout_rate=model_cfg.dropout, attention_dropout_rate=model_cfg.attention_dropout,
+        score=model_cfg.score, implementation=model_cfg.implementation,
+        position=model_cfg.position, activation=model_cfg.activation,
+        use_bias=model_cfg.use_bias)
+    gpt_lib.check_config(model)
+  except ValueError as e:
+    raise ConfigError(f"config.model: {e}") from None
+  return model
+
+
+def _sequence_loss(logits: jax.Array, targets: jax.Array,
+                   weights: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+  """(mean cross-entropy over weighted positions, per-position losses `[batch, len]`)."""
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)  # [batch, len]
+  if weights is None:
+    return jnp.mean(losses), losses
+  weights = weights.astype(losses.dtype)
+  return jnp.sum(losses * weights) / jnp.maximum(jnp.sum(weights), 1.0), losses
+
+
+@register_task("causal_lm")
+class CausalLMTask(Task):
+  """Next-token prediction with attnlab.models.gpt.GPT (see the module docstring)."""
+
+  def __init__(self, config):
+    super().__init__(config)
+    d = config.data
+    if d.name not in DATASETS:
+      raise ConfigError(f"unknown data.name {d.name!r} for causal_lm; valid: "
+                        f"{', '.join(DATASETS)}")
+    if d.tokenizer not in TOKENIZERS:
+      raise ConfigError(f"unknown data.tokenizer {d.tokenizer!r}; valid: {', '.join(TOKENIZERS)}")
+    if d.name == "tiny_shakespeare":
+      self._setup_shakespeare(d)
+    else:
+      self._setup_addition(d)
+    self.model = build_model(config.model, len(self.tokenizer))
+    self.block_size = self.model.block_size
+    if self.seq_len > self.block_size:
+      raise ConfigError(f"addition texts need {self.seq_len} positions but model.block_size is "
+                        f"{self.block_size}; lower data.max_digits or raise model.block_size")
+    self._eval_fn = None
+
+  # ---------------------------------------------------------------------------- data
+
+  def _setup_shakespeare(self, d) -> None:
+    kwargs = {"data_dir": d.data_dir or None, "manual_dir": d.manual_dir or None}
+    train_text = data_lib.get_dataset("tiny_shakespeare", "train", **kwargs)[0]["text"]
+    val_text = data_lib.get_dataset("tiny_shakespeare", "validation", **kwargs)[0]["text"]
+    if d.tokenizer == "char":
+      self.tokenizer = tok_lib.CharTokenizer.train([train_text])
+    else:
+      directory = pathlib.Path(d.tokenizer_dir) if d.tokenizer_dir else default_tokenizer_dir()
+      path = directory / f"tiny_shakespeare_subword_{d.vocab_size}" / "tokenizer.json"
+      self.tokenizer = tok_lib.load_or_train_tokenizer(path, "subword", [train_text],
+                                                       vocab_size=d.vocab_size)
+    self.train_ids = np.asarray(self.tokenizer.encode(train_text), np.int32)
+    self.val_ids = np.asarray(self.tokenizer.encode(val_text), np.int32)
+    self.seq_len = 0  # windows of block_size
+
+  def _setup_addition(self, d) -> None:
+    options = {"min_digits": d.min_digits, "max_digits": d.max_digits}
+    seed = d.seed if d.seed >= 0 else self.config.seed
+    train = data_lib.get_dataset("addition", "train", num_examples=d.num_train_examples,
+                                 seed=seed, **options)
+    val = data_lib.get_dataset("addition", "validation", num_examples=d.num_eval_examples,
+                               seed=seed, **options)
+    self.tokenizer = tok_lib.CharTokenizer.train([ADDITION_ALPHABET])
+    # <start> + a (max_digits) + "+" + b + "=" + sum (max_digits + 1); targets end with <end>.
+    self.seq_len = 3 * d.max_digits + 4
+    self.addition_train = self._encode_addition(train)
+    self.addition_val = self._encode_addition(val)
+
+  def _encode_addition(self, examples) -> dict[str, np.ndarray]:
+    n, length = len(examples), self.seq_len
+    inputs = np.zeros((n, length), np.int32)  # [n, len]
+    targets = np.zeros((n, length), np.int32)
+    weights = np.zeros((n, length), np.float32)
+    answer = np.zeros((n, length), bool)
+    for i, ex in enumerate(examples):
+      ids = self.tokenizer.encode(ex["text"])
+      inputs[i, :len(ids) + 1] = [self.tokenizer.start_id] + ids
+      targets[i, :len(ids) + 1] = ids + [self.tokenizer.end_id]
+      weights[i, :len(ids) + 1] = 1.0
+      answer[i, len(self.tokenizer.encode(ex["source"])):len(ids) + 1] = True  # digits + <end>
+    return {"inputs": inputs, "targets": targets, "weights": weights, "answer_mask": answer}
+
+  def train_iterator(self) -> IndexedBatches:
+    size, seed, block = self.config.batch_size, self.config.seed, self.block_size
+    if self.seq_len == 0:
+      ids = self.train_ids
+      if len(ids) <= block + 1:
+        raise ConfigError(f"the training text has {len(ids)} tokens, too few for block_size "
+                          f"{block}")
+
+      def batch_fn(index: int) -> dict[str, np.ndarray]:
+        starts = rng_for(seed, index).integers(0, len(ids) - block, size=size)  # [batch]
+        pos = starts[:, None] + np.arange(block)[None, :]  # [batch, block]
+        return {"inputs": ids[pos], "targets": ids[pos + 1]}
+      return IndexedBatches(batch_fn)
+
+    arrays = {k: v for k, v in self.addition_train.items() if k != "answer_mask"}
+    n = len(arrays["inputs"])
+
+    def addition_batch(index: int) -> dict[str, np.ndarray]:
+      # A fresh permutation of the training sums per epoch.
+      idx, position = [], index * size
+      while len(idx) < size:
+        epoch, offset = divmod(position + len(idx), n)
+        perm = rng_for(seed, epoch).permutation(n)
+        idx.extend(perm[offset:offset + size - len(idx)])
+      return {k: v[np.asarray(idx)] for k, v in arrays.items()}
+    return IndexedBatches(addition_batch)
+
+  def eval_batches(self) -> list[dict[str, np.ndarray]]:
+    """Validation batches with per-position `weights` (0 on padding rows/positions)."""
+    size = self.config.data.eval_batch_size
+    if self.seq_len == 0:
+      block, ids = self.block_size, self.val_ids
+      count = (len(ids) - 1) // block
+      if self.config.data.eval_windows > 0:
+        count = min(count, self.config.data.eval_windows)
+      starts = np.arange(count) * block
+      pos = starts[:, None] + np.arange(block)[None, :]  # [windows, block]
+      arrays = {"inputs": ids[pos], "targets": ids[pos + 1],
+                "weights": np.ones((count, block), np.float32),
+                "answer_mask": np.zeros((count, block), bool)}
+    else:
+      arrays = self.addition_val
+    n = len(arrays["inputs"])
+    batches = []
+    for lo in range(0, n, size):
+      batch = {k: v[lo:lo + size] for k, v in arrays.items()}
+      pad = size - len(batch["inputs"])
+      if pad:
+        batch = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)])
+                 for k, v in batch.items()}
+      batches.append(batch)
+    return batches
+
+  # ---------------------------------------------------------------------------- model
+
+  def init(self, rng: jax.Array) -> Any:
+    tokens = jnp.zeros((1, self.block_size), jnp.int32)
+    # jit: one compilation instead of one per operation of an eager init
+    return jax.jit(self.model.init)(rng, tokens)["params"]
+
+  def loss_fn(self, params, batch, rng):
+    deterministic = rng is None
+    rngs = None if deterministic else {"dropout": rng}
+    logits = self.model.apply({"params": params}, batch["inputs"], deterministic=deterministic,
+                              rngs=rngs)  # [batch, len, vocab]
+    loss, _ = _sequence_loss(logits, batch["targets"], batch.get("weights"))
+    return loss, {"perplexity": jnp.exp(loss)}
+
+  def _eval_sums(self, params, batch) -> dict[str, jax.Array]:
+    logits = self.model.apply({"params": params}, batch["inputs"])  # [batch, len, vocab]
+    weights = batch["weights"]  # [batch, len]
+    _, losses = _sequence_loss(logits, batch["targets"], weights)
+    correct = (jnp.argmax(logits, axis=-1) == batch["targets"])  # [batch, len]
+    answer = batch["answer_mask"]  # [batch, len]
+    has_answer = jnp.any(answer, axis=-1)  # [batch]
+    exact = jnp.all(correct | ~answer, axis=-1) & has_answer  # [batch]
+    return {"loss": jnp.sum(losses * weights), "tokens": jnp.sum(weights),
+            "correct": jnp.sum(correct * weights), "exact": jnp.sum(exact),
+            "answers": jnp.sum(has_answer)}
+
+  def evaluate(self, params) -> dict[str, float]:
+    """Token-weighted validation loss, perplexity, token accuracy (+ exact_match for addition)."""
+    if self._eval_fn is None:
+      self._eval_fn = jax.jit(self._eval_sums)
+    totals: dict[str, float] = {}
+    for batch in self.eval_batches():
+      for k, v in jax.device_get(self._eval_fn(params, batch)).items():
+        totals[k] = totals.get(k, 0.0) + float(v)
+    loss = totals["loss"] / max(totals["tokens"], 1.0)
+    metrics = {"loss": loss, "perplexity": float(np.exp(loss)),
+               "token_accuracy": totals["correct"] / max(totals["tokens"], 1.0)}
+    if self.seq_len:
+      metrics["exact_match"] = totals["exact"] / max(totals["answers"], 1.0)
+    return metrics
+
+  # ---------------------------------------------------------------------------- text
+
+  @property
+  def default_prompt(self) -> str:
+    """A prompt that suits the dataset."""
+    return "12+34=" if self.seq_len else "ROMEO:"
+
+  def encode_prompt(self, text: str) -> np.ndarray:
+    """Token ids `[len]` of a prompt (addition prompts get the leading <start>)."""
+    ids = self.tokenizer.encode(text)
+    if self.seq_len:
+      ids = [self.tokenizer.start_id] + ids
+    if not ids:
+      ids = self.tokenizer.encode("\n") or [self.tokenizer.start_id]
+    return np.asarray(ids, np.int32)
+
+  def decode(self, ids: Any) -> str:
+    """Text of generated ids (stops at <end>)."""
+    return self.tokenizer.decode(np.asarray(ids).tolist())
+
+  def sample_text(self, params, prompt: str, *, num_tokens: int, temperature: float,
+                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                  use_cache: bool = True) -> str:
+    """The prompt's continuation as text (KV-cache sampling; temperature 0 = greedy)."""
+    end_id = self.tokenizer.end_id if self.seq_len else None
+    out = gpt_lib.generate(self.model, params, self.encode_prompt(prompt), jax.random.key(seed),
+                           num_tokens=num_tokens, temperature=temperature, top_k=top_k,
+                           top_p=top_p, use_cache=use_cache, end_id=end_id)
+    return self.decode(out.tokens[0])
+
+  def write_plots(self, params, workdir: pathlib.Path) -> None:
+    """sample.txt (a generated continuation) and attention.png (every layer and head)."""
+    from attnlab import plotting  # pylint: disable=g-import-not-at-top  (matplotlib)
+    workdir = pathlib.Path(workdir)
+    g = self.config.generate
+    prompt = g.prompt or self.default_prompt
+    text = self.sample_text(params, prompt, num_tokens=g.num_tokens, temperature=g.temperature,
+                            top_k=g.top_k or None, seed=self.config.seed)
+    (workdir / "sample.txt").write_text(prompt + text + "\n", encoding="utf-8")
+    ids = self.encode_prompt(prompt + text)[:min(self.block_size, 32)]
+    inter = jax.jit(lambda p, x: self.model.apply({"params": p}, x, mutable=["intermediates"])[1])(
+        params, jnp.asarray(ids)[None])["intermediates"]
+    weights = np.stack([np.asarray(inter[f"block_{i}"]["self_attention"]["attention_weights"][0][0])
+                        for i in range(self.model.num_layers)])  # [layers, heads, len, len]
+    labels = [repr(self.tokenizer.id_to_token(int(i)))[1:-1] for i in ids]
+    fig = plotting.attention_grid(weights, x_labels=labels, y_labels=labels,
+                                  title=f"GPT self-attention ({self.config.model.score})",
+                                  path=workdir / "attention.png")
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+    plt.close(fig)

@@ -1,0 +1,190 @@
+"""SST-2 sentiment classification with a BERT encoder and a [CLS] classifier (task "classification").
+
+Input `[CLS] sentence [SEP]` (cut to `data.max_len`), padded with 0; the logits come from a
+Dense layer on the pooled [CLS] vector (`attnlab.models.bert.BertForClassification`). Loss:
+cross-entropy; metrics: accuracy; evaluation: accuracy over the whole SST-2 validation split
+(872 sentences, counted per sentence).
+
+Initialisation:
+- `config.init_from = ""`: every parameter random (fine-tuning from scratch).
+- `config.init_from = WORKDIR` of a "masked_lm" run: the encoder (embeddings, blocks, pooler)
+  is that run's latest checkpoint, loaded with `attnlab.analysis.load_run`; the classifier is
+  new. The run's encoder hyperparameters and tokenizer options must equal this config's (checked,
+  with the differing keys named). Under `jax.eval_shape` (how the trainer and load_run build the
+  restore target) nothing is loaded: only the shapes are needed.
+
+The tokenizer is the pretraining one (`masked_lm.bert_tokenizer` of the same data options), so
+the from-scratch baseline sees exactly the same vocabulary as the pretrained model.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from attnlab import data as data_lib
+from attnlab.config_utils import ConfigError
+from attnlab.models import bert
+from attnlab.tasks import masked_lm
+from attnlab.tasks import register_task
+from attnlab.tasks.base import IndexedBatches
+from attnlab.tasks.base import Task
+from attnlab.tasks.base import rng_for
+
+_LOG = logging.getLogger(__name__)
+
+# Model fields that must agree between a pretraining run and the fine-tuning model.
+ENCODER_KEYS = ("num_layers", "d_model", "num_heads", "mlp_dim", "max_len", "score", "activation",
+                "norm_position")
+NUM_CLASSES = 2
+
+
+def encode_sst2(tokenizer, examples, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+  """(ids int32 `[n, max_len]` of `[CLS] sentence [SEP]` padded with 0, labels int32 `[n]`)."""
+  ids = np.zeros((len(examples), max_len), np.int32)
+  labels = np.zeros((len(examples),), np.int32)
+  for i, ex in enumerate(examples):
+    seq, _ = masked_lm.make_pair(tokenizer.encode(ex["sentence"]), None, max_len, None)
+    ids[i, :len(seq)] = seq
+    labels[i] = ex["label"]
+  return ids, labels
+
+
+def pretraining_mismatch(pretrain: ml_collections.ConfigDict,
+                         config: ml_collections.ConfigDict) -> list[str]:
+  """Keys whose values differ between a pretraining config and a fine-tuning config."""
+  diffs = []
+  if pretrain.get("task") != "masked_lm":
+    diffs.append(f"task: {pretrain.get('task')!r} (a 'masked_lm' run is needed)")
+  for key in ENCODER_KEYS:
+    a, b = pretrain.model.get(key), config.model.get(key)
+    if a != b:
+      diffs.append(f"model.{key}: {a!r} in the pretraining run, {b!r} here")
+  a, b = masked_lm.tokenizer_options(pretrain.data), masked_lm.tokenizer_options(config.data)
+  for key in sorted(a):
+    if a[key] != b[key]:
+      diffs.append(f"data.{key}: {a[key]!r} in the pretraining run, {b[key]!r} here")
+  return diffs
+
+
+@register_task("classification")
+class ClassificationTask(Task):
+  """[CLS] fine-tuning on SST-2 (module docstring)."""
+
+  def __init__(self, config: ml_collections.ConfigDict):
+    super().__init__(config)
+    if "init_from" not in config:
+      raise ConfigError("config.init_from is missing; build the config with configs/bert.py "
+                        "(mode=finetune)")
+    self.tokenizer = masked_lm.bert_tokenizer(config.data)
+    self.vocab_size = len(self.tokenizer)
+    self.model = bert.BertForClassification(num_classes=NUM_CLASSES,
+                                            **masked_lm.model_kwargs(config, self.vocab_size))
+    self._train: tuple[np.ndarray, np.ndarray] | None = None
+    self._eval: list[dict[str, np.ndarray]] | None = None
+    self._jit_sums = None
+
+  # ---- data
+  def _split(self, split: str, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    data = self.config.data
+    examples = data_lib.get_dataset("sst2", masked_lm._sst2_split(split, limit),  # pylint: disable=protected-access
+                                    **masked_lm._data_kwargs(data))  # pylint: disable=protected-access
+    return encode_sst2(self.tokenizer, examples, data.max_len)
+
+  def train_iterator(self) -> IndexedBatches:
+    if self._train is None:
+      self._train = self._split("train", self.config.data.max_train_examples)
+    ids, labels = self._train
+    n, size, seed = len(labels), self.config.batch_size, self.config.seed
+
+    def batch_fn(index: int) -> dict[str, np.ndarray]:
+      rows: list[int] = []
+      position = index * size
+      while len(rows) < size:
+        epoch, offset = divmod(position + len(rows), n)
+        perm = rng_for(seed, epoch).permutation(n)
+        rows.extend(perm[offset:offset + size - len(rows)])
+      rows_arr = np.asarray(rows)
+      return {"tokens": ids[rows_arr], "labels": labels[rows_arr],
+              "weights": np.ones((size,), np.float32)}
+    return IndexedBatches(batch_fn)
+
+  def eval_batches(self) -> list[dict[str, np.ndarray]]:
+    """The validation split in fixed-size batches (the last one padded, weight 0)."""
+    if self._eval is None:
+      data = self.config.data
+      ids, labels = self._split("validation", data.max_eval_examples)
+      size, batches = data.eval_batch_size, []
+      for start in range(0, len(labels), size):
+        n = min(size, len(labels) - start)
+        pad = size - n
+        batches.append({
+            "tokens": np.pad(ids[start:start + n], ((0, pad), (0, 0))),
+            "labels": np.pad(labels[start:start + n], (0, pad)),
+            "weights": np.pad(np.ones((n,), np.float32), (0, pad))})
+      self._eval = batches
+    return self._eval
+
+  # ---- parameters
+  def init(self, rng: jax.Array) -> Any:
+    tokens = jnp.zeros((1, self.config.data.max_len), jnp.int32)
+    params = self.model.init(rng, tokens)["params"]
+    if not self.config.init_from or masked_lm.is_tracer(rng):
+      return params
+    return self.load_pretrained(params)
+
+  def load_pretrained(self, params: Any) -> Any:
+    """`params` with the encoder of the pretraining run `config.init_from`."""
+    from attnlab import analysis  # pylint: disable=g-import-not-at-top  (imports train)
+    from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+    workdir = self.config.init_from
+    pretrain = checkpoint.read_config(workdir)
+    diffs = pretraining_mismatch(pretrain, self.config)
+    if diffs:
+      raise ConfigError(f"config.init_from={workdir} does not fit this model: "
+                        f"{'; '.join(diffs)}; set the same values here (e.g. the same size= and "
+                        f"score= in configs/bert.py)")
+    run = analysis.load_run(workdir)
+    _LOG.info("encoder initialised from %s (step %d)", run.workdir, run.step)
+    return bert.transfer_encoder(run.params, params)
+
+  # ---- loss
+  def _sums(self, params, batch, rng):
+    deterministic = rng is None
+    logits = self.model.apply({"params": params}, batch["tokens"], deterministic=deterministic,
+                              rngs=None if deterministic else {"dropout": rng})  # [b, classes]
+    loss, correct, count = masked_lm.weighted_cross_entropy(logits, batch["labels"],
+                                                            batch["weights"])
+    return {"loss": loss, "correct": correct, "count": count}
+
+  def loss_fn(self, params, batch, rng):
+    sums = self._sums(params, batch, rng)
+    n = jnp.maximum(sums["count"], 1.0)
+    loss = sums["loss"] / n
+    return loss, {"accuracy": sums["correct"] / n}
+
+  def evaluate(self, params) -> dict[str, float]:
+    """Loss and accuracy over every validation sentence."""
+    if self._jit_sums is None:
+      self._jit_sums = jax.jit(lambda p, b: self._sums(p, b, None))
+    totals = {"loss": 0.0, "correct": 0.0, "count": 0.0}
+    for batch in self.eval_batches():
+      for key, value in jax.device_get(self._jit_sums(params, batch)).items():
+        totals[key] += float(value)
+    n = max(totals["count"], 1.0)
+    return {"loss": totals["loss"] / n, "accuracy": totals["correct"] / n}
+
+  def write_plots(self, params, workdir: pathlib.Path) -> None:
+    def apply_fn(tokens):
+      _, state = self.model.apply({"params": params}, tokens, mutable=["intermediates"])
+      return state["intermediates"]
+    title = "fine-tuned BERT" if self.config.init_from else "BERT trained from scratch"
+    masked_lm.plot_head_views(apply_fn, self.tokenizer, self.config.data.plot_sentence,
+                              self.config.data.max_len, workdir, title)
+

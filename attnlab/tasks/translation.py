@@ -1,0 +1,490 @@
+"""Sequence-to-sequence translation (task "translation"): dates, Marathi, reverse, copy.
+
+Data (`config.data.name`):
+  dates    synthetic human-readable dates -> ISO dates (no files), character tokens;
+  marathi  anki_mar_eng English -> Marathi (or `data.direction="mr-en"`), word or subword tokens;
+  reverse  synthetic random symbol strings -> the same reversed (`data.min_len..max_len` symbols);
+  copy     the same, unchanged.
+Source and target each get their own tokenizer, trained on the training split (deterministic, so a
+reloaded run rebuilds the same vocabularies). Targets are `<start> tokens <end>`; the decoder reads
+target[:-1] and predicts target[1:] (teacher forcing).
+
+Model (`config.model.name`): module `attnlab.models.<name>` provides
+`make_translation_model(model_config, src_vocab_size, tgt_vocab_size, max_src_len)` returning a
+Flax module with
+  __call__(src [b, s], src_lengths [b], tgt_in [b, t], *, train) -> (logits [b, t, V], aux)
+      aux["attention_weights"] [b, t, s] (aux["log_prob"] [b, t] for sampled attention: REINFORCE);
+  encode(src, src_lengths) -> decoder state (pytree, batch-first leaves);
+  decode_step(state, tokens [b]) -> (logits [b, V], state, attention weights [b, s]),
+so the RNN (`seq2seq`) and a Transformer share this task and `attnlab.decoding`.
+
+Metrics: training/teacher-forced `ce`, `token_accuracy`, `seq_accuracy`; evaluation adds, on the
+decoded output (greedy, or beam search with `config.decode.beam_size` > 1), `exact_match`,
+`decoded_token_accuracy` (position-wise matches / max(output, reference) length) and corpus
+`bleu` (sacrebleu over the target tokenizer's tokens: characters for dates/reverse/copy, words for
+Marathi; detokenized text with the 13a tokenizer for subwords), and the same per source-length bin
+when `config.data.length_bins` is set (`exact_match_len_01_05`, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import logging
+import pathlib
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import sacrebleu
+
+from attnlab import data as data_lib
+from attnlab import decoding
+from attnlab.attention import core as attn_core
+from attnlab.config_utils import ConfigError
+from attnlab.data import pipeline
+from attnlab.data import tokenizers
+from attnlab.tasks import register_task
+from attnlab.tasks.base import Task
+
+_LOG = logging.getLogger(__name__)
+
+# data.name -> the dataset of attnlab.data it reads.
+DATASETS = {"dates": "dates", "marathi": "anki_mar_eng", "reverse": "reverse", "copy": "copy"}
+SYNTHETIC = ("dates", "reverse", "copy")
+TOKENIZER_KINDS = ("char", "word", "subword")
+# Punctuation the word tokenizer separates from words (as the attention-NMT tutorial does).
+_PUNCT = re.compile(r"([?.!,¿\"“”;:])")
+# Examples drawn for write_plots' heatmaps.
+NUM_PLOTS = 4
+# Fonts with Devanagari glyphs, tried in this order as matplotlib fallbacks (Marathi labels).
+DEVANAGARI_FONTS = ("Noto Sans Devanagari", "Lohit Devanagari", "Mukta", "Gargi", "Nakula",
+                    "Sahadeva", "Samyak Devanagari", "Annapurna SIL")
+
+
+def separate_punctuation(text: str) -> str:
+  """Puts spaces around punctuation so that a whitespace word split keeps it apart."""
+  return " ".join(_PUNCT.sub(r" \1 ", text).split())
+
+
+@dataclasses.dataclass
+class Translation:
+  """One decoded input."""
+  # The input text.
+  source: str
+  # Source tokens as the model saw them (unknown ones as <unk>).
+  source_tokens: list[str]
+  # Output tokens up to and including <end> (when produced).
+  output_tokens: list[str]
+  # The output as text.
+  text: str
+  # [len(output_tokens), len(source_tokens)] attention weights of each output step.
+  weights: np.ndarray
+
+
+def _token_label(token: str) -> str:
+  return "\u2423" if token == " " else token
+
+
+@functools.lru_cache(maxsize=None)
+def _installed_devanagari_fonts() -> tuple[str, ...]:
+  from matplotlib import font_manager  # pylint: disable=g-import-not-at-top
+  installed = {f.name for f in font_manager.fontManager.ttflist}
+  found = tuple(name for name in DEVANAGARI_FONTS if name in installed)
+  if not found:
+    _LOG.warning("no Devanagari font found for matplotlib: Marathi labels will show as boxes; "
+                 "install one, e.g. `apt-get install fonts-lohit-deva` or Noto Sans Devanagari")
+  return found
+
+
+def _font_family(text: str) -> list[str]:
+  """matplotlib font.family with Devanagari fallbacks when `text` needs them."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  family = list(matplotlib.rcParams["font.family"])
+  if any("\u0900" <= ch <= "\u097f" for ch in text):
+    family = ["DejaVu Sans", *_installed_devanagari_fonts()]
+  return family
+
+
+@register_task("translation")
+class TranslationTask(Task):
+  """Encoder-decoder training with padding-masked cross-entropy; decoding metrics incl. BLEU."""
+
+  def __init__(self, config):
+    super().__init__(config)
+    dc = config.data
+    if dc.name not in DATASETS:
+      raise ConfigError(f"unknown data.name {dc.name!r}; valid datasets: {', '.join(DATASETS)}")
+    if dc.tokenizer not in TOKENIZER_KINDS:
+      raise ConfigError(f"unknown data.tokenizer {dc.tokenizer!r}; valid kinds: "
+                        f"{', '.join(TOKENIZER_KINDS)}")
+    self.splits = {split: self._load(split) for split in ("train", dc.eval_split)}
+    train = self.splits["train"]
+    self.src_tok = self._train_tokenizer([ex["source"] for ex in train])
+    self.tgt_tok = self._train_tokenizer([ex["target"] for ex in train])
+    self._encoded = {split: self._encode(examples) for split, examples in self.splits.items()}
+    self.max_src_len = max(len(ex["source"]) for ex in self._encoded["train"])
+    # <start> + tokens + <end>
+    self.max_tgt_len = max(len(ex["target"]) for ex in self._encoded["train"])
+    self.model = _build_model(config.model, len(self.src_tok), len(self.tgt_tok),
+                              self.max_src_len)
+    self._decode_fns: dict[tuple[int, int], Any] = {}
+    self._eval_step = None
+
+  # ----------------------------------------------------------------------------------- data
+
+  def _load(self, split: str) -> list[dict[str, str]]:
+    """The raw {"source", "target"} examples of one split, length-filtered."""
+    dc = self.config.data
+    name = DATASETS[dc.name]
+    if dc.name in SYNTHETIC:
+      count = dc.num_train if split == "train" else dc.num_eval
+      options: dict[str, Any] = {"num_examples": count, "seed": dc.seed}
+      if dc.name != "dates":
+        options.update(min_len=dc.min_len, max_len=dc.max_len, vocab_size=dc.symbols)
+      examples = list(data_lib.get_dataset(name, split, **options))
+    else:
+      examples = list(data_lib.get_dataset(
+          name, split, data_dir=dc.data_dir or None, manual_dir=dc.manual_dir or None,
+          direction=dc.direction))
+      if split == "train" and dc.num_train > 0:
+        examples = examples[:dc.num_train]
+    if dc.max_tokens > 0:
+      # Filtered on whitespace words so the choice does not depend on the tokenizer.
+      n = len(examples)
+      examples = [ex for ex in examples if max(len(self._words(ex["source"])),
+                                               len(self._words(ex["target"]))) <= dc.max_tokens]
+      _LOG.info("%s/%s: kept %d of %d pairs with <= %d words", dc.name, split, len(examples), n,
+                dc.max_tokens)
+    if split != "train" and dc.name not in SYNTHETIC and dc.num_eval > 0:
+      examples = examples[:dc.num_eval]
+    return [{"source": ex["source"], "target": ex["target"]} for ex in examples]
+
+  @staticmethod
+  def _words(text: str) -> list[str]:
+    return separate_punctuation(text).split()
+
+  def _prepare_text(self, text: str) -> str:
+    return separate_punctuation(text) if self.config.data.tokenizer == "word" else text
+
+  def _train_tokenizer(self, texts: list[str]) -> tokenizers.Vocab:
+    dc = self.config.data
+    texts = [self._prepare_text(t) for t in texts]
+    if dc.tokenizer == "char":
+      return tokenizers.CharTokenizer.train(texts)
+    if dc.tokenizer == "word":
+      return tokenizers.WordTokenizer.train(texts, lower=dc.lower, split_punct=False,
+                                            min_count=dc.min_count,
+                                            max_size=dc.tokenizer_size or None)
+    import tempfile  # pylint: disable=g-import-not-at-top
+    with tempfile.TemporaryDirectory() as model_dir:
+      return tokenizers.SubwordTokenizer.train(texts, dc.tokenizer_size or 4000, model_dir)
+
+  def encode_source(self, text: str) -> list[int]:
+    return self.src_tok.encode(self._prepare_text(text))
+
+  def _encode(self, examples: list[dict[str, str]]) -> list[dict[str, Any]]:
+    return [{"source": self.encode_source(ex["source"]),
+             "target": self.tgt_tok.encode(self._prepare_text(ex["target"]), add_start=True,
+                                           add_end=True)} for ex in examples]
+
+  def _pad_lengths(self) -> dict[str, int]:
+    return {"source": self.max_src_len, "target": self.max_tgt_len}
+
+  def train_iterator(self) -> pipeline.Batcher:
+    dc = self.config.data
+    buckets = tuple(dc.buckets) or None
+    if buckets is not None:
+      buckets = tuple(sorted(set(buckets) | {max(self.max_src_len, self.max_tgt_len)}))
+    return pipeline.Batcher(self._encoded["train"], self.config.batch_size, seed=self.config.seed,
+                            pad_to=None if buckets else self._pad_lengths(), buckets=buckets)
+
+  def _eval_arrays(self, split: str) -> dict[str, np.ndarray]:
+    """The whole split padded to the training lengths (longer inputs are cut)."""
+    encoded = self._encoded.get(split)
+    if encoded is None:
+      self.splits[split] = self._load(split)
+      encoded = self._encoded[split] = self._encode(self.splits[split])
+    size = self.config.data.eval_batch_size
+    batcher = pipeline.Batcher(encoded, size, shuffle=False, num_epochs=1, drop_remainder=False,
+                               pad_to=self._pad_lengths(), max_length=self._pad_lengths(),
+                               length_policy="truncate")
+    batches = list(batcher)
+    arrays = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+    return arrays
+
+  # ----------------------------------------------------------------------------------- model
+
+  def init(self, rng: jax.Array) -> Any:
+    src = jnp.zeros((2, self.max_src_len), jnp.int32)
+    tgt = jnp.zeros((2, self.max_tgt_len - 1), jnp.int32)
+    lengths = jnp.full((2,), self.max_src_len, jnp.int32)
+
+    def init(rng):
+      rngs = {"params": rng, "sample": jax.random.fold_in(rng, 1),
+              "dropout": jax.random.fold_in(rng, 2)}
+      return self.model.init(rngs, src, lengths, tgt)["params"]
+    return jax.jit(init)(rng)
+
+  def loss_fn(self, params, batch, rng):
+    src, src_len = batch["source"], batch["source_length"]  # [b, s], [b]
+    tgt = batch["target"]  # [b, t + 1]: <start> ... <end>
+    tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]  # [b, t]
+    rows = batch["example_mask"]  # [b]
+    valid = batch["target_mask"][:, 1:] & rows[:, None]  # [b, t]
+    train = rng is not None
+    rngs = {"dropout": jax.random.fold_in(rng, 0), "sample": jax.random.fold_in(rng, 1)} \
+        if train else {}
+    logits, aux = self.model.apply({"params": params}, src, src_len, tgt_in, train=train,
+                                   rngs=rngs)  # [b, t, vocab]
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tgt_out)
+    num_tokens = jnp.maximum(jnp.sum(valid), 1)
+    ce = jnp.sum(nll * valid) / num_tokens
+    correct = jnp.argmax(logits, axis=-1) == tgt_out  # [b, t]
+    seq_ok = jnp.all(correct | ~valid, axis=1) & rows  # [b]
+    metrics = {
+        "ce": ce,
+        "token_accuracy": jnp.sum(correct & valid) / num_tokens,
+        "seq_accuracy": jnp.sum(seq_ok) / jnp.maximum(jnp.sum(rows), 1),
+    }
+    loss = ce
+    weight = self.config.model.get("reinforce_weight", 0.0)
+    if train and "log_prob" in aux and weight > 0:
+      # Sampled (hard) attention: REINFORCE with reward = -per-sequence CE, baseline = batch mean.
+      per_seq = jnp.sum(nll * valid, axis=1) / jnp.maximum(jnp.sum(valid, axis=1), 1)  # [b]
+      reward = -per_seq
+      baseline = jnp.sum(reward * rows) / jnp.maximum(jnp.sum(rows), 1)
+      rl = attn_core.reinforce_loss(aux["log_prob"], reward, baseline, valid=valid)
+      metrics["reinforce"] = rl
+      loss = loss + weight * rl
+    return loss, metrics
+
+  # ----------------------------------------------------------------------------------- decoding
+
+  def _decoder(self, beam_size: int, max_len: int):
+    """jit(params, src, src_len) -> (tokens [b, max_len], weights [b, max_len, s]) of the best."""
+    key = (beam_size, max_len)
+    if key not in self._decode_fns:
+      model, end_id = self.model, self.tgt_tok.end_id
+      length_penalty = self.config.decode.length_penalty
+
+      def run(params, src, src_len):
+        state = model.apply({"params": params}, src, src_len, method="encode")
+        step_fn = lambda s, tokens: model.apply({"params": params}, s, tokens,
+                                                method="decode_step")
+        start = jnp.full((src.shape[0],), self.tgt_tok.start_id, jnp.int32)
+        if beam_size <= 1:
+          out = decoding.greedy(step_fn, state, start, max_len=max_len, end_id=end_id)
+          return out.tokens, out.aux
+        out = decoding.beam_search(step_fn, state, start, beam_size=beam_size, max_len=max_len,
+                                   end_id=end_id, length_penalty=length_penalty)
+        return out.tokens[:, 0], out.aux[:, 0]
+
+      self._decode_fns[key] = jax.jit(run)
+    return self._decode_fns[key]
+
+  def _max_decode_len(self) -> int:
+    # Tokens after <start>, <end> included.
+    return self.config.decode.max_len or self.max_tgt_len - 1
+
+  def decode_arrays(self, params, src: np.ndarray, src_len: np.ndarray,
+                    beam_size: int | None = None, max_len: int | None = None,
+                    batch_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Decodes padded sources: (tokens [n, max_len], weights [n, max_len, s]).
+
+    Runs in batches of `batch_size` rows (default data.eval_batch_size), the last one padded, so
+    every call with the same source width reuses one compiled decoder.
+    """
+    beam_size = self.config.decode.beam_size if beam_size is None else beam_size
+    fn = self._decoder(beam_size, max_len or self._max_decode_len())
+    size = batch_size or self.config.data.eval_batch_size
+    tokens, weights = [], []
+    for start in range(0, len(src), size):
+      s, n = src[start:start + size], src_len[start:start + size]
+      rows = len(s)
+      if rows < size:
+        s = np.concatenate([s, np.zeros((size - rows,) + s.shape[1:], s.dtype)])
+        n = np.concatenate([n, np.zeros((size - rows,), n.dtype)])
+      t, w = jax.device_get(fn(params, s, n))
+      tokens.append(t[:rows])
+      weights.append(w[:rows])
+    return np.concatenate(tokens), np.concatenate(weights)
+
+  def _output_ids(self, row: np.ndarray) -> list[int]:
+    """Decoded ids up to and including the first <end>."""
+    ids = [int(i) for i in row]
+    if self.tgt_tok.end_id in ids:
+      ids = ids[:ids.index(self.tgt_tok.end_id) + 1]
+    return ids
+
+  def translate(self, params, texts: Sequence[str], beam_size: int | None = None
+                ) -> list[Translation]:
+    """Translates raw source texts; returns the outputs and their attention weights."""
+    encoded = [self.encode_source(t) for t in texts]
+    if any(len(ids) == 0 for ids in encoded):
+      raise ValueError("cannot translate an empty input; give at least one token")
+    longest = max(len(ids) for ids in encoded)
+    if self.config.model.get("score") == "location" and longest > self.max_src_len:
+      raise ValueError(f"this model (location score) reads at most {self.max_src_len} source "
+                       f"tokens; the input has {longest}")
+    src = np.zeros((len(texts), longest), np.int32)
+    for i, ids in enumerate(encoded):
+      src[i, :len(ids)] = ids
+    src_len = np.array([len(ids) for ids in encoded], np.int32)
+    # Inputs longer than the training data may need longer outputs.
+    max_len = max(self._max_decode_len(), 2 * longest + 2)
+    tokens, weights = self.decode_arrays(params, src, src_len, beam_size, max_len,
+                                         batch_size=len(texts))
+    out = []
+    for i, text in enumerate(texts):
+      ids = self._output_ids(tokens[i])
+      out.append(Translation(
+          source=text,
+          source_tokens=[self.src_tok.id_to_token(j) for j in encoded[i]],
+          output_tokens=[self.tgt_tok.id_to_token(j) for j in ids],
+          text=self.tgt_tok.decode(ids),
+          weights=np.asarray(weights[i, :len(ids), :len(encoded[i])])))
+    return out
+
+  # ----------------------------------------------------------------------------------- evaluation
+
+  def _bleu_tokens(self, text: str) -> str:
+    if self.config.data.tokenizer == "subword":
+      return text
+    return " ".join(self.tgt_tok.split(self._prepare_text(text)))
+
+  def _bleu(self, hyps: list[str], refs: list[str]) -> float:
+    if not hyps:
+      return float("nan")
+    tokenize = "13a" if self.config.data.tokenizer == "subword" else "none"
+    # force: the texts are tokenized on purpose (tokenize="none" scores the tokens as given).
+    return float(sacrebleu.corpus_bleu(hyps, [refs], tokenize=tokenize, force=True).score)
+
+  def evaluate_split(self, params, split: str | None = None,
+                     beam_size: int | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Metrics of one split and one record per example (source, reference, output, correct)."""
+    split = split or self.config.data.eval_split
+    arrays = self._eval_arrays(split)
+    examples = self.splits[split]
+    batch_keys = ("source", "source_length", "source_mask", "target", "target_mask",
+                  "target_length", "example_mask")
+    if self._eval_step is None:
+      self._eval_step = jax.jit(lambda p, b: self.loss_fn(p, b, None))
+    size = self.config.data.eval_batch_size
+    sums: dict[str, float] = {}
+    count = 0
+    for start in range(0, len(examples), size):
+      batch = {k: arrays[k][start:start + size] for k in batch_keys}
+      n = int(batch["example_mask"].sum())
+      if len(batch["source"]) < size:  # pad the last batch to the compiled shape
+        pad = size - len(batch["source"])
+        batch = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)])
+                 for k, v in batch.items()}
+      loss, metrics = jax.device_get(self._eval_step(params, batch))
+      for key, value in {**metrics, "loss": loss}.items():
+        sums[key] = sums.get(key, 0.0) + float(value) * n
+      count += n
+    result = {k: v / max(count, 1) for k, v in sums.items()}
+
+    n = len(examples)
+    tokens, _ = self.decode_arrays(params, arrays["source"][:n], arrays["source_length"][:n],
+                                   beam_size)
+    records = []
+    for i, ex in enumerate(examples):
+      ids = self._output_ids(tokens[i])
+      ref_ids = [int(j) for j in arrays["target"][i, 1:arrays["target_length"][i]]]  # ... <end>
+      hyp_body = [j for j in ids if j != self.tgt_tok.end_id]
+      ref_body = [j for j in ref_ids if j != self.tgt_tok.end_id]
+      matches = sum(a == b for a, b in zip(hyp_body, ref_body))
+      records.append({
+          "source": ex["source"], "reference": ex["target"], "output": self.tgt_tok.decode(ids),
+          "source_length": int(arrays["source_length"][i]),
+          "exact": ids == ref_ids,
+          "token_matches": matches / max(len(hyp_body), len(ref_body), 1),
+          "bleu_hyp": " ".join(self.tgt_tok.split(self.tgt_tok.decode(ids)))
+                      if self.config.data.tokenizer != "subword" else self.tgt_tok.decode(ids),
+          "bleu_ref": self._bleu_tokens(ex["target"]),
+      })
+    result.update(self._decoded_metrics(records))
+    for low, high in self._length_bins():
+      part = [r for r in records if low <= r["source_length"] <= high]
+      if part:
+        for name, value in self._decoded_metrics(part).items():
+          result[f"{name}_len_{low:02d}_{high:02d}"] = value
+    return result, records
+
+  def _decoded_metrics(self, records: list[dict[str, Any]]) -> dict[str, float]:
+    return {
+        "exact_match": float(np.mean([r["exact"] for r in records])),
+        "decoded_token_accuracy": float(np.mean([r["token_matches"] for r in records])),
+        "bleu": self._bleu([r["bleu_hyp"] for r in records], [r["bleu_ref"] for r in records]),
+    }
+
+  def _length_bins(self) -> list[tuple[int, int]]:
+    edges = list(self.config.data.length_bins)
+    bins, low = [], 1
+    for high in edges:
+      bins.append((low, int(high)))
+      low = int(high) + 1
+    return bins
+
+  def evaluate(self, params) -> dict[str, float]:
+    metrics, _ = self.evaluate_split(params)
+    return metrics
+
+  # ----------------------------------------------------------------------------------- plots
+
+  def plot_alignment(self, translation: Translation, path=None, title: str | None = None):
+    """Heatmap of one translation: source tokens across, output tokens down; saved if `path`."""
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    from attnlab import plotting  # pylint: disable=g-import-not-at-top  (matplotlib)
+    title = title or f"{translation.source} -> {translation.text}"
+    with matplotlib.rc_context({"font.family": _font_family(title)}):
+      return plotting.attention_heatmap(
+          translation.weights, x_labels=[_token_label(t) for t in translation.source_tokens],
+          y_labels=[_token_label(t) for t in translation.output_tokens], title=title,
+          xlabel="source", ylabel="output", path=path)
+
+  def write_plots(self, params, workdir: pathlib.Path) -> None:
+    """attention_<i>.png: heatmaps of the first few evaluation examples."""
+    if self.config.model.get("attention") == "none":
+      return
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+    split = self.config.data.eval_split
+    arrays = self._eval_arrays(split)
+    examples = self.splits[split][:NUM_PLOTS]
+    # A batch shaped like evaluate's, so its compiled decoder is reused.
+    tokens, weights = self.decode_arrays(params, arrays["source"][:len(examples)],
+                                         arrays["source_length"][:len(examples)])
+    for i in range(len(examples)):
+      ids = self._output_ids(tokens[i])
+      src_ids = [int(j) for j in arrays["source"][i, :arrays["source_length"][i]]]
+      t = Translation(
+          source=examples[i]["source"],
+          source_tokens=[self.src_tok.id_to_token(j) for j in src_ids],
+          output_tokens=[self.tgt_tok.id_to_token(j) for j in ids],
+          text=self.tgt_tok.decode(ids),
+          weights=np.asarray(weights[i, :len(ids), :len(src_ids)]))
+      plt.close(self.plot_alignment(t, pathlib.Path(workdir) / f"attention_{i}.png"))
+
+
+def _build_model(model_config, src_vocab_size: int, tgt_vocab_size: int, max_src_len: int):
+  name = model_config.get("name", "seq2seq")
+  if not name.isidentifier():
+    raise ConfigError(f"model.name must name a module of attnlab.models, got {name!r}")
+  try:
+    module = importlib.import_module(f"attnlab.models.{name}")
+  except ModuleNotFoundError as e:
+    if e.name != f"attnlab.models.{name}":
+      raise
+    module = None
+  if module is None or not hasattr(module, "make_translation_model"):
+    raise ConfigError(f"model.name={name!r}: attnlab/models/{name}.py with a "
+                      f"make_translation_model(...) function is needed; the RNN model is "
+                      f"model.name=seq2seq")
+  return module.make_translation_model(model_config, src_vocab_size, tgt_vocab_size, max_src_len)

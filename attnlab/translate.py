@@ -1,0 +1,101 @@
+"""Translate sentences with a trained translation run and save the alignment heatmap.
+
+  attnlab translate --workdir=runs/marathi "Rahul is a good boy"
+  attnlab translate --workdir=runs/dates --beam_size=4 --output=/tmp/date.png "9 October 1993"
+  python -m attnlab.translate --workdir=runs/dates "tuesday 9 october 1993" "09/10/93"
+
+Prints one translation per input on stdout and writes one PNG per input: the attention weights with
+the source tokens across and the output tokens down (DIR/alignment.png for one input,
+DIR/alignment_<i>.png for several, or --output). From Python / a notebook:
+
+  run = attnlab.analysis.load_run("runs/marathi")
+  [t] = run.task.translate(run.params, ["Rahul is a good boy"])
+  run.task.plot_alignment(t)          # the same figure
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+from collections.abc import Sequence
+
+from absl import flags
+
+from attnlab import main as main_lib
+from attnlab.config_utils import UserError
+
+
+def _define_flags() -> flags.FlagValues:
+  flag_values = flags.FlagValues()
+  flags.DEFINE_string("workdir", None, "Run directory of a trained translation run.",
+                      flag_values=flag_values)
+  flags.DEFINE_string("step", "latest", "Checkpoint step to load ('latest' or a number).",
+                      flag_values=flag_values)
+  flags.DEFINE_integer("beam_size", None, "Beams (1 = greedy); default: the run's decode.beam_size.",
+                       flag_values=flag_values)
+  flags.DEFINE_string("output", None, "PNG path of the heatmap (several inputs: suffixed _<i>); "
+                      "default: DIR/alignment.png.", flag_values=flag_values)
+  return flag_values
+
+
+def output_paths(workdir: str, output: str | None, count: int) -> list[pathlib.Path]:
+  """Where the heatmaps of `count` inputs go."""
+  base = pathlib.Path(output) if output else pathlib.Path(workdir) / "alignment.png"
+  if base.suffix.lower() != ".png":
+    base = base.with_suffix(".png")
+  if count == 1:
+    return [base]
+  return [base.with_name(f"{base.stem}_{i}{base.suffix}") for i in range(count)]
+
+
+def translate(workdir: str, sentences: Sequence[str], *, step: str = "latest",
+              beam_size: int | None = None, output: str | None = None) -> list[str]:
+  """Loads the run, translates, saves the heatmaps; returns the lines to print."""
+  from attnlab import analysis  # pylint: disable=g-import-not-at-top  (imports JAX)
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  run = analysis.load_run(workdir, int(step) if step.isdigit() else step)
+  if not hasattr(run.task, "translate"):
+    raise UserError(f"{workdir} is a {run.config.task!r} run; translate needs a translation run "
+                    f"(configs/seq2seq.py)")
+  try:
+    results = run.task.translate(run.params, list(sentences), beam_size)
+  except ValueError as e:
+    raise UserError(str(e)) from e
+  lines = []
+  for t, path in zip(results, output_paths(workdir, output, len(results))):
+    plt.close(run.task.plot_alignment(t, path))
+    lines.append(t.text)
+    print(f"alignment of {t.source!r} saved to {path}", file=sys.stderr)
+  return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """`attnlab translate` / `python -m attnlab.translate`: returns the exit status."""
+  argv = list(sys.argv if argv is None else argv)
+  prog = main_lib.prog_name(argv, "attnlab.translate")
+  flag_values = _define_flags()
+  try:
+    sentences = flag_values(list(argv))[1:]
+    message = None
+  except (flags.Error, ValueError) as e:
+    sentences, message = [], main_lib.error_line(e)
+  if message is None and not flag_values.workdir:
+    message = "--workdir is required: the run directory of a trained translation model"
+  if message is None and not sentences:
+    message = 'give the sentence(s) to translate, e.g. attnlab translate --workdir=DIR "Hello"'
+  if message is None and not (flag_values.step == "latest" or flag_values.step.isdigit()):
+    message = f"--step must be 'latest' or a step number, got {flag_values.step!r}"
+  if message is not None:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return main_lib.USAGE_ERROR
+  main_lib.setup_logging()
+
+  def body() -> None:
+    for line in translate(flag_values.workdir, sentences, step=flag_values.step,
+                          beam_size=flag_values.beam_size, output=flag_values.output):
+      print(line)
+  return main_lib.run_tool(prog, body)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,153 @@
+"""BERT: MLM + NSP pretraining (task "masked_lm") and SST-2 [CLS] fine-tuning ("classification").
+
+Config args (besides any field, e.g. `optimizer.learning_rate=3e-4`):
+  mode=pretrain|finetune   which task (default pretrain)
+  size=tiny|mini|test      encoder size (attnlab.models.bert.SIZES; tiny = BERT-Tiny 2x128,
+                           mini = BERT-Mini 4x256; test = seconds on a CPU, the runlocal default)
+  score=NAME               attention score (dot, scaled_dot, cosine, general, additive, location)
+
+Launch (from the repository root; data from $ATTNLAB_DATA_DIR or
+`--config.data.manual_dir=../shared/data`, else downloaded):
+  attnlab train --config=configs/bert.py:mode=pretrain,size=tiny --workdir=runs/bert_pretrain
+  attnlab train --config=configs/bert.py:mode=finetune,size=tiny \
+      --config.init_from=runs/bert_pretrain --workdir=runs/bert_sst2
+  attnlab train --config=configs/bert.py:mode=finetune,size=tiny --workdir=runs/bert_sst2_scratch
+Seconds-long checks of both modes (`init_from` must name a run of the same size and data options):
+  attnlab train --config=configs/bert.py:mode=pretrain,runlocal=True --workdir=/tmp/bert_pt
+  attnlab train --config=configs/bert.py:mode=finetune,runlocal=True \
+      --config.init_from=/tmp/bert_pt --workdir=/tmp/bert_ft
+The study (pretrain, fine-tune vs scratch, 3 seeds): python experiments/bert_sst2/run.py
+"""
+
+from attnlab import config_utils
+
+# Values of the `mode` arg -> task name.
+MODES = {"pretrain": "masked_lm", "finetune": "classification"}
+# Encoder sizes (kept in step with attnlab.models.bert.SIZES; the config file does not import
+# the model so that reading a config stays cheap).
+SIZES = {
+    "tiny": dict(num_layers=2, d_model=128, num_heads=2, mlp_dim=512),
+    "mini": dict(num_layers=4, d_model=256, num_heads=4, mlp_dim=1024),
+    "test": dict(num_layers=2, d_model=32, num_heads=2, mlp_dim=64),
+}
+# Arg keys handled by this file rather than by config fields.
+SHORTCUTS = ("mode", "size", "score")
+
+
+def _shortcuts(arg: str | None) -> tuple[dict[str, str], str]:
+  """Splits mode/size/score out of `arg`; returns ({shortcut: value}, the remaining arg)."""
+  found, rest = {}, []
+  for key, value in config_utils.parse_arg(arg):
+    if key in SHORTCUTS:
+      found[key] = value
+    else:
+      rest.append(f"{key}={value}")
+  if found.get("mode", "pretrain") not in MODES:
+    raise config_utils.ConfigError(f"unknown mode {found['mode']!r}; valid modes: "
+                                   f"{', '.join(MODES)}")
+  if found.get("size", "tiny") not in SIZES:
+    raise config_utils.ConfigError(f"unknown size {found['size']!r}; valid sizes: "
+                                   f"{', '.join(SIZES)}")
+  return found, ",".join(rest)
+
+
+def get_config(arg: str | None = None):
+  """`arg`: key=value,... with the shortcuts mode, size, score (module docstring) and any field."""
+  shortcuts, rest = _shortcuts(arg)
+  mode = shortcuts.get("mode", "pretrain")
+  pretrain = mode == "pretrain"
+  given = dict(config_utils.parse_arg(rest))
+  runlocal = config_utils.parse_value("runlocal", given.get("runlocal", "False"), False)
+  size = shortcuts.get("size", "test" if runlocal else "tiny")
+
+  config = config_utils.base_config()
+  config.task = MODES[mode]
+  config.seed = 0
+  config.num_train_steps = 6000 if pretrain else 2000
+  config.batch_size = 64 if pretrain else 32
+  config.log_every = 100
+  config.eval_every = 1000 if pretrain else 500
+  config.checkpoint_every = 1000 if pretrain else 500
+  config.optimizer.name = "adamw"
+  config.optimizer.learning_rate = 1e-3 if pretrain else 1e-4
+  config.optimizer.warmup_steps = 600 if pretrain else 200
+  config.optimizer.schedule = "linear"
+  config.optimizer.weight_decay = 0.01
+  config.optimizer.grad_clip = 1.0
+  if not pretrain:
+    # Workdir of a finished "masked_lm" run whose encoder starts this model ("" = from scratch).
+    config.init_from = ""
+
+  model = config.model
+  dims = SIZES[size]
+  # Number of Transformer blocks.
+  model.num_layers = dims["num_layers"]
+  # Residual stream width (hidden size).
+  model.d_model = dims["d_model"]
+  # Attention heads per block.
+  model.num_heads = dims["num_heads"]
+  # MLP hidden size (4 * d_model).
+  model.mlp_dim = dims["mlp_dim"]
+  # Rows of the learned position table (the longest data.max_len the model accepts).
+  model.max_len = 128
+  # Dropout on embeddings, residual branches (and the classifier input when fine-tuning).
+  model.dropout_rate = 0.1
+  # Dropout on the attention weights (runs the reference attention path while training).
+  model.attention_dropout_rate = 0.1
+  # Attention score name (attnlab.attention.scores.SCORE_FNS).
+  model.score = shortcuts.get("score", "scaled_dot")
+  # attend() implementation: auto, reference, xla, blocked.
+  model.implementation = "auto"
+  # MLP activation: gelu (BERT), gelu_tanh, relu.
+  model.activation = "gelu"
+  # LayerNorm placement: post (BERT) or pre.
+  model.norm_position = "post"
+
+  data = config.data
+  # TFDS data dir of the prepared datasets ("" = $TFDS_DATA_DIR or ~/tensorflow_datasets).
+  data.data_dir = ""
+  # Folder with the raw files (e.g. ../shared/data; "" = $ATTNLAB_DATA_DIR, else download).
+  data.manual_dir = ""
+  # Pretraining text (and tokenizer text): shakespeare or shakespeare+sst2 (SST-2 train sentences).
+  data.corpus = "shakespeare+sst2"
+  # Subword vocabulary size (sentencepiece unigram, trained on the corpus text).
+  data.vocab_size = 8000
+  # Use only the first N Shakespeare documents (0 = all).
+  data.max_documents = 0
+  # Use only the first N SST-2 training sentences as extra text (0 = all).
+  data.max_extra_sentences = 0
+  # Cache folder of trained tokenizers ("" = ~/.cache/attnlab/bert_tokenizers).
+  data.tokenizer_dir = ""
+  # Tokens per sequence, [CLS] and [SEP]s included (<= model.max_len).
+  data.max_len = 64
+  # Sequences per evaluation batch.
+  data.eval_batch_size = 128
+  # Sentence of the head-view plots written after training.
+  data.plot_sentence = "The animal didn't cross the street because it was too tired."
+  if pretrain:
+    # Expected fraction of ordinary tokens chosen for prediction.
+    data.mask_prob = 0.15
+    # At most this many predictions per sequence (>= mask_prob * max_len keeps the rate).
+    data.max_predictions = 10
+    # Mask whole words (all pieces of a word together) instead of single pieces.
+    data.whole_word = False
+    # Fraction of each batch that is single SST-2 sentences (MLM only; corpus with +sst2).
+    data.single_fraction = 0.5
+    # Held-out pairs from Tiny Shakespeare's validation split (fixed masks).
+    data.num_eval_examples = 1024
+    # Seed of the held-out pairs and masks.
+    data.eval_seed = 0
+  else:
+    # Use only the first N SST-2 training sentences (0 = all 67,349).
+    data.max_train_examples = 0
+    # Use only the first N validation sentences (0 = all 872).
+    data.max_eval_examples = 0
+
+  local = {"model.max_len": 32, "model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0,
+           "data.vocab_size": 400, "data.max_documents": 400, "data.max_extra_sentences": 400,
+           "data.max_len": 32, "data.eval_batch_size": 32, "optimizer.warmup_steps": 2}
+  if pretrain:
+    local.update({"data.max_predictions": 5, "data.num_eval_examples": 32})
+  else:
+    local.update({"data.max_train_examples": 200, "data.max_eval_examples": 40})
+  return config_utils.finalize(config, rest, runlocal=local)

@@ -1,0 +1,137 @@
+"""GPT (decoder-only Transformer) language model, task "causal_lm".
+
+Launch (from the repository root):
+  attnlab train --config=configs/gpt.py --workdir=runs/gpt_nano
+  attnlab train --config=configs/gpt.py:size=nano,score=scaled_dot --workdir=runs/gpt_nano
+  attnlab train --config=configs/gpt.py:size=small --workdir=runs/gpt_small
+  attnlab train --config=configs/gpt.py:dataset=addition,num_train_steps=3000 --workdir=runs/gpt_add
+  attnlab generate --workdir=runs/gpt_nano --prompt="ROMEO:" --num_tokens=300 --temperature=0.8
+A seconds-long check of the whole pipeline:
+  attnlab train --config=configs/gpt.py:runlocal=True --workdir=/tmp/gpt_local
+
+The default is the nano setting with nanoGPT's CPU recipe for Shakespeare characters: 4 layers,
+4 heads, 128 dims, block 64, batch 12, AdamW lr 1e-3 (100 warmup steps, cosine to 1e-4 at step
+2000), betas (0.9, 0.99), weight decay 0.1, gradient clip 1.0, no dropout, no biases.
+The experiment with plots: python experiments/shakespeare/run.py
+
+Short keys in the arg: size, score, implementation, dataset, tokenizer (= model.size,
+model.score, model.implementation, data.name, data.tokenizer). Tiny Shakespeare is read from
+data.manual_dir, else $ATTNLAB_DATA_DIR/tinyshakespeare/, else downloaded (see attnlab.data).
+"""
+
+from attnlab import config_utils
+
+# Short arg keys -> config keys.
+ALIASES = {
+    "size": "model.size",
+    "score": "model.score",
+    "implementation": "model.implementation",
+    "dataset": "data.name",
+    "tokenizer": "data.tokenizer",
+}
+
+
+def _expand_aliases(arg: str | None) -> str | None:
+  """Rewrites short keys ("size=small") to their config keys ("model.size=small")."""
+  if not arg:
+    return arg
+  parts = []
+  for key, value in config_utils.parse_arg(arg):
+    parts.append(f"{ALIASES.get(key, key)}={value}")
+  return ",".join(parts)
+
+
+def get_config(arg: str | None = None):
+  """`arg`: key=value,... typed from the defaults below (e.g. "size=small,score=cosine")."""
+  config = config_utils.base_config()
+  config.task = "causal_lm"
+  config.num_train_steps = 2000
+  # Sequences (windows of block_size tokens) per step.
+  config.batch_size = 12
+  config.log_every = 50
+  config.eval_every = 250
+  config.checkpoint_every = 500
+  config.optimizer.name = "adamw"
+  config.optimizer.learning_rate = 1e-3
+  config.optimizer.warmup_steps = 100
+  config.optimizer.schedule = "cosine"
+  config.optimizer.end_learning_rate = 1e-4
+  config.optimizer.weight_decay = 0.1
+  config.optimizer.b1 = 0.9
+  config.optimizer.b2 = 0.99
+  config.optimizer.grad_clip = 1.0
+
+  # Size preset: nano (4 layers, 4 heads, 128 dims, block 64), small (6, 6, 384, 256), tiny.
+  config.model.size = "nano"
+  # Number of Transformer blocks (0: from the size).
+  config.model.num_layers = 0
+  # Attention heads per block (0: from the size).
+  config.model.num_heads = 0
+  # Residual stream width (0: from the size).
+  config.model.d_model = 0
+  # Context length in tokens (0: from the size).
+  config.model.block_size = 0
+  # MLP hidden size as a multiple of d_model.
+  config.model.mlp_ratio = 4
+  # Attention score: scaled_dot, dot, cosine, general, additive, location.
+  config.model.score = "scaled_dot"
+  # Attention implementation: auto, reference, xla, blocked (weights are computed only for plots).
+  config.model.implementation = "auto"
+  # Position encoding: learned, sinusoidal, none.
+  config.model.position = "learned"
+  # MLP activation: gelu_tanh (fast on CPU), gelu (exact), relu.
+  config.model.activation = "gelu_tanh"
+  # Biases in Dense layers and LayerNorms.
+  config.model.use_bias = False
+  # Dropout on embeddings and residual branches.
+  config.model.dropout = 0.0
+  # Dropout on the attention weights (runs the reference attention path while training).
+  config.model.attention_dropout = 0.0
+
+  # Dataset: tiny_shakespeare or addition.
+  config.data.name = "tiny_shakespeare"
+  # Tokenizer for tiny_shakespeare: char or subword (sentencepiece); addition is always char.
+  config.data.tokenizer = "char"
+  # Subword vocabulary size (tokenizer=subword).
+  config.data.vocab_size = 1024
+  # Where subword tokenizers are cached ("": ~/.cache/attnlab/tokenizers).
+  config.data.tokenizer_dir = ""
+  # Folder holding tinyshakespeare/input.txt ("": $ATTNLAB_DATA_DIR, else download).
+  config.data.manual_dir = ""
+  # TFDS data dir for the prepared dataset ("": $TFDS_DATA_DIR or ~/tensorflow_datasets).
+  config.data.data_dir = ""
+  # Sequences per evaluation batch.
+  config.data.eval_batch_size = 128
+  # Validation windows to evaluate (0: every non-overlapping window of the validation text).
+  config.data.eval_windows = 0
+  # addition: training sums.
+  config.data.num_train_examples = 100_000
+  # addition: validation sums (exact-answer accuracy).
+  config.data.num_eval_examples = 1000
+  # addition: fewest digits per operand.
+  config.data.min_digits = 1
+  # addition: most digits per operand.
+  config.data.max_digits = 3
+  # addition: data seed (-1: the run's seed).
+  config.data.seed = -1
+
+  config.generate = config_utils.ConfigDict()
+  # Prompt of the sample written after training (sample.txt, attention.png); "": "ROMEO:" for
+  # tiny_shakespeare, "12+34=" for addition.
+  config.generate.prompt = ""
+  # Tokens to generate for that sample.
+  config.generate.num_tokens = 300
+  # Sampling temperature (0 = greedy).
+  config.generate.temperature = 0.8
+  # Keep only the top_k most likely tokens when sampling (0: all).
+  config.generate.top_k = 0
+
+  runlocal = {
+      "model.size": "tiny",
+      "optimizer.warmup_steps": 2,
+      "data.eval_windows": 64,
+      "data.num_train_examples": 2000,
+      "data.num_eval_examples": 64,
+      "generate.num_tokens": 40,
+  }
+  return config_utils.finalize(config, _expand_aliases(arg), runlocal=runlocal)

@@ -1,0 +1,134 @@
+"""Transformer encoder-decoder on a translation task (task "translation", model.name=transformer).
+
+Launch (from the repository root):
+  attnlab train --config=configs/transformer.py --workdir=runs/tf_dates               # dates
+  attnlab train --config=configs/transformer.py:task=marathi --workdir=runs/tf_marathi
+  attnlab train --config=configs/transformer.py:task=reverse --workdir=runs/tf_reverse
+  attnlab train --config=configs/transformer.py:model.size=tiny,model.score=additive,\
+model.position=learned,model.share_embeddings=target --workdir=runs/tf_dates_variant
+A seconds-long check of the whole pipeline:
+  attnlab train --config=configs/transformer.py:runlocal=True --workdir=/tmp/tf_local
+Translate with a trained run (prints the output, saves the cross-attention heatmap):
+  attnlab translate --workdir=runs/tf_marathi "Rahul is a good boy"
+Per-layer, per-head attention grids of a sentence pair:
+  python experiments/rnn_vs_transformer/run.py --heatmaps=runs/tf_marathi
+
+The dataset is chosen in the arg (`task=dates|marathi|reverse|copy`, or `data.name=...`): it picks
+that dataset's data settings, which are those of configs/seq2seq.py (loaded from it, so the RNN
+and the Transformer read identical data; the `data.*` and `decode.*` fields are documented there),
+then this file's model and training defaults for that dataset, then the other keys of the arg.
+"""
+
+import pathlib
+
+from attnlab import config_utils
+
+# The RNN translation config whose data and decode groups this config shares.
+SEQ2SEQ_CONFIG = pathlib.Path(__file__).resolve().parent / "seq2seq.py"
+DATASETS = ("dates", "marathi", "reverse", "copy")
+
+# data.name -> {key: value} applied over the defaults below before the arg.
+PRESETS = {
+    "dates": {},
+    "marathi": {
+        "model.size": "medium",
+        "model.dropout_rate": 0.1,
+        "batch_size": 64,
+        "num_train_steps": 8000,
+        "eval_every": 2000,
+        "checkpoint_every": 1000,
+        "optimizer.learning_rate": 1e-3,
+        "optimizer.warmup_steps": 400,
+    },
+    "reverse": {
+        "num_train_steps": 3000,
+        "eval_every": 1000,
+        "checkpoint_every": 1000,
+    },
+}
+PRESETS["copy"] = dict(PRESETS["reverse"])
+
+# Overrides of runlocal=True (after config_utils.RUNLOCAL): tiny model and data.
+RUNLOCAL = {
+    "data.num_train": 200,
+    "data.num_eval": 16,
+    "data.eval_batch_size": 16,
+    "model.size": "tiny",
+    "optimizer.warmup_steps": 2,
+}
+
+
+def _dataset_from_arg(arg: str | None) -> tuple[str, str | None]:
+  """(dataset name, arg with a `task=<dataset>` shorthand rewritten to data.name)."""
+  name, parts = "dates", []
+  for key, value in config_utils.parse_arg(arg):
+    if key == "task" and value in DATASETS:
+      key = "data.name"
+    if key == "data.name":
+      if value not in DATASETS:
+        raise config_utils.ConfigError(f"unknown data.name {value!r}; valid datasets: "
+                                       f"{', '.join(DATASETS)}")
+      name = value
+    parts.append(f"{key}={value}")
+  return name, ",".join(parts) or None
+
+
+def get_config(arg: str | None = None):
+  """`arg`: key=value,... typed from the defaults below (e.g. "task=reverse,runlocal=True")."""
+  dataset, arg = _dataset_from_arg(arg)
+  shared = config_utils.load_config_file(f"{SEQ2SEQ_CONFIG}:data.name={dataset}")
+  config = config_utils.base_config()
+  config.task = "translation"
+  config.num_train_steps = 1500
+  config.batch_size = 64
+  config.log_every = 100
+  config.eval_every = 500
+  config.checkpoint_every = 500
+  config.optimizer.name = "adam"
+  config.optimizer.learning_rate = 1e-3
+  config.optimizer.warmup_steps = 200
+  config.optimizer.schedule = "cosine"
+  config.optimizer.end_learning_rate = 1e-5
+  config.optimizer.grad_clip = 1.0
+
+  # Module of attnlab.models that builds the model (make_translation_model).
+  config.model.name = "transformer"
+  # Size preset (attnlab.models.transformer.SIZES: tiny, small, medium, base) for the fields at 0.
+  config.model.size = "small"
+  # Encoder blocks (0: from size).
+  config.model.num_layers = 0
+  # Decoder blocks (0: as many as the encoder).
+  config.model.num_decoder_layers = 0
+  # Attention heads (0: from size).
+  config.model.num_heads = 0
+  # Model width d_model (0: from size).
+  config.model.d_model = 0
+  # Hidden size of the position-wise MLPs (0: from size).
+  config.model.mlp_dim = 0
+  # Score function of every attention layer: dot, scaled_dot, cosine, general, additive, location.
+  config.model.score = "scaled_dot"
+  # attend() implementation: auto, reference, xla, blocked (the last two for dot/scaled_dot only).
+  config.model.implementation = "auto"
+  # Position encoding: sinusoidal or learned.
+  config.model.position = "sinusoidal"
+  # none | target (target table = output layer) | all (one table for source, target and output).
+  config.model.share_embeddings = "none"
+  # LayerNorm placement: pre or post (Vaswani et al.).
+  config.model.norm_position = "pre"
+  # MLP activation: relu, gelu, gelu_tanh.
+  config.model.activation = "relu"
+  # Dropout on embeddings and residual branches.
+  config.model.dropout_rate = 0.0
+  # Dropout on the attention weights.
+  config.model.attention_dropout_rate = 0.0
+  # Longest source/target: position tables and KV cache (0: max(64, 2 * longest source + 2)).
+  config.model.max_len = 0
+  # Decoder layer whose head-averaged cross-attention is plotted by the task (-1: the last).
+  config.model.weights_layer = -1
+
+  # The translation task's data and decoding fields, as configs/seq2seq.py defines them.
+  config.data = shared.data
+  config.decode = shared.decode
+
+  config_utils.apply_overrides(config, PRESETS[dataset])
+  return config_utils.finalize(config, arg, runlocal=RUNLOCAL)

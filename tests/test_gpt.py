@@ -1,0 +1,233 @@
+"""Tests for the GPT model, KV-cache generation, the causal_lm task, its config and CLI."""
+
+import importlib.util
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from attnlab import generate as generate_cli
+from attnlab import train
+from attnlab.config_utils import ConfigError
+from attnlab.models import gpt
+
+VOCAB = 13
+TINY = dict(num_layers=2, num_heads=2, d_model=16, block_size=16)
+
+
+def _load_config(arg=None):
+  spec = importlib.util.spec_from_file_location("gpt_config", "configs/gpt.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+@pytest.fixture(scope="module")
+def model_and_params():
+  """A tiny GPT whose parameters are random enough to give varied greedy tokens."""
+  model = gpt.GPT(vocab_size=VOCAB, **TINY)
+  params = jax.jit(model.init)(jax.random.key(0),
+                               jnp.zeros((1, TINY["block_size"]), jnp.int32))["params"]
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  params = jax.tree.unflatten(tree, [l + 0.3 * jax.random.normal(k, l.shape)
+                                     for k, l in zip(keys, leaves)])
+  return model, params
+
+
+@pytest.fixture(scope="module")
+def forward(model_and_params):
+  model, _ = model_and_params
+  return jax.jit(lambda p, x: model.apply({"params": p}, x))
+
+
+def test_changing_a_future_token_never_changes_earlier_logits(model_and_params, forward):
+  _, params = model_and_params
+  x = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
+  base = np.asarray(forward(params, jnp.asarray(x)))
+  for j in (3, 15):
+    y = x.copy()
+    y[:, j] = (y[:, j] + 1) % VOCAB
+    changed = np.asarray(forward(params, jnp.asarray(y)))
+    np.testing.assert_array_equal(changed[:, :j], base[:, :j])
+    assert np.abs(changed[:, j:] - base[:, j:]).max() > 1e-3  # the token itself does matter
+
+
+def test_lm_head_is_tied_to_the_token_embedding(model_and_params):
+  model, params = model_and_params
+  x = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, (1, 6)))
+  logits, state = model.apply({"params": params}, x, capture_intermediates=True,
+                              mutable=["intermediates"])
+  hidden = np.asarray(state["intermediates"]["ln_f"]["__call__"][0])  # [1, 6, d]
+  table = np.asarray(params["embed"]["token"]["embedding"])  # [vocab, d]
+  np.testing.assert_allclose(logits, hidden @ table.T, rtol=1e-5, atol=1e-5)
+  # The only [vocab, d] (or [d, vocab]) array is the embedding: no separate head.
+  shaped = [l.shape for l in jax.tree.leaves(params) if set(l.shape) == {VOCAB, TINY["d_model"]}]
+  assert shaped == [(VOCAB, TINY["d_model"])]
+
+
+def test_decode_chunks_give_the_full_forward_logits(model_and_params, forward):
+  model, params = model_and_params
+  x = jnp.asarray(np.random.default_rng(2).integers(0, VOCAB, (2, 9)))
+  full = forward(params, jnp.pad(x, ((0, 0), (0, 7))))[:, :9]
+  cache = gpt.init_cache(model, 2)
+  decode = jax.jit(lambda p, c, t: gpt.decode_chunk(model, p, c, t))
+  first, cache = decode(params, cache, x[:, :5])  # a 5-token prompt
+  rest = []
+  for i in range(5, 9):
+    logits, cache = decode(params, cache, x[:, i:i + 1])
+    rest.append(logits)
+  np.testing.assert_allclose(jnp.concatenate([first] + rest, axis=1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_kv_cache_greedy_equals_uncached_greedy(model_and_params, forward):
+  model, params = model_and_params
+  prompt = np.random.default_rng(3).integers(0, VOCAB, (2, 4))
+  steps = 12  # prompt + steps fit in block_size 16; 30 tokens go past it
+  cached = gpt.generate(model, params, prompt, jax.random.key(0), num_tokens=30,
+                        temperature=0.0)
+  uncached = gpt.generate(model, params, prompt, jax.random.key(0), num_tokens=30,
+                          temperature=0.0, use_cache=False)
+  # An independent greedy loop: full forward pass on the padded sequence, argmax at its end.
+  seq = [list(r) for r in prompt]
+  for _ in range(steps):
+    window = jnp.asarray([r + [0] * (16 - len(r)) for r in seq])
+    logits = np.asarray(forward(params, window))
+    for b, r in enumerate(seq):
+      r.append(int(np.argmax(logits[b, len(r) - 1])))
+  want = np.asarray([r[4:] for r in seq])
+  np.testing.assert_array_equal(cached.tokens[:, :steps], want)
+  np.testing.assert_array_equal(uncached.tokens[:, :steps], want)
+  assert len(set(want.ravel().tolist())) > 2  # varied tokens, not one repeated
+  # Past the block size both keep going (the cache re-encodes its last `keep` tokens).
+  assert cached.tokens.shape == uncached.tokens.shape == (2, 30)
+  assert int(cached.tokens.max()) < VOCAB and int(cached.lengths.min()) == 30
+
+
+def test_sampling_options_and_bad_prompts(model_and_params):
+  model, params = model_and_params
+  out = gpt.generate(model, params, [1, 2, 3], jax.random.key(5), num_tokens=8,
+                     temperature=0.8, top_k=3, top_p=0.9)
+  assert out.tokens.shape == (1, 8) and int(out.tokens.max()) < VOCAB
+  with pytest.raises(ValueError, match="len >= 1"):
+    gpt.generate(model, params, np.zeros((1, 0), np.int32), jax.random.key(0), num_tokens=2)
+  with pytest.raises(ValueError, match="keep"):
+    gpt.generate(model, params, [1], jax.random.key(0), num_tokens=2, keep=16)
+  with pytest.raises(ValueError, match="valid sizes"):
+    gpt.size_config("huge")
+
+
+@pytest.mark.parametrize("score", ["scaled_dot", "dot", "cosine", "general", "additive",
+                                   "location"])
+def test_each_score_trains(score):
+  model = gpt.GPT(vocab_size=VOCAB, num_layers=1, num_heads=2, d_model=8, block_size=8,
+                  score=score)
+  x = jnp.asarray(np.tile(np.arange(9) % 5, (4, 1)))  # a repeating pattern
+  inputs, targets = x[:, :-1], x[:, 1:]
+  params = model.init(jax.random.key(0), inputs)["params"]
+  tx = optax.adam(1e-2)
+  loss_fn = lambda p: optax.softmax_cross_entropy_with_integer_labels(
+      model.apply({"params": p}, inputs), targets).mean()
+
+  @jax.jit
+  def steps(params):
+    def body(carry, _):
+      p, s = carry
+      loss, g = jax.value_and_grad(loss_fn)(p)
+      u, s = tx.update(g, s, p)
+      return (optax.apply_updates(p, u), s), loss
+    _, losses = jax.lax.scan(body, (params, tx.init(params)), None, length=15)
+    return losses
+  losses = np.asarray(steps(params))
+  assert np.all(np.isfinite(losses))
+  assert losses[-1] < 0.7 * losses[0], losses
+
+
+# ----------------------------------------------------------------------------- config + task
+
+
+def test_config_aliases_sizes_and_errors():
+  config = _load_config("size=small,score=cosine,dataset=addition")
+  assert (config.model.size, config.model.score, config.data.name) == ("small", "cosine",
+                                                                        "addition")
+  assert config.batch_size == 12 and config.optimizer.b2 == 0.99
+  assert config.optimizer.end_learning_rate == 1e-4 and config.optimizer.grad_clip == 1.0
+  local = _load_config("runlocal=True")
+  assert local.model.size == "tiny" and local.num_train_steps <= 20
+  with pytest.raises(ConfigError, match="valid keys"):
+    _load_config("sise=nano")
+
+
+@pytest.fixture(scope="module")
+def shakespeare_run(tmp_path_factory, shared_data):
+  """A runlocal Shakespeare run (plots included), trained once for the tests below."""
+  workdir = tmp_path_factory.mktemp("gpt_run")
+  config = _load_config(f"runlocal=True,num_train_steps=4,eval_every=2,checkpoint_every=2,"
+                        f"data.manual_dir={shared_data},data.data_dir={workdir / 'tfds'},"
+                        f"data.eval_windows=8,generate.num_tokens=10")
+  train.train_and_evaluate(config, workdir)
+  return workdir
+
+
+def test_runlocal_shakespeare_end_to_end(shakespeare_run):
+  records = [json.loads(l) for l in (shakespeare_run / "metrics.jsonl").read_text().splitlines()]
+  evals = [r for r in records if r["split"] == "eval"]
+  assert [r["step"] for r in evals] == [2, 4]
+  assert np.isfinite(evals[-1]["loss"]) and evals[-1]["perplexity"] > 1
+  assert (shakespeare_run / "attention.png").stat().st_size > 0
+  assert (shakespeare_run / "sample.txt").read_text().startswith("ROMEO:")
+
+
+def test_checkpoint_reloads_and_generates(shakespeare_run, capsys):
+  argv = ["attnlab generate", f"--workdir={shakespeare_run}", "--prompt=JULIET",
+          "--num_tokens=10", "--temperature=0"]
+  assert generate_cli.main(argv) == 0
+  first = capsys.readouterr().out
+  assert first.startswith("JULIET")
+  # Another checkpoint, same greedy decoding (the compiled sampler is reused).
+  assert generate_cli.main(argv + ["--step=2"]) == 0
+  assert capsys.readouterr().out.startswith("JULIET")
+  assert generate_cli.main(["attnlab generate", "--workdir=/nonexistent/run"]) == 2
+  assert generate_cli.main(["attnlab generate", f"--workdir={shakespeare_run}",
+                            "--temperature=-1"]) == 2
+
+
+def test_runlocal_addition_end_to_end(tmp_path):
+  config = _load_config("runlocal=True,dataset=addition,num_train_steps=4,write_plots=False")
+  state = train.train_and_evaluate(config, tmp_path)
+  records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  final = [r for r in records if r["split"] == "eval"][-1]
+  assert 0.0 <= final["exact_match"] <= 1.0 and np.isfinite(final["loss"])
+  assert int(state.step) == 4
+
+
+def test_addition_exact_match_counts_only_correct_answers(tmp_path):
+  from attnlab import tasks  # pylint: disable=g-import-not-at-top
+  config = _load_config("runlocal=True,dataset=addition,data.num_eval_examples=4")
+  task = tasks.build_task(config)
+  batch = task.eval_batches()[0]
+  # A "model" that predicts the targets exactly: logits one-hot on the targets.
+  one_hot = jax.nn.one_hot(batch["targets"], len(task.tokenizer)) * 10.0
+  task.model = type("Oracle", (), {"apply": lambda self, v, x: one_hot})()
+  sums = task._eval_sums(None, batch)
+  assert float(sums["exact"]) == float(sums["answers"]) == 4
+  wrong = batch["targets"].copy()
+  row, col = 1, int(np.flatnonzero(batch["answer_mask"][1])[0])
+  wrong[row, col] = (wrong[row, col] + 1) % len(task.tokenizer)
+  one_hot = jax.nn.one_hot(wrong, len(task.tokenizer)) * 10.0
+  task.model = type("Oracle", (), {"apply": lambda self, v, x: one_hot})()
+  assert float(task._eval_sums(None, batch)["exact"]) == 3
+  text = task.tokenizer.decode(batch["inputs"][0].tolist())
+  assert "+" in text and "=" in text
+
+
+def test_bad_config_values_raise_clear_errors(tmp_path):
+  from attnlab import tasks  # pylint: disable=g-import-not-at-top
+  for arg, pattern in [("size=huge", "valid sizes"), ("score=fancy", "valid scores"),
+                       ("dataset=wiki", "valid: tiny_shakespeare, addition"),
+                       ("model.position=rotary", "valid: learned")]:
+    with pytest.raises(ConfigError, match=pattern):
+      tasks.build_task(_load_config(f"runlocal=True,dataset=addition,{arg}"))
