@@ -18,6 +18,7 @@ pretraining run is exactly the encoder of a classifier (`transfer_encoder`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -54,8 +55,8 @@ def size_config(name: str) -> dict[str, int]:
   return dict(SIZES[name])
 
 
-class BertEncoder(nn.Module):
-  """tokens `[batch, len]` -> (sequence output `[batch, len, d]`, pooled [CLS] `[batch, d]`)."""
+class BertHyperparameters(nn.Module):
+  """The encoder hyperparameters that the encoder and both heads share."""
   # Number of token ids.
   vocab_size: int
   # Number of Transformer blocks.
@@ -82,6 +83,15 @@ class BertEncoder(nn.Module):
   norm_position: str = "post"
   # Compute dtype (None: float32).
   dtype: Any = None
+
+  def encoder_kwargs(self) -> dict[str, Any]:
+    """These hyperparameters as keyword arguments of BertEncoder."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(BertHyperparameters)
+            if f.name not in ("parent", "name")}
+
+
+class BertEncoder(BertHyperparameters):
+  """tokens `[batch, len]` -> (sequence output `[batch, len, d]`, pooled [CLS] `[batch, d]`)."""
 
   def setup(self):
     check_score_and_implementation(self.score, self.implementation)
@@ -141,43 +151,12 @@ class BertEncoder(nn.Module):
     return x, pooled
 
 
-def _encoder(module: nn.Module) -> BertEncoder:
-  return BertEncoder(
-      vocab_size=module.vocab_size, num_layers=module.num_layers, d_model=module.d_model,
-      num_heads=module.num_heads, mlp_dim=module.mlp_dim, max_len=module.max_len,
-      dropout_rate=module.dropout_rate, attention_dropout_rate=module.attention_dropout_rate,
-      score=module.score, implementation=module.implementation, activation=module.activation,
-      norm_position=module.norm_position, dtype=module.dtype, name="encoder")
+def _encoder(module: BertHyperparameters) -> BertEncoder:
+  return BertEncoder(**module.encoder_kwargs(), name="encoder")
 
 
-class BertForPretraining(nn.Module):
+class BertForPretraining(BertHyperparameters):
   """Encoder + MLM head (tied to the token table) + NSP head on the pooled [CLS] vector."""
-  # Number of token ids.
-  vocab_size: int
-  # Number of Transformer blocks.
-  num_layers: int = 2
-  # Residual stream width.
-  d_model: int = 128
-  # Attention heads per block.
-  num_heads: int = 2
-  # MLP hidden size.
-  mlp_dim: int = 512
-  # Longest sequence.
-  max_len: int = 128
-  # Dropout on embeddings and residual branches.
-  dropout_rate: float = 0.1
-  # Dropout on the attention weights.
-  attention_dropout_rate: float = 0.0
-  # Attention score name.
-  score: str = "scaled_dot"
-  # attend() implementation.
-  implementation: str = "auto"
-  # Activation of the MLPs and of the MLM transform.
-  activation: str = "gelu"
-  # LayerNorm placement in the blocks.
-  norm_position: str = "post"
-  # Compute dtype (None: float32).
-  dtype: Any = None
 
   def setup(self):
     self.encoder = _encoder(self)
@@ -205,36 +184,10 @@ class BertForPretraining(nn.Module):
     return mlm_logits.astype(jnp.float32), nsp_logits.astype(jnp.float32)
 
 
-class BertForClassification(nn.Module):
+class BertForClassification(BertHyperparameters):
   """Encoder + dropout + Dense(num_classes) on the pooled [CLS] vector."""
-  # Number of token ids.
-  vocab_size: int
   # Number of classes.
   num_classes: int = 2
-  # Number of Transformer blocks.
-  num_layers: int = 2
-  # Residual stream width.
-  d_model: int = 128
-  # Attention heads per block.
-  num_heads: int = 2
-  # MLP hidden size.
-  mlp_dim: int = 512
-  # Longest sequence.
-  max_len: int = 128
-  # Dropout on embeddings, residual branches and the classifier input.
-  dropout_rate: float = 0.1
-  # Dropout on the attention weights.
-  attention_dropout_rate: float = 0.0
-  # Attention score name.
-  score: str = "scaled_dot"
-  # attend() implementation.
-  implementation: str = "auto"
-  # MLP activation.
-  activation: str = "gelu"
-  # LayerNorm placement in the blocks.
-  norm_position: str = "post"
-  # Compute dtype (None: float32).
-  dtype: Any = None
 
   def setup(self):
     self.encoder = _encoder(self)
