@@ -161,38 +161,30 @@ def test_config_aliases_sizes_and_errors():
     _load_config("sise=nano")
 
 
-@pytest.fixture(scope="module")
-def shakespeare_run(tmp_path_factory, shared_data):
-  """A runlocal Shakespeare run (plots included), trained once for the tests below."""
-  workdir = tmp_path_factory.mktemp("gpt_run")
+def test_runlocal_shakespeare_trains_reloads_and_generates(tmp_path, shared_data, capsys):
+  """The runlocal config end to end (plots included); then the checkpoint feeds the CLI."""
   config = _load_config(f"runlocal=True,num_train_steps=4,eval_every=2,checkpoint_every=2,"
-                        f"data.manual_dir={shared_data},data.data_dir={workdir / 'tfds'},"
+                        f"data.manual_dir={shared_data},data.data_dir={tmp_path / 'tfds'},"
                         f"data.eval_windows=8,generate.num_tokens=10")
-  train.train_and_evaluate(config, workdir)
-  return workdir
-
-
-def test_runlocal_shakespeare_end_to_end(shakespeare_run):
-  records = [json.loads(l) for l in (shakespeare_run / "metrics.jsonl").read_text().splitlines()]
+  run = tmp_path / "run"
+  train.train_and_evaluate(config, run)
+  records = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
   evals = [r for r in records if r["split"] == "eval"]
   assert [r["step"] for r in evals] == [2, 4]
   assert np.isfinite(evals[-1]["loss"]) and evals[-1]["perplexity"] > 1
-  assert (shakespeare_run / "attention.png").stat().st_size > 0
-  assert (shakespeare_run / "sample.txt").read_text().startswith("ROMEO:")
+  assert (run / "attention.png").stat().st_size > 0
+  assert (run / "sample.txt").read_text().startswith("ROMEO:")
+  capsys.readouterr()  # drop what training printed
 
-
-def test_checkpoint_reloads_and_generates(shakespeare_run, capsys):
-  argv = ["attnlab generate", f"--workdir={shakespeare_run}", "--prompt=JULIET",
-          "--num_tokens=10", "--temperature=0"]
+  # Same prompt length and num_tokens as the sample above: the compiled sampler is reused.
+  argv = ["attnlab generate", f"--workdir={run}", "--prompt=JULIET", "--num_tokens=10",
+          "--temperature=0"]
   assert generate_cli.main(argv) == 0
-  first = capsys.readouterr().out
-  assert first.startswith("JULIET")
-  # Another checkpoint, same greedy decoding (the compiled sampler is reused).
-  assert generate_cli.main(argv + ["--step=2"]) == 0
+  assert capsys.readouterr().out.startswith("JULIET")
+  assert generate_cli.main(argv + ["--step=2"]) == 0  # an earlier checkpoint
   assert capsys.readouterr().out.startswith("JULIET")
   assert generate_cli.main(["attnlab generate", "--workdir=/nonexistent/run"]) == 2
-  assert generate_cli.main(["attnlab generate", f"--workdir={shakespeare_run}",
-                            "--temperature=-1"]) == 2
+  assert generate_cli.main(["attnlab generate", f"--workdir={run}", "--temperature=-1"]) == 2
 
 
 def test_runlocal_addition_end_to_end(tmp_path):

@@ -141,6 +141,31 @@ def test_dense_matches_numpy_and_flax_names():
   np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_layer_norm_value_and_gradients_match_numpy(use_bias):
+  x = _x(3, 4, 6) * 2.0 + 1.0
+  ln = layers.LayerNorm(use_bias=use_bias)
+  params = _random_params(ln.init(jax.random.key(0), x)["params"])
+  g = _x(3, 4, 6)  # cotangent
+  loss = lambda p, x: jnp.sum(ln.apply({"params": p}, x) * g)
+  (val, (dp, dx)) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
+  xn, gn, s = np.asarray(x, np.float64), np.asarray(g, np.float64), np.asarray(params["scale"])
+  x_hat = np_layer_norm(xn, np.ones(6))
+  y = x_hat * s + (np.asarray(params["bias"]) if use_bias else 0.0)
+  np.testing.assert_allclose(val, np.sum(y * gn), rtol=1e-4)
+  # d/dx by central differences of the NumPy reference (float64).
+  eps, num = 1e-6, np.zeros_like(xn)
+  for idx in np.ndindex(xn.shape):
+    hi, lo = xn.copy(), xn.copy()
+    hi[idx] += eps
+    lo[idx] -= eps
+    num[idx] = (np.sum(np_layer_norm(hi, s) * gn) - np.sum(np_layer_norm(lo, s) * gn)) / (2 * eps)
+  np.testing.assert_allclose(dx, num, rtol=1e-3, atol=1e-4)
+  np.testing.assert_allclose(dp["scale"], np.sum(gn * x_hat, axis=(0, 1)), rtol=1e-4, atol=1e-5)
+  if use_bias:
+    np.testing.assert_allclose(dp["bias"], np.sum(gn, axis=(0, 1)), rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- attention
 
 

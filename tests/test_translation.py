@@ -186,3 +186,15 @@ def test_marathi_subword_tokenizer(tmp_path, shared_data):
   ids = task.tgt_tok.encode(target, add_start=True, add_end=True)
   assert task.tgt_tok.decode(ids) == target  # the task's references decode back exactly
   assert task._bleu([target], [task._bleu_tokens(target)]) == pytest.approx(100.0)
+
+
+def test_bucketed_batches_fit_the_model_source_width(tmp_path, shared_data):
+  """The location score's parameters cover the widest padded source a bucket can produce."""
+  task = translation.TranslationTask(_config(
+      f"task=marathi,runlocal=True,model.score=location,data.buckets=(3,5),"
+      f"data.manual_dir={shared_data},data.data_dir={tmp_path / 'tfds'}"))
+  batches = task.train_iterator()
+  widths = {next(batches)["source"].shape[1] for _ in range(30)}
+  assert len(widths) > 1  # several buckets were used
+  assert max(widths) <= task.src_width
+  assert task.src_width >= task.max_src_len

@@ -9,6 +9,8 @@ from attnlab.layers.dense import default_kernel_init
 from attnlab.layers.dense import matmul
 from attnlab.layers.embeddings import POSITIONS
 from attnlab.layers.embeddings import Embeddings
+from attnlab.layers.normalization import LayerNorm
+from attnlab.layers.normalization import layer_norm
 from attnlab.layers.transformer import ACTIVATIONS
 from attnlab.layers.transformer import MLP
 from attnlab.layers.transformer import NORM_POSITIONS
@@ -16,7 +18,7 @@ from attnlab.layers.transformer import TransformerBlock
 from attnlab.layers.transformer import get_activation
 
 __all__ = [
-    "ACTIVATIONS", "Dense", "Embeddings", "MLP", "MultiHeadAttention", "NORM_POSITIONS",
+    "ACTIVATIONS", "Dense", "Embeddings", "LayerNorm", "MLP", "MultiHeadAttention", "NORM_POSITIONS",
     "POSITIONS", "SCORES", "TransformerBlock", "check_score_and_implementation",
-    "default_kernel_init", "get_activation", "matmul",
+    "default_kernel_init", "get_activation", "layer_norm", "matmul",
 ]

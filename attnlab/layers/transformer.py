@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from attnlab.layers.attention import MultiHeadAttention
 from attnlab.layers.dense import Dense
 from attnlab.layers.dense import default_kernel_init
+from attnlab.layers.normalization import LayerNorm
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -119,9 +120,9 @@ class TransformerBlock(nn.Module):
         max_len=self.max_len, kernel_init=self.kernel_init, out_kernel_init=self.out_kernel_init,
         dtype=self.dtype, name=name)
 
-  def _norm(self, name: str) -> nn.LayerNorm:
-    return nn.LayerNorm(epsilon=self.layer_norm_epsilon, use_bias=self.use_bias, dtype=self.dtype,
-                        name=name)
+  def _norm(self, name: str) -> LayerNorm:
+    return LayerNorm(epsilon=self.layer_norm_epsilon, use_bias=self.use_bias, dtype=self.dtype,
+                     name=name)
 
   @nn.compact
   def __call__(self, x: Array, *, mask: Array | None = None, encoded: Array | None = None,

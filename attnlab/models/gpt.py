@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from attnlab import decoding
 from attnlab.layers import Embeddings
+from attnlab.layers import LayerNorm
 from attnlab.layers import TransformerBlock
 from attnlab.layers import check_score_and_implementation
 
@@ -103,7 +104,7 @@ class GPT(nn.Module):
             max_len=self.block_size, kernel_init=init, out_kernel_init=out_init,
             dtype=self.dtype, name=f"block_{i}")
         for i in range(self.num_layers)]
-    self.ln_f = nn.LayerNorm(epsilon=1e-5, use_bias=self.use_bias, dtype=self.dtype)
+    self.ln_f = LayerNorm(epsilon=1e-5, use_bias=self.use_bias, dtype=self.dtype)
 
   def __call__(self, tokens: Array, *, deterministic: bool = True, decode: bool = False,
                sow_weights: bool | None = None) -> Array:

@@ -131,8 +131,14 @@ class TranslationTask(Task):
     self.max_src_len = max(len(ex["source"]) for ex in self._encoded["train"])
     # <start> + tokens + <end>
     self.max_tgt_len = max(len(ex["target"]) for ex in self._encoded["train"])
+    self._buckets = None
+    if dc.buckets:
+      self._buckets = tuple(sorted(set(dc.buckets) | {max(self.max_src_len, self.max_tgt_len)}))
+    # The widest padded source a training batch can have (a bucket may exceed max_src_len).
+    self.src_width = self.max_src_len if self._buckets is None else min(
+        b for b in self._buckets if b >= self.max_src_len)
     self.model = _build_model(config.model, len(self.src_tok), len(self.tgt_tok),
-                              self.max_src_len)
+                              self.src_width)
     self._decode_fns: dict[tuple[int, int], Any] = {}
     self._eval_step = None
 
@@ -197,12 +203,9 @@ class TranslationTask(Task):
     return {"source": self.max_src_len, "target": self.max_tgt_len}
 
   def train_iterator(self) -> pipeline.Batcher:
-    dc = self.config.data
-    buckets = tuple(dc.buckets) or None
-    if buckets is not None:
-      buckets = tuple(sorted(set(buckets) | {max(self.max_src_len, self.max_tgt_len)}))
     return pipeline.Batcher(self._encoded["train"], self.config.batch_size, seed=self.config.seed,
-                            pad_to=None if buckets else self._pad_lengths(), buckets=buckets)
+                            pad_to=None if self._buckets else self._pad_lengths(),
+                            buckets=self._buckets)
 
   def _eval_arrays(self, split: str) -> dict[str, np.ndarray]:
     """The whole split padded to the training lengths (longer inputs are cut)."""
@@ -329,8 +332,8 @@ class TranslationTask(Task):
     if any(len(ids) == 0 for ids in encoded):
       raise ValueError("cannot translate an empty input; give at least one token")
     longest = max(len(ids) for ids in encoded)
-    if self.config.model.get("score") == "location" and longest > self.max_src_len:
-      raise ValueError(f"this model (location score) reads at most {self.max_src_len} source "
+    if self.config.model.get("score") == "location" and longest > self.src_width:
+      raise ValueError(f"this model (location score) reads at most {self.src_width} source "
                        f"tokens; the input has {longest}")
     src = np.zeros((len(texts), longest), np.int32)
     for i, ids in enumerate(encoded):
@@ -354,6 +357,7 @@ class TranslationTask(Task):
   # ----------------------------------------------------------------------------------- evaluation
 
   def _bleu_tokens(self, text: str) -> str:
+    """Text as BLEU sees it: the target tokenizer's tokens joined by spaces (subword: the text)."""
     if self.config.data.tokenizer == "subword":
       return text
     return " ".join(self.tgt_tok.split(self._prepare_text(text)))
@@ -401,13 +405,13 @@ class TranslationTask(Task):
       hyp_body = [j for j in ids if j != self.tgt_tok.end_id]
       ref_body = [j for j in ref_ids if j != self.tgt_tok.end_id]
       matches = sum(a == b for a, b in zip(hyp_body, ref_body))
+      output = self.tgt_tok.decode(ids)
       records.append({
-          "source": ex["source"], "reference": ex["target"], "output": self.tgt_tok.decode(ids),
+          "source": ex["source"], "reference": ex["target"], "output": output,
           "source_length": int(arrays["source_length"][i]),
           "exact": ids == ref_ids,
           "token_matches": matches / max(len(hyp_body), len(ref_body), 1),
-          "bleu_hyp": " ".join(self.tgt_tok.split(self.tgt_tok.decode(ids)))
-                      if self.config.data.tokenizer != "subword" else self.tgt_tok.decode(ids),
+          "bleu_hyp": self._bleu_tokens(output),
           "bleu_ref": self._bleu_tokens(ex["target"]),
       })
     result.update(self._decoded_metrics(records))

@@ -10,6 +10,11 @@ generation: tokens/s of attnlab's KV-cache sampler and of a full forward pass pe
   python experiments/benchmarks/gpt_train.py --rounds=10 --steps=30 --activation=gelu
   python experiments/benchmarks/gpt_train.py --profile=/tmp/gpt_profile   # where the time goes
 
+PyTorch's OpenMP threads run with OMP_WAIT_POLICY=PASSIVE by default here: with libgomp's
+default spin-waiting a PyTorch step becomes 10-30x slower whenever any other process uses a core
+(measured on the shared 2-core machine), which would make the comparison meaningless there.
+`--omp_wait_policy=active` measures the spinning default (fine on an idle machine).
+
 The PyTorch model (written for this benchmark) mirrors attnlab.models.gpt.GPT at the nano size:
 4 pre-LN blocks, 4 heads, d_model 128, block 64, no biases, LayerNorm eps 1e-5, learned
 positions, tied LM head, GELU (tanh by default, as attnlab's), scaled_dot_product_attention with
@@ -227,7 +232,13 @@ def main(argv=None) -> int:
   parser.add_argument("--profile", default="", help="write a jax.profiler trace here and print "
                       "the time per XLA op kind")
   parser.add_argument("--skip_torch", action="store_true", help="time attnlab only")
+  parser.add_argument("--omp_wait_policy", default="passive", choices=["passive", "active", ""],
+                      help="OMP_WAIT_POLICY for PyTorch's OpenMP threads (unless already set in "
+                      "the environment; '' = libgomp's default). With the default spin-waiting, "
+                      "PyTorch slows down 10-30x whenever another process uses a core")
   args = parser.parse_args(argv)
+  if args.omp_wait_policy and "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()  # read when torch loads
 
   config, task, jax_run, batches = attnlab_trainer(args)
   m = config.model
@@ -254,7 +265,8 @@ def main(argv=None) -> int:
       for x, y in torch_batches[:n]:
         torch_step(x, y)
     runners["pytorch"] = torch_run
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY="
+          f"{os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
 
   for run in runners.values():
     run(3)  # compile / warm up

@@ -86,9 +86,11 @@ def main(argv=None) -> int:
     first_seed = args.seeds.split(",")[0]
     for score in args.scores.split(","):
       member = out / f"model.score={score},seed={first_seed}"
-      if not (member / "checkpoints").is_dir():
+      try:
+        run = analysis.load_run(member)
+      except ValueError as e:  # a member that failed or never ran: no heatmap
+        print(f"{member.name}: no heatmap ({e})", file=sys.stderr)
         continue
-      run = analysis.load_run(member)
       [t] = run.task.translate(run.params, [EXAMPLE.get(dataset, EXAMPLE["dates"])])
       plt.close(run.task.plot_alignment(t, workdir / "figures" / f"{dataset}_{score}.png",
                                         title=f"{score}: {t.source} -> {t.text}"))
