@@ -18,7 +18,8 @@ from attnlab.layers.transformer import TransformerBlock
 from attnlab.layers.transformer import get_activation
 
 __all__ = [
-    "ACTIVATIONS", "Dense", "Embeddings", "LayerNorm", "MLP", "MultiHeadAttention", "NORM_POSITIONS",
+    "ACTIVATIONS", "Dense", "Embeddings", "LayerNorm", "MLP", "MultiHeadAttention",
+    "NORM_POSITIONS",
     "POSITIONS", "SCORES", "TransformerBlock", "check_score_and_implementation",
     "default_kernel_init", "get_activation", "layer_norm", "matmul",
 ]

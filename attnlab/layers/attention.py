@@ -71,7 +71,7 @@ def check_score_and_implementation(score: str, implementation: str) -> None:
 
 
 def _write_cache(cache: Array, new: Array, index: Array) -> Array:
-  """Writes new `[batch, heads, L, d]` into cache `[batch, heads, max_len, d]` at index `[batch]`."""
+  """Writes new `[batch, heads, L, d]` into `[batch, heads, max_len, d]` at index `[batch]`."""
   def one(c, n, i):
     return jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (0, i, 0))
   return jax.vmap(one)(cache, new, index)

@@ -20,7 +20,6 @@ from typing import Any, Callable
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from attnlab.layers.attention import MultiHeadAttention
 from attnlab.layers.dense import Dense

@@ -97,10 +97,13 @@ class CausalLMTask(Task):
                         f"{', '.join(DATASETS)}")
     if d.tokenizer not in TOKENIZERS:
       raise ConfigError(f"unknown data.tokenizer {d.tokenizer!r}; valid: {', '.join(TOKENIZERS)}")
-    if d.name == "tiny_shakespeare":
-      self._setup_shakespeare(d)
-    else:
-      self._setup_addition(d)
+    try:
+      if d.name == "tiny_shakespeare":
+        self._setup_shakespeare(d)
+      else:
+        self._setup_addition(d)
+    except data_lib.DataError as e:  # missing files, bad options: one line for the user
+      raise ConfigError(f"causal_lm data ({d.name}): {e}") from e
     self.model = build_model(config.model, len(self.tokenizer))
     self.block_size = self.model.block_size
     if self.seq_len > self.block_size:

@@ -1,19 +1,19 @@
 """GPT training and generation speed: attnlab's nano GPT beside a PyTorch GPT of the same shape.
 
-Both train the same architecture with the same recipe on the same Tiny Shakespeare batches, timed
-in alternating rounds within one process (the machine is shared, so only side-by-side numbers
-mean anything); the table reports the median round of each, tokens/s and the ratio. Then
-generation: tokens/s of attnlab's KV-cache sampler and of a full forward pass per token.
+Both train the same architecture with the same recipe on the same Tiny Shakespeare batches. Each
+runs in its own process (so neither's idle thread pool spins on the other's time) and the
+timing rounds alternate between them (the machine is shared, so only side-by-side numbers mean
+anything); the table reports the median round of each, tokens/s and the ratio. Then generation:
+tokens/s of attnlab's KV-cache sampler and of a full forward pass per token.
 
   pip install -e ".[torch]"           # torch (CPU) for the reference
-  python experiments/benchmarks/gpt_train.py                      # nano, 6 rounds x 20 steps
-  python experiments/benchmarks/gpt_train.py --rounds=10 --steps=30 --activation=gelu
+  python experiments/benchmarks/gpt_train.py                      # nano, 10 rounds x 20 steps
+  python experiments/benchmarks/gpt_train.py --rounds=16 --steps=30 --activation=gelu
   python experiments/benchmarks/gpt_train.py --profile=/tmp/gpt_profile   # where the time goes
 
-PyTorch's OpenMP threads run with OMP_WAIT_POLICY=PASSIVE by default here: with libgomp's
-default spin-waiting a PyTorch step becomes 10-30x slower whenever any other process uses a core
-(measured on the shared 2-core machine), which would make the comparison meaningless there.
-`--omp_wait_policy=active` measures the spinning default (fine on an idle machine).
+PyTorch runs with its default OpenMP settings. Its spin-waiting threads make a PyTorch step
+10-30x slower whenever another process keeps a core busy (measured on the shared 2-core
+machine); `--omp_wait_policy=passive` avoids that collapse at some cost on an idle machine.
 
 The PyTorch model (written for this benchmark) mirrors attnlab.models.gpt.GPT at the nano size:
 4 pre-LN blocks, 4 heads, d_model 128, block 64, no biases, LayerNorm eps 1e-5, learned
@@ -31,7 +31,6 @@ import pathlib
 import statistics
 import sys
 import time
-from typing import Any
 
 import numpy as np
 
@@ -90,7 +89,8 @@ def torch_gpt(vocab_size: int, num_layers: int, num_heads: int, d_model: int, bl
   model = GPT()
   for name, p in model.named_parameters():
     if p.dim() == 2:
-      std = 0.02 / math.sqrt(2 * num_layers) if name.endswith(("attn_out.weight", "proj.weight")) else 0.02
+      residual_out = name.endswith(("attn_out.weight", "proj.weight"))
+      std = 0.02 / math.sqrt(2 * num_layers) if residual_out else 0.02
       torch.nn.init.normal_(p, 0.0, std)
   return model
 
@@ -135,7 +135,7 @@ def _load_gpt_config(arg: str):
 
 
 def attnlab_trainer(args):
-  """(config, task, step(batch) -> loss, batches) for attnlab's nano GPT through the real trainer."""
+  """(config, task, run(n), batches): attnlab's GPT stepped by the real trainer's train step."""
   import jax  # pylint: disable=g-import-not-at-top
   from attnlab import tasks, train  # pylint: disable=g-import-not-at-top
 
@@ -214,6 +214,65 @@ def generation_speed(task, num_tokens: int, repeats: int) -> dict[str, float]:
   return out
 
 
+# ----------------------------------------------------------------------------- workers
+
+
+def _jax_worker(conn, args) -> None:
+  """attnlab in its own process: builds, then answers run / generate / profile requests."""
+  config, task, run, batches = attnlab_trainer(args)
+  run(3)  # compile and warm up
+  m = task.model
+  conn.send({"batches": [(b["inputs"], b["targets"]) for b in batches],
+             "vocab": len(task.tokenizer), "layers": m.num_layers, "heads": m.num_heads,
+             "d_model": m.d_model, "block": m.block_size, "batch": config.batch_size,
+             "optimizer": config.optimizer.to_dict(), "num_steps": config.num_train_steps})
+  while True:
+    cmd, value = conn.recv()
+    if cmd == "run":
+      start = time.perf_counter()
+      run(value)
+      conn.send(time.perf_counter() - start)
+    elif cmd == "generate":
+      conn.send(generation_speed(task, value, args.gen_repeats))
+    elif cmd == "profile":
+      conn.send(profile_steps(run, args.steps, value))
+    else:
+      conn.send(None)
+      return
+
+
+def _torch_worker(conn, args, spec) -> None:
+  """The PyTorch reference in its own process (its OpenMP threads never see attnlab's)."""
+  if args.omp_wait_policy:
+    os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()  # read when torch loads
+  import torch  # pylint: disable=g-import-not-at-top
+  opt = spec["optimizer"]
+  model = torch_gpt(spec["vocab"], spec["layers"], spec["heads"], spec["d_model"], spec["block"],
+                    activation=args.activation)
+  step = torch_trainer(model, opt["learning_rate"], opt["warmup_steps"], spec["num_steps"],
+                       opt["end_learning_rate"], opt["weight_decay"], (opt["b1"], opt["b2"]),
+                       opt["grad_clip"])
+  batches = [(torch.from_numpy(x.astype(np.int64)), torch.from_numpy(y.astype(np.int64)))
+             for x, y in spec["batches"]]
+
+  def run(n: int) -> None:
+    for x, y in batches[:n]:
+      step(x, y)
+
+  run(3)  # warm up
+  conn.send(f"torch {torch.__version__}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY="
+            f"{os.environ.get('OMP_WAIT_POLICY', '(unset: libgomp default)')}")
+  while True:
+    cmd, value = conn.recv()
+    if cmd == "run":
+      start = time.perf_counter()
+      run(value)
+      conn.send(time.perf_counter() - start)
+    else:
+      conn.send(None)
+      return
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -223,7 +282,7 @@ def main(argv=None) -> int:
   parser.add_argument("--activation", default="gelu_tanh", choices=["gelu_tanh", "gelu"],
                       help="MLP activation of both models")
   parser.add_argument("--implementation", default="auto", help="attnlab attention implementation")
-  parser.add_argument("--rounds", type=int, default=6, help="alternating timing rounds")
+  parser.add_argument("--rounds", type=int, default=10, help="alternating timing rounds")
   parser.add_argument("--steps", type=int, default=20, help="train steps per round")
   parser.add_argument("--gen_tokens", type=int, default=500, help="tokens to generate")
   parser.add_argument("--gen_repeats", type=int, default=3, help="timed generation runs")
@@ -232,51 +291,36 @@ def main(argv=None) -> int:
   parser.add_argument("--profile", default="", help="write a jax.profiler trace here and print "
                       "the time per XLA op kind")
   parser.add_argument("--skip_torch", action="store_true", help="time attnlab only")
-  parser.add_argument("--omp_wait_policy", default="passive", choices=["passive", "active", ""],
-                      help="OMP_WAIT_POLICY for PyTorch's OpenMP threads (unless already set in "
-                      "the environment; '' = libgomp's default). With the default spin-waiting, "
-                      "PyTorch slows down 10-30x whenever another process uses a core")
+  parser.add_argument("--omp_wait_policy", default="", choices=["passive", "active", ""],
+                      help="OMP_WAIT_POLICY of the PyTorch process ('' = libgomp's default)")
   args = parser.parse_args(argv)
-  if args.omp_wait_policy and "OMP_WAIT_POLICY" not in os.environ:
-    os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()  # read when torch loads
 
-  config, task, jax_run, batches = attnlab_trainer(args)
-  m = config.model
-  batch_size, block = config.batch_size, task.block_size
-  tokens_per_step = batch_size * block
-  print(f"nano GPT: {task.model.num_layers} layers, {task.model.num_heads} heads, "
-        f"d_model {task.model.d_model}, block {block}, batch {batch_size}, vocab "
-        f"{len(task.tokenizer)}, activation {m.activation}, attention {m.implementation}; "
-        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start")
-
-  runners = {"attnlab": jax_run}
+  import multiprocessing  # pylint: disable=g-import-not-at-top
+  ctx = multiprocessing.get_context("spawn")
+  workers = {}
+  jax_conn, child = ctx.Pipe()
+  workers["attnlab"] = (ctx.Process(target=_jax_worker, args=(child, args)), jax_conn)
+  workers["attnlab"][0].start()
+  spec = jax_conn.recv()
+  tokens_per_step = spec["batch"] * spec["block"]
+  print(f"GPT {args.size}: {spec['layers']} layers, {spec['heads']} heads, d_model "
+        f"{spec['d_model']}, block {spec['block']}, batch {spec['batch']}, vocab {spec['vocab']}, "
+        f"activation {args.activation}, attention {args.implementation}; {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f} at start")
+  print("attnlab and PyTorch each run in their own process; rounds alternate between them")
   if not args.skip_torch:
-    import torch  # pylint: disable=g-import-not-at-top
-    opt = config.optimizer
-    model = torch_gpt(len(task.tokenizer), task.model.num_layers, task.model.num_heads,
-                      task.model.d_model, block, activation=m.activation)
-    torch_step = torch_trainer(model, opt.learning_rate, opt.warmup_steps, config.num_train_steps,
-                               opt.end_learning_rate, opt.weight_decay, (opt.b1, opt.b2),
-                               opt.grad_clip)
-    torch_batches = [(torch.from_numpy(b["inputs"].astype(np.int64)),
-                      torch.from_numpy(b["targets"].astype(np.int64))) for b in batches]
+    torch_conn, child = ctx.Pipe()
+    workers["pytorch"] = (ctx.Process(target=_torch_worker, args=(child, args, spec)), torch_conn)
+    workers["pytorch"][0].start()
+    print(torch_conn.recv())
 
-    def torch_run(n: int) -> None:
-      for x, y in torch_batches[:n]:
-        torch_step(x, y)
-    runners["pytorch"] = torch_run
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY="
-          f"{os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
-
-  for run in runners.values():
-    run(3)  # compile / warm up
-  times: dict[str, list[float]] = {name: [] for name in runners}
+  times: dict[str, list[float]] = {name: [] for name in workers}
   for r in range(args.rounds):
-    order = list(runners) if r % 2 == 0 else list(reversed(runners))
+    order = list(workers) if r % 2 == 0 else list(reversed(workers))
     for name in order:
-      start = time.perf_counter()
-      runners[name](args.steps)
-      times[name].append((time.perf_counter() - start) / args.steps)
+      conn = workers[name][1]
+      conn.send(("run", args.steps))
+      times[name].append(conn.recv() / args.steps)
   print(f"\ntraining, {args.rounds} alternating rounds of {args.steps} steps (median; min-max):")
   print("| implementation | ms/step | tokens/s |")
   print("|---|---|---|")
@@ -289,9 +333,12 @@ def main(argv=None) -> int:
     per_round = [t / a for a, t in zip(times["attnlab"], times["pytorch"])]
     print(f"speed ratio pytorch/attnlab ms per step: {ratio:.2f} (per round "
           f"{min(per_round):.2f}-{max(per_round):.2f}; > 1 means attnlab is faster)")
+    workers["pytorch"][1].send(("stop", None))
+    workers["pytorch"][1].recv()
 
   if args.gen_tokens:
-    speed = generation_speed(task, args.gen_tokens, args.gen_repeats)
+    jax_conn.send(("generate", args.gen_tokens))
+    speed = jax_conn.recv()
     print(f"\ngeneration of {args.gen_tokens} tokens, batch 1 (median of {args.gen_repeats}):")
     print("| sampler | tokens/s | ms/token |")
     print("|---|---|---|")
@@ -301,12 +348,17 @@ def main(argv=None) -> int:
     print(f"KV cache speed-up: {speed['cache'] / speed['no_cache']:.1f}x")
 
   if args.profile:
+    jax_conn.send(("profile", args.profile))
+    rows = jax_conn.recv()
     print(f"\nattnlab train step, time per XLA op kind (profile in {args.profile}):")
-    rows = profile_steps(jax_run, args.steps, args.profile)
     total = sum(ms for _, ms in rows)
     for kind, ms in rows[:15]:
       print(f"  {ms:7.2f} ms  {100 * ms / total:5.1f}%  {kind}")
     print(f"  {total:7.2f} ms  total op time per step (ops on both cores summed)")
+  jax_conn.send(("stop", None))
+  jax_conn.recv()
+  for process, _ in workers.values():
+    process.join()
   print(f"load average at end {os.getloadavg()[0]:.1f}")
   return 0
 

@@ -83,7 +83,8 @@ def main(argv=None) -> int:
                       "download)")
   args = parser.parse_args(argv)
 
-  from attnlab import analysis, checkpoint, config_utils, train  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top  (JAX is imported only once the flags are parsed)
+  from attnlab import analysis, checkpoint, config_utils, train
   from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
   main_lib.setup_logging()
   arg = "size=nano"
