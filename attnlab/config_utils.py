@@ -157,6 +157,24 @@ def parse_arg(arg: str | None) -> list[tuple[str, str]]:
   return pairs
 
 
+def dataset_from_arg(arg: str | None, datasets, default: str) -> tuple[str, str | None]:
+  """(dataset name, `arg` with the `task=<dataset>` shorthand rewritten to `data.name=<dataset>`).
+
+  For config files whose defaults depend on the dataset: they read the name first, apply that
+  dataset's presets, then the rest of `arg`. Raises ConfigError listing `datasets` for others.
+  """
+  name, parts = default, []
+  for key, value in parse_arg(arg):
+    if key == "task" and value in datasets:
+      key = "data.name"
+    if key == "data.name":
+      if value not in datasets:
+        raise ConfigError(f"unknown data.name {value!r}; valid datasets: {', '.join(datasets)}")
+      name = value
+    parts.append(f"{key}={value}")
+  return name, ",".join(parts) or None
+
+
 def flatten(config: Mapping[str, Any] | ConfigDict, prefix: str = "") -> dict[str, Any]:
   """{"a": 1, "m": {"b": 2}} -> {"a": 1, "m.b": 2} (leaves only; ConfigDicts are descended)."""
   if isinstance(config, ConfigDict):

@@ -66,24 +66,9 @@ RUNLOCAL = {
 }
 
 
-def _dataset_from_arg(arg: str | None) -> tuple[str, str | None]:
-  """(dataset name, arg with a `task=<dataset>` shorthand rewritten to data.name)."""
-  name, parts = "dates", []
-  for key, value in config_utils.parse_arg(arg):
-    if key == "task" and value in PRESETS:
-      key = "data.name"
-    if key == "data.name":
-      if value not in PRESETS:
-        raise config_utils.ConfigError(f"unknown data.name {value!r}; valid datasets: "
-                                       f"{', '.join(PRESETS)}")
-      name = value
-    parts.append(f"{key}={value}")
-  return name, ",".join(parts) or None
-
-
 def get_config(arg: str | None = None):
   """`arg`: key=value,... typed from the defaults below (e.g. "data.name=reverse,runlocal=True")."""
-  dataset, arg = _dataset_from_arg(arg)
+  dataset, arg = config_utils.dataset_from_arg(arg, PRESETS, "dates")
   config = config_utils.base_config()
   config.task = "translation"
   config.num_train_steps = 1500
