@@ -16,8 +16,8 @@ Config convention (every model family follows it):
 - Top-level fields (`base_config` documents each): task, seed, num_train_steps, batch_size,
   log_every, eval_every, checkpoint_every, keep_checkpoints, runlocal, allow_config_change,
   write_plots, num_seeds, mesh (data, fsdp, fsdp_min_size: see attnlab/parallel.py), optimizer
-  (name, learning_rate, warmup_steps, schedule, end_learning_rate, weight_decay, b1, b2, momentum,
-  grad_clip), model (ConfigDict), data (ConfigDict).
+  (name, learning_rate, warmup_steps, schedule, end_learning_rate, weight_decay, decay, b1, b2,
+  momentum, grad_clip), model (ConfigDict), data (ConfigDict).
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ RUNLOCAL: dict[str, Any] = {
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 SCHEDULES = ("cosine", "linear", "constant")
+# Values of optimizer.decay: which parameters weight decay applies to.
+DECAYS = ("all", "matrices")
 
 
 def base_config() -> ConfigDict:
@@ -106,6 +108,9 @@ def base_config() -> ConfigDict:
   config.optimizer.end_learning_rate = 0.0
   # Decoupled weight decay (adamw only).
   config.optimizer.weight_decay = 0.0
+  # Which parameters weight decay applies to: all, or matrices (ndim >= 2: kernels and embedding
+  # tables, not biases, norm scales or other vectors).
+  config.optimizer.decay = "all"
   # Adam first-moment decay.
   config.optimizer.b1 = 0.9
   # Adam second-moment decay.
@@ -357,6 +362,8 @@ def validate(config: ConfigDict) -> None:
   need(opt.weight_decay == 0 or opt.name == "adamw",
        f"optimizer.weight_decay={opt.weight_decay} is only used by adamw; set optimizer.name=adamw "
        f"or optimizer.weight_decay=0")
+  need(opt.get("decay", "all") in DECAYS,
+       f"unknown optimizer.decay {opt.get('decay')!r}; valid: {', '.join(DECAYS)}")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -165,3 +165,13 @@ def beam_search(step_fn: StepFn, state, start_tokens: jax.Array, *, beam_size: i
   order = jnp.argsort(-normalized, axis=-1)  # best first
   pick = lambda x: x[rows, order]
   return Decoded(pick(tokens), pick(lengths), pick(normalized), jax.tree.map(pick, aux_hist))
+
+
+def check_decode_len(model: Any, max_len: int) -> None:
+  """Raises ValueError when `max_len` steps exceed the model's `max_decode_len` (if it has one:
+  a Transformer's KV cache and position table hold a fixed number of target positions)."""
+  limit = getattr(model, "max_decode_len", None)
+  if limit is not None and max_len > limit:
+    raise ValueError(f"cannot decode {max_len} tokens: this model's KV cache and position table "
+                     f"hold model.max_len={limit}; decode at most {limit} tokens or train a "
+                     "model with a larger model.max_len")

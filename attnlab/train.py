@@ -33,7 +33,7 @@ import pathlib
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import flax
 import jax
@@ -104,11 +104,22 @@ def make_schedule(opt: ml_collections.ConfigDict, num_train_steps: int) -> optax
   return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), decay], [warmup])
 
 
+def decay_mask(decay: str) -> Callable[[Any], Any] | None:
+  """optax mask for `optimizer.decay`: None (every parameter) or a matrices-only predicate."""
+  if decay == "all":
+    return None
+  if decay == "matrices":
+    return lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
+  raise config_utils.ConfigError(f"unknown optimizer.decay {decay!r}; valid: "
+                                 f"{', '.join(config_utils.DECAYS)}")
+
+
 def make_optimizer(opt: ml_collections.ConfigDict,
                    schedule: optax.Schedule) -> optax.GradientTransformation:
   """adamw, adam or sgd on `schedule`, after global-norm clipping when opt.grad_clip > 0."""
   if opt.name == "adamw":
-    tx = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay)
+    tx = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay,
+                     mask=decay_mask(opt.get("decay", "all")))
   elif opt.name == "adam":
     tx = optax.adam(schedule, b1=opt.b1, b2=opt.b2)
   elif opt.name == "sgd":

@@ -11,7 +11,10 @@ A seconds-long check of the whole pipeline:
 
 The default is the nano setting with nanoGPT's CPU recipe for Shakespeare characters: 4 layers,
 4 heads, 128 dims, block 64, batch 12, AdamW lr 1e-3 (100 warmup steps, cosine to 1e-4 at step
-2000), betas (0.9, 0.99), weight decay 0.1, gradient clip 1.0, no dropout, no biases.
+2000), betas (0.9, 0.99), weight decay 0.1 on matrices only (as nanoGPT), gradient clip 1.0, no
+dropout, no biases. One departure from nanoGPT's model: rotary positions (queries and keys rotated
+in every attention layer) instead of a learned position table; `model.position=learned` gives
+nanoGPT's architecture exactly (experiments/shakespeare/README.md compares them).
 The experiment with plots: python experiments/shakespeare/run.py
 
 Short keys in the arg: size, score, implementation, dataset, tokenizer (= model.size,
@@ -57,6 +60,7 @@ def get_config(arg: str | None = None):
   config.optimizer.schedule = "cosine"
   config.optimizer.end_learning_rate = 1e-4
   config.optimizer.weight_decay = 0.1
+  config.optimizer.decay = "matrices"
   config.optimizer.b1 = 0.9
   config.optimizer.b2 = 0.99
   config.optimizer.grad_clip = 1.0
@@ -77,8 +81,8 @@ def get_config(arg: str | None = None):
   config.model.score = "scaled_dot"
   # Attention implementation: auto, reference, xla, blocked (weights are computed only for plots).
   config.model.implementation = "auto"
-  # Position encoding: learned, sinusoidal, none.
-  config.model.position = "learned"
+  # Position encoding: learned, sinusoidal, rotary (queries and keys rotated in attention), none.
+  config.model.position = "rotary"
   # MLP activation: gelu_tanh (fast on CPU), gelu (exact), relu.
   config.model.activation = "gelu_tanh"
   # Biases in Dense layers and LayerNorms.

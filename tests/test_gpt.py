@@ -220,6 +220,23 @@ def test_bad_config_values_raise_clear_errors(tmp_path):
   from attnlab import tasks  # pylint: disable=g-import-not-at-top
   for arg, pattern in [("size=huge", "valid sizes"), ("score=fancy", "valid scores"),
                        ("dataset=wiki", "valid: tiny_shakespeare, addition"),
-                       ("model.position=rotary", "valid: learned")]:
+                       ("model.position=alibi", "valid: learned")]:
     with pytest.raises(ConfigError, match=pattern):
       tasks.build_task(_load_config(f"runlocal=True,dataset=addition,{arg}"))
+
+
+def test_rotary_gpt_is_causal_and_its_cache_matches_the_full_forward():
+  model = gpt.GPT(vocab_size=VOCAB, position="rotary", **TINY)
+  x = jnp.asarray(np.random.default_rng(4).integers(0, VOCAB, (2, 9)))
+  params = jax.jit(model.init)(jax.random.key(2), x)["params"]
+  assert "position" not in params["embed"]  # no table: queries and keys are rotated instead
+  full = model.apply({"params": params}, x)  # [2, 9, vocab]
+  changed = model.apply({"params": params}, x.at[:, 6].set((x[:, 6] + 1) % VOCAB))
+  np.testing.assert_array_equal(changed[:, :6], full[:, :6])
+  cache = gpt.init_cache(model, 2)
+  first, cache = gpt.decode_chunk(model, params, cache, x[:, :4])
+  rest = []
+  for i in range(4, 9):
+    logits, cache = gpt.decode_chunk(model, params, cache, x[:, i:i + 1])
+    rest.append(logits)
+  np.testing.assert_allclose(jnp.concatenate([first] + rest, axis=1), full, rtol=1e-4, atol=1e-4)

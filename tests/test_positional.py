@@ -52,3 +52,38 @@ def test_plot_sinusoidal(tmp_path):
   other = Figure()
   ax = other.add_subplot(1, 1, 1)
   assert positional.plot_sinusoidal(5, 4, ax=ax) is other
+
+
+def np_rotary(x, positions, base=10000.0):
+  """Rotates pair (x[j], x[j + d/2]) at position p by p / base^(2j/d), one pair at a time."""
+  x = np.asarray(x, np.float64)
+  out = np.empty_like(x)
+  half = x.shape[-1] // 2
+  for idx in np.ndindex(*x.shape[:-2]):
+    for i, p in enumerate(positions):
+      for j in range(half):
+        theta = p / base ** (2 * j / x.shape[-1])
+        a, b = x[idx + (i, j)], x[idx + (i, j + half)]
+        out[idx + (i, j)] = a * math.cos(theta) - b * math.sin(theta)
+        out[idx + (i, j + half)] = b * math.cos(theta) + a * math.sin(theta)
+  return out
+
+
+def test_rotary_matches_numpy_and_keeps_norms():
+  x = np.random.default_rng(0).normal(size=(2, 3, 5, 8)).astype(np.float32)
+  positions = np.array([0, 1, 2, 7, 30])
+  got = np.asarray(positional.rotary(jnp.asarray(x), jnp.asarray(positions)))
+  np.testing.assert_allclose(got, np_rotary(x, positions), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.linalg.norm(got, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
+  np.testing.assert_array_equal(got[..., 0, :], x[..., 0, :])  # position 0 is not turned
+
+
+def test_rotary_scores_depend_only_on_the_position_difference():
+  rng = np.random.default_rng(1)
+  q, k = rng.normal(size=(2, 16)).astype(np.float32)
+  rot = lambda v, p: np.asarray(positional.rotary(jnp.asarray(v)[None], jnp.asarray([p])))[0]
+  scores = [float(rot(q, i) @ rot(k, j)) for i, j in ((5, 2), (13, 10), (40, 37))]
+  np.testing.assert_allclose(scores, scores[0], rtol=1e-4)
+  assert abs(float(rot(q, 5) @ rot(k, 1)) - scores[0]) > 1e-3  # another offset, another score
+  with pytest.raises(ValueError, match="even"):
+    positional.rotary(jnp.zeros((3, 5)), jnp.arange(3))

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -240,3 +241,22 @@ def test_sigterm_and_sigkill_then_resume_is_bit_identical(tmp_path):
                if r["step"] == 40}
   assert final["train"]["loss"] == ref_final["train"]["loss"]
   assert final["eval"]["test_mse"] == ref_final["eval"]["test_mse"]
+
+
+def test_weight_decay_on_matrices_only():
+  opt = config_utils.base_config().optimizer
+  opt.learning_rate, opt.schedule, opt.weight_decay, opt.decay = 0.5, "constant", 0.1, "matrices"
+  tx = train.make_optimizer(opt, train.make_schedule(opt, 10))
+  params = {"kernel": jnp.full((2, 3), 2.0), "scale": jnp.full((3,), 2.0)}
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = tx.update(zeros, tx.init(params), params)
+  # Zero gradients: Adam's step is 0, so the update is -lr * wd * param where decay applies.
+  np.testing.assert_allclose(np.asarray(updates["kernel"]), np.full((2, 3), -0.5 * 0.1 * 2.0))
+  np.testing.assert_array_equal(np.asarray(updates["scale"]), np.zeros(3))
+  opt.decay = "all"
+  tx = train.make_optimizer(opt, train.make_schedule(opt, 10))
+  updates, _ = tx.update(zeros, tx.init(params), params)
+  np.testing.assert_allclose(np.asarray(updates["scale"]), np.full(3, -0.5 * 0.1 * 2.0))
+  opt.decay = "biases"
+  with pytest.raises(config_utils.ConfigError, match="optimizer.decay"):
+    train.make_optimizer(opt, train.make_schedule(opt, 10))

@@ -85,6 +85,11 @@ def test_cached_decoding_equals_uncached(setup):
     np.testing.assert_allclose(cached.aux, uncached.aux, atol=1e-5)  # cross weights per step
   assert cached.aux.shape == (2, 2, 8, 6)
   assert np.all(np.asarray(cached.aux)[0, ..., 4:] == 0.0)
+  # max_len=10 cache positions: 10 steps fit, 11 would write past the cache and are refused.
+  assert tf.greedy_decode(model, params, src, src_len, start_id=START, end_id=END,
+                          max_len=10).tokens.shape == (2, 10)
+  with pytest.raises(ValueError, match="cannot decode 11 tokens.*model.max_len=10"):
+    tf.greedy_decode(model, params, src, src_len, start_id=START, end_id=END, max_len=11)
 
 
 def test_cached_cross_attention_matches_numpy():
@@ -158,6 +163,9 @@ def test_dates_runlocal_reload_and_translate(tmp_path):
                          start_id=run.task.tgt_tok.start_id, end_id=run.task.tgt_tok.end_id,
                          max_len=len(t.output_tokens), use_cache=False)
   assert [run.task.tgt_tok.id_to_token(int(i)) for i in ref.tokens[0]] == t.output_tokens
+  with pytest.raises(ValueError, match="KV cache"):  # the task refuses it too
+    run.task.decode_arrays(run.params, src, np.array([src.shape[1]], np.int32), beam_size=1,
+                           max_len=run.model.max_len + 1)
 
 
 @pytest.mark.slow

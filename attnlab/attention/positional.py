@@ -1,4 +1,4 @@
-"""Sinusoidal position encodings (Vaswani et al., 2017)."""
+"""Position encodings: sinusoidal (Vaswani et al., 2017) and rotary (Su et al., 2021)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,28 @@ def sinusoidal(length: int, dim: int, base: float = 10000.0, dtype: Any = jnp.fl
   angle = pos * inv_freq[None, :]  # [length, dim]
   enc = np.where(col % 2 == 0, np.sin(angle), np.cos(angle))  # [length, dim]
   return jnp.asarray(enc, dtype)
+
+
+def rotary(x: Array, positions: Array, base: float = 10000.0) -> Array:
+  """Rotates feature pairs of `x` `[..., len, dim]` by angles proportional to `positions`.
+
+  Pair j = (x[..., j], x[..., j + dim/2]) at position p turns by p / base^(2j/dim) (the
+  "half-split" layout). Applied to queries and keys, it makes their dot product depend on the
+  positions only through their difference. `positions` broadcasts against `x.shape[:-1]`
+  (e.g. `[len]` or `[batch, 1, len]`); `dim` must be even. Computed in float32, returned in
+  x's dtype.
+  """
+  dim = x.shape[-1]
+  if dim % 2:
+    raise ValueError(f"rotary position encoding needs an even feature size, got {dim}")
+  half = dim // 2
+  inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / dim)  # [half]
+  angle = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq  # [..., len, half]
+  cos, sin = jnp.cos(angle), jnp.sin(angle)
+  x1 = x[..., :half].astype(jnp.float32)  # [..., len, half]
+  x2 = x[..., half:].astype(jnp.float32)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)  # [..., len, dim]
+  return out.astype(x.dtype)
 
 
 def plot_sinusoidal(length: int, dim: int, path: str | pathlib.Path | None = None,

@@ -1,7 +1,13 @@
-"""Errors raised by the data layer; each message is one line that says how to fix it."""
+"""Errors raised by the data layer; each message is one line that says how to fix it.
+
+DataError is a config_utils.UserError, so every command-line tool prints it as one line (no
+traceback) and exits non-zero.
+"""
+
+from attnlab.config_utils import UserError
 
 
-class DataError(ValueError):
+class DataError(UserError):
   """Bad data or a bad data request (malformed file, empty split, unknown name)."""
 
 

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 
 from attnlab.attention import core
 from attnlab.attention import masks as masks_lib
+from attnlab.attention import positional
 from attnlab.attention import scores as scores_lib
 from attnlab.layers.dense import Dense
 from attnlab.layers.dense import default_kernel_init
@@ -99,6 +100,9 @@ class MultiHeadAttention(nn.Module):
   max_len: int | None = None
   # Hidden size of the additive score (None: head_dim).
   d_attn: int | None = None
+  # Rotary position encoding of queries and keys (self-attention only; positions continue from
+  # the cache index when decoding).
+  rotary: bool = False
   # Initial key strength of the cosine score (None: sqrt(head_dim)).
   cosine_beta: float | None = None
   # Initialiser of the query/key/value kernels.
@@ -179,6 +183,12 @@ class MultiHeadAttention(nn.Module):
     qh = core.split_heads(q, self.num_heads)  # [batch, heads, q_len, head_dim]
     kh = core.split_heads(k, self.num_heads)  # [batch, heads, k_len, head_dim]
     vh = core.split_heads(v, self.num_heads)  # [batch, heads, k_len, head_dim]
+    if self.rotary and self_attention:
+      positions = jnp.arange(q.shape[1])  # [q_len]
+      if decode and self.has_variable("cache", "cache_index"):
+        positions = positions + self.get_variable("cache", "cache_index")[:, None, None]
+      qh = positional.rotary(qh, positions)  # positions [q_len] or [batch, 1, q_len]
+      kh = positional.rotary(kh, positions)
     causal = self.causal
     if decode and self_attention:
       kh, vh, cache_mask = self._use_cache(kh, vh)

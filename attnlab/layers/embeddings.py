@@ -1,7 +1,8 @@
 """Token + position embeddings, with `attend` for an output layer tied to the token table.
 
 Positions: "learned" (a trained table `[max_len, d]`, GPT-2/BERT), "sinusoidal" (fixed,
-attnlab.attention.positional.sinusoidal, Vaswani et al.) or "none". With `decode=True` the
+attnlab.attention.positional.sinusoidal, Vaswani et al.), "rotary" (nothing is added here: the
+attention layers rotate queries and keys, MultiHeadAttention(rotary=True)) or "none". With `decode=True` the
 positions continue from a counter kept in the "cache" collection (`cache/position` `[batch]`
 int32), so a KV-cache decoder feeds one token at a time and still gets the right positions.
 """
@@ -22,7 +23,7 @@ Array = jax.Array
 Initializer = Callable[..., Array]
 
 # Position encodings an Embeddings module accepts.
-POSITIONS: tuple[str, ...] = ("learned", "sinusoidal", "none")
+POSITIONS: tuple[str, ...] = ("learned", "sinusoidal", "rotary", "none")
 
 
 class Embeddings(nn.Module):
@@ -33,7 +34,7 @@ class Embeddings(nn.Module):
   features: int
   # Longest sequence (size of the position table).
   max_len: int
-  # Position encoding: learned, sinusoidal or none.
+  # Position encoding: learned, sinusoidal, rotary (added in attention) or none.
   position: str = "learned"
   # Dropout on the sum.
   dropout_rate: float = 0.0

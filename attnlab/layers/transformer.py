@@ -105,6 +105,8 @@ class TransformerBlock(nn.Module):
   layer_norm_epsilon: float = 1e-5
   # Longest sequence (needed by the location score).
   max_len: int | None = None
+  # Rotary position encoding of the self-attention's queries and keys.
+  rotary: bool = False
   # Initialiser of the input kernels (q/k/v, first MLP layer).
   kernel_init: Initializer = default_kernel_init
   # Initialiser of the kernels that write into the residual stream (attention out, MLP out).
@@ -116,8 +118,8 @@ class TransformerBlock(nn.Module):
     return MultiHeadAttention(
         num_heads=self.num_heads, score=self.score, implementation=self.implementation,
         dropout_rate=self.attention_dropout_rate, use_bias=self.use_bias, causal=causal,
-        max_len=self.max_len, kernel_init=self.kernel_init, out_kernel_init=self.out_kernel_init,
-        dtype=self.dtype, name=name)
+        max_len=self.max_len, rotary=self.rotary, kernel_init=self.kernel_init,
+        out_kernel_init=self.out_kernel_init, dtype=self.dtype, name=name)
 
   def _norm(self, name: str) -> LayerNorm:
     return LayerNorm(epsilon=self.layer_norm_epsilon, use_bias=self.use_bias, dtype=self.dtype,

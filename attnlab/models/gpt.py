@@ -79,7 +79,7 @@ class GPT(nn.Module):
   score: str = "scaled_dot"
   # attend() implementation: auto, reference, xla, blocked.
   implementation: str = "auto"
-  # Position encoding: learned, sinusoidal, none.
+  # Position encoding: learned, sinusoidal, rotary, none.
   position: str = "learned"
   # MLP activation: gelu_tanh, gelu, relu.
   activation: str = "gelu_tanh"
@@ -101,7 +101,8 @@ class GPT(nn.Module):
             dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
             score=self.score, implementation=self.implementation, causal=True,
             norm_position="pre", activation=self.activation, use_bias=self.use_bias,
-            max_len=self.block_size, kernel_init=init, out_kernel_init=out_init,
+            max_len=self.block_size, rotary=self.position == "rotary", kernel_init=init,
+            out_kernel_init=out_init,
             dtype=self.dtype, name=f"block_{i}")
         for i in range(self.num_layers)]
     self.ln_f = LayerNorm(epsilon=1e-5, use_bias=self.use_bias, dtype=self.dtype)

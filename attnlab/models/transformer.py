@@ -22,8 +22,8 @@ keeps in its state, per decoder layer, the cross-attention keys/values projected
 encoder outputs, and the self-attention KV cache of `attnlab.layers.MultiHeadAttention` (the Flax
 "cache" collection, carried explicitly in the state so the task can call `model.apply` without
 mutable collections). Each step feeds one token and costs one position. The cache holds `max_len`
-positions: decoding more steps than that is not supported (the config's default max_len covers
-twice the longest training source). `make_step_fn(..., use_cache=False)` is the uncached reference
+positions: asking for more decoding steps than that raises ValueError (`max_decode_len`; the
+config's default max_len covers twice the longest training source). `make_step_fn(..., use_cache=False)` is the uncached reference
 (every step re-runs the decoder over the whole prefix); tests check both give the same tokens.
 
 Attention weights are sown by every attention module: `intermediates/encoder_layer_<i>/
@@ -227,6 +227,11 @@ class Transformer(nn.Module):
       self.output = Dense(self.tgt_vocab_size, name="output")
 
   @property
+  def max_decode_len(self) -> int:
+    """Most tokens one decoding may produce (the KV cache and position table hold max_len)."""
+    return self.max_len
+
+  @property
   def decoder_depth(self) -> int:
     return self.num_layers if self.num_decoder_layers is None else self.num_decoder_layers
 
@@ -362,6 +367,7 @@ def greedy_decode(model: Transformer, params: Any, src: Array, src_lengths: Arra
                   start_id: int, end_id: int, max_len: int, beam_size: int = 1,
                   use_cache: bool = True) -> decoding.Decoded:
   """Greedy (beam_size 1) or beam-search decoding of a padded source batch."""
+  decoding.check_decode_len(model, max_len)
   state = init_decode_state(model, params, src, src_lengths, use_cache=use_cache)
   step_fn = make_step_fn(model, params, use_cache=use_cache)
   start = jnp.full((src.shape[0],), start_id, jnp.int32)

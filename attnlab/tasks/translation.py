@@ -304,7 +304,9 @@ class TranslationTask(Task):
     every call with the same source width reuses one compiled decoder.
     """
     beam_size = self.config.decode.beam_size if beam_size is None else beam_size
-    fn = self._decoder(beam_size, max_len or self._max_decode_len())
+    max_len = max_len or self._max_decode_len()
+    decoding.check_decode_len(self.model, max_len)
+    fn = self._decoder(beam_size, max_len)
     size = batch_size or self.config.data.eval_batch_size
     tokens, weights = [], []
     for start in range(0, len(src), size):
@@ -339,8 +341,9 @@ class TranslationTask(Task):
     for i, ids in enumerate(encoded):
       src[i, :len(ids)] = ids
     src_len = np.array([len(ids) for ids in encoded], np.int32)
-    # Inputs longer than the training data may need longer outputs.
+    # Inputs longer than the training data may need longer outputs (up to what the model holds).
     max_len = max(self._max_decode_len(), 2 * longest + 2)
+    max_len = min(max_len, getattr(self.model, "max_decode_len", max_len))
     tokens, weights = self.decode_arrays(params, src, src_len, beam_size, max_len,
                                          batch_size=len(texts))
     out = []

@@ -10,16 +10,21 @@ tokens/s of attnlab's KV-cache sampler and of a full forward pass per token.
   python experiments/benchmarks/gpt_train.py                      # nano, 10 rounds x 20 steps
   python experiments/benchmarks/gpt_train.py --rounds=16 --steps=30 --activation=gelu
   python experiments/benchmarks/gpt_train.py --profile=/tmp/gpt_profile   # where the time goes
+  python experiments/benchmarks/gpt_train.py --position=learned               # nanoGPT's positions
+  python experiments/benchmarks/gpt_train.py --rounds=0 --gen_tokens=0 --twin_steps=2000
+      # no timing: train the PyTorch model 2000 steps on attnlab's batches (seed 0) and print its
+      # loss on attnlab's full validation set, an independent check of attnlab's training result
 
 PyTorch runs with its default OpenMP settings. Its spin-waiting threads make a PyTorch step
 10-30x slower whenever another process keeps a core busy (measured on the shared 2-core
 machine); `--omp_wait_policy=passive` avoids that collapse at some cost on an idle machine.
 
 The PyTorch model (written for this benchmark) mirrors attnlab.models.gpt.GPT at the nano size:
-4 pre-LN blocks, 4 heads, d_model 128, block 64, no biases, LayerNorm eps 1e-5, learned
-positions, tied LM head, GELU (tanh by default, as attnlab's), scaled_dot_product_attention with
-is_causal; AdamW (betas 0.9/0.99, weight decay 0.1 on every parameter, as attnlab's trainer),
-global-norm clip 1.0, warmup + cosine learning rate. Batch 12 x 64 tokens.
+4 pre-LN blocks, 4 heads, d_model 128, block 64, no biases, LayerNorm eps 1e-5, rotary positions
+(half-split pairs, base 10000, on queries and keys; or a learned table with --position=learned),
+tied LM head, GELU (tanh by default, as attnlab's), scaled_dot_product_attention with is_causal;
+AdamW (betas 0.9/0.99, weight decay 0.1 on matrices only, following the config's
+optimizer.decay), global-norm clip 1.0, warmup + cosine learning rate. Batch 12 x 64 tokens.
 """
 
 from __future__ import annotations
@@ -42,13 +47,26 @@ sys.path.insert(0, str(REPO))
 
 
 def torch_gpt(vocab_size: int, num_layers: int, num_heads: int, d_model: int, block_size: int,
-              activation: str = "gelu_tanh", seed: int = 0):
+              activation: str = "gelu_tanh", position: str = "rotary", seed: int = 0):
   """The PyTorch reference model (same architecture and init as attnlab's GPT)."""
   import torch  # pylint: disable=g-import-not-at-top
   from torch import nn  # pylint: disable=g-import-not-at-top
   import torch.nn.functional as F  # pylint: disable=g-import-not-at-top
 
   approximate = "tanh" if activation == "gelu_tanh" else "none"
+  if position not in ("rotary", "learned"):
+    raise ValueError(f"the PyTorch reference supports positions rotary and learned, not {position!r}")
+  head_dim = d_model // num_heads
+  half = head_dim // 2
+  inv_freq = 10000.0 ** (-torch.arange(half, dtype=torch.float32) * 2.0 / head_dim)  # [half]
+  angle = torch.arange(block_size, dtype=torch.float32)[:, None] * inv_freq  # [block, half]
+  cos_table, sin_table = torch.cos(angle), torch.sin(angle)
+
+  def rotate(z):  # [b, h, t, hd]: pair (j, j + hd/2) turned by position / 10000^(2j/hd)
+    t = z.shape[2]
+    cos, sin = cos_table[:t], sin_table[:t]
+    z1, z2 = z[..., :half], z[..., half:]
+    return torch.cat([z1 * cos - z2 * sin, z2 * cos + z1 * sin], dim=-1)
 
   class Block(nn.Module):
 
@@ -65,7 +83,10 @@ def torch_gpt(vocab_size: int, num_layers: int, num_heads: int, d_model: int, bl
       b, t, d = x.shape
       q, k, v = self.qkv(self.ln_1(x)).split(d, dim=2)  # [b, t, d] each
       heads = lambda z: z.view(b, t, num_heads, d // num_heads).transpose(1, 2)  # [b, h, t, hd]
-      y = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+      q, k, v = heads(q), heads(k), heads(v)
+      if position == "rotary":
+        q, k = rotate(q), rotate(k)
+      y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
       x = x + self.attn_out(y.transpose(1, 2).contiguous().view(b, t, d))
       return x + self.proj(F.gelu(self.fc(self.ln_2(x)), approximate=approximate))
 
@@ -74,13 +95,15 @@ def torch_gpt(vocab_size: int, num_layers: int, num_heads: int, d_model: int, bl
     def __init__(self):
       super().__init__()
       self.token = nn.Embedding(vocab_size, d_model)
-      self.position = nn.Embedding(block_size, d_model)
+      if position == "learned":
+        self.position = nn.Embedding(block_size, d_model)
       self.blocks = nn.ModuleList([Block() for _ in range(num_layers)])
       self.ln_f = nn.LayerNorm(d_model, eps=1e-5, bias=False)
 
     def forward(self, idx):
-      pos = torch.arange(idx.shape[1], device=idx.device)
-      x = self.token(idx) + self.position(pos)  # [b, t, d]
+      x = self.token(idx)  # [b, t, d]
+      if position == "learned":
+        x = x + self.position(torch.arange(idx.shape[1], device=idx.device))
       for block in self.blocks:
         x = block(x)
       return self.ln_f(x) @ self.token.weight.T  # [b, t, vocab], tied head
@@ -96,12 +119,19 @@ def torch_gpt(vocab_size: int, num_layers: int, num_heads: int, d_model: int, bl
 
 
 def torch_trainer(model, lr: float, warmup: int, total: int, end_lr: float, weight_decay: float,
-                  betas: tuple[float, float], clip: float):
-  """A train-step closure step(x, y) -> loss for the PyTorch model."""
+                  betas: tuple[float, float], clip: float, decay: str = "matrices"):
+  """A train-step closure step(x, y) -> loss for the PyTorch model.
+
+  decay: "matrices" puts weight decay on parameters with >= 2 dims only, "all" on every one.
+  """
   import torch  # pylint: disable=g-import-not-at-top
   import torch.nn.functional as F  # pylint: disable=g-import-not-at-top
 
-  opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+  params = list(model.parameters())
+  decayed = [p for p in params if p.dim() >= 2 or decay == "all"]
+  kept = [p for p in params if not (p.dim() >= 2 or decay == "all")]
+  opt = torch.optim.AdamW([{"params": decayed, "weight_decay": weight_decay},
+                           {"params": kept, "weight_decay": 0.0}], lr=lr, betas=betas)
 
   def lr_at(step: int) -> float:
     if step < warmup:
@@ -139,7 +169,8 @@ def attnlab_trainer(args):
   import jax  # pylint: disable=g-import-not-at-top
   from attnlab import tasks, train  # pylint: disable=g-import-not-at-top
 
-  arg = f"size={args.size},model.activation={args.activation},implementation={args.implementation}"
+  arg = (f"size={args.size},model.activation={args.activation},model.position={args.position},"
+         f"implementation={args.implementation}")
   if args.data_dir:
     arg += f",data.manual_dir={args.data_dir}"
   config = _load_gpt_config(arg)
@@ -222,10 +253,17 @@ def _jax_worker(conn, args) -> None:
   config, task, run, batches = attnlab_trainer(args)
   run(3)  # compile and warm up
   m = task.model
-  conn.send({"batches": [(b["inputs"], b["targets"]) for b in batches],
-             "vocab": len(task.tokenizer), "layers": m.num_layers, "heads": m.num_heads,
-             "d_model": m.d_model, "block": m.block_size, "batch": config.batch_size,
-             "optimizer": config.optimizer.to_dict(), "num_steps": config.num_train_steps})
+  spec = {"batches": [(b["inputs"], b["targets"]) for b in batches],
+          "vocab": len(task.tokenizer), "layers": m.num_layers, "heads": m.num_heads,
+          "d_model": m.d_model, "block": m.block_size, "position": m.position,
+          "batch": config.batch_size, "optimizer": config.optimizer.to_dict(),
+          "num_steps": config.num_train_steps, "seed": config.seed}
+  if args.twin_steps:
+    iterator = task.train_iterator()  # the batches of an attnlab run with the same seed
+    spec["twin_batches"] = [(b["inputs"], b["targets"])
+                            for b in (next(iterator) for _ in range(args.twin_steps))]
+    spec["val_batches"] = [(b["inputs"], b["targets"], b["weights"]) for b in task.eval_batches()]
+  conn.send(spec)
   while True:
     cmd, value = conn.recv()
     if cmd == "run":
@@ -247,17 +285,37 @@ def _torch_worker(conn, args, spec) -> None:
     os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()  # read when torch loads
   import torch  # pylint: disable=g-import-not-at-top
   opt = spec["optimizer"]
-  model = torch_gpt(spec["vocab"], spec["layers"], spec["heads"], spec["d_model"], spec["block"],
-                    activation=args.activation)
-  step = torch_trainer(model, opt["learning_rate"], opt["warmup_steps"], spec["num_steps"],
-                       opt["end_learning_rate"], opt["weight_decay"], (opt["b1"], opt["b2"]),
-                       opt["grad_clip"])
-  batches = [(torch.from_numpy(x.astype(np.int64)), torch.from_numpy(y.astype(np.int64)))
-             for x, y in spec["batches"]]
+
+  def build():
+    model = torch_gpt(spec["vocab"], spec["layers"], spec["heads"], spec["d_model"],
+                      spec["block"], activation=args.activation, position=spec["position"])
+    step = torch_trainer(model, opt["learning_rate"], opt["warmup_steps"], spec["num_steps"],
+                         opt["end_learning_rate"], opt["weight_decay"], (opt["b1"], opt["b2"]),
+                         opt["grad_clip"], decay=opt.get("decay", "all"))
+    return model, step
+
+  as_long = lambda a: torch.from_numpy(np.asarray(a).astype(np.int64))
+  batches = [(as_long(x), as_long(y)) for x, y in spec["batches"]]
+  model, step = build()
 
   def run(n: int) -> None:
     for x, y in batches[:n]:
       step(x, y)
+
+  def validate() -> float:
+    """Trains a fresh model on spec["twin_batches"]; its token-weighted full validation loss."""
+    import torch.nn.functional as F  # pylint: disable=g-import-not-at-top
+    fresh, fresh_step = build()
+    for x, y in spec["twin_batches"]:
+      fresh_step(as_long(x), as_long(y))
+    total, count = 0.0, 0.0
+    with torch.no_grad():
+      for x, y, w in spec["val_batches"]:
+        logits = fresh(as_long(x))  # [b, t, vocab]
+        losses = F.cross_entropy(logits.transpose(1, 2), as_long(y), reduction="none")  # [b, t]
+        total += float((losses * torch.from_numpy(w)).sum())
+        count += float(w.sum())
+    return total / count
 
   run(3)  # warm up
   conn.send(f"torch {torch.__version__}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY="
@@ -268,6 +326,8 @@ def _torch_worker(conn, args, spec) -> None:
       start = time.perf_counter()
       run(value)
       conn.send(time.perf_counter() - start)
+    elif cmd == "validate":
+      conn.send(validate())
     else:
       conn.send(None)
       return
@@ -282,6 +342,11 @@ def main(argv=None) -> int:
   parser.add_argument("--activation", default="gelu_tanh", choices=["gelu_tanh", "gelu"],
                       help="MLP activation of both models")
   parser.add_argument("--implementation", default="auto", help="attnlab attention implementation")
+  parser.add_argument("--position", default="rotary", choices=["rotary", "learned"],
+                      help="position encoding of both models")
+  parser.add_argument("--twin_steps", type=int, default=0,
+                      help="also train the PyTorch model this many steps on attnlab's batches "
+                      "and print its full validation loss (0: skip)")
   parser.add_argument("--rounds", type=int, default=10, help="alternating timing rounds")
   parser.add_argument("--steps", type=int, default=20, help="train steps per round")
   parser.add_argument("--gen_tokens", type=int, default=500, help="tokens to generate")
@@ -314,6 +379,8 @@ def main(argv=None) -> int:
     workers["pytorch"][0].start()
     print(torch_conn.recv())
 
+  if args.twin_steps and args.skip_torch:
+    parser.error("--twin_steps needs the PyTorch model; drop --skip_torch")
   times: dict[str, list[float]] = {name: [] for name in workers}
   for r in range(args.rounds):
     order = list(workers) if r % 2 == 0 else list(reversed(workers))
@@ -321,18 +388,24 @@ def main(argv=None) -> int:
       conn = workers[name][1]
       conn.send(("run", args.steps))
       times[name].append(conn.recv() / args.steps)
-  print(f"\ntraining, {args.rounds} alternating rounds of {args.steps} steps (median; min-max):")
-  print("| implementation | ms/step | tokens/s |")
-  print("|---|---|---|")
-  for name, ts in times.items():
-    med = statistics.median(ts)
-    print(f"| {name} | {med * 1e3:.1f} ({min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f}) | "
-          f"{tokens_per_step / med:,.0f} |")
-  if "pytorch" in times:
+  if args.rounds:
+    print(f"\ntraining, {args.rounds} alternating rounds of {args.steps} steps (median; min-max):")
+    print("| implementation | ms/step | tokens/s |")
+    print("|---|---|---|")
+    for name, ts in times.items():
+      med = statistics.median(ts)
+      print(f"| {name} | {med * 1e3:.1f} ({min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f}) | "
+            f"{tokens_per_step / med:,.0f} |")
+  if "pytorch" in times and args.rounds:
     ratio = statistics.median(times["pytorch"]) / statistics.median(times["attnlab"])
     per_round = [t / a for a, t in zip(times["attnlab"], times["pytorch"])]
     print(f"speed ratio pytorch/attnlab ms per step: {ratio:.2f} (per round "
           f"{min(per_round):.2f}-{max(per_round):.2f}; > 1 means attnlab is faster)")
+  if args.twin_steps:
+    workers["pytorch"][1].send(("validate", None))
+    print(f"\nPyTorch model after {args.twin_steps} steps on attnlab's seed-{spec['seed']} "
+          f"batches: full validation loss {workers['pytorch'][1].recv():.4f}")
+  if "pytorch" in workers:
     workers["pytorch"][1].send(("stop", None))
     workers["pytorch"][1].recv()
 
