@@ -334,4 +334,4 @@ def test_embeddings_decode_counter_continues_positions():
     parts.append(y)
   np.testing.assert_allclose(jnp.concatenate(parts, axis=1), full, rtol=1e-6)
   with pytest.raises(ValueError, match="valid: learned"):
-    Embeddings(11, 6, 8, position="rotary").init(jax.random.key(0), tokens)
+    Embeddings(11, 6, 8, position="alibi").init(jax.random.key(0), tokens)

@@ -11,6 +11,8 @@ import pytest
 from attnlab import analysis
 from attnlab import config_utils
 from attnlab import main as main_lib
+from attnlab.layers import MultiHeadAttention
+from attnlab.layers import project_kv
 from attnlab.models import transformer as tf
 
 CONFIG = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "transformer.py")
@@ -93,14 +95,14 @@ def test_cached_decoding_equals_uncached(setup):
 
 
 def test_cached_cross_attention_matches_numpy():
-  """The precomputed-memory path of CrossAttention against a NumPy softmax(q k^T / sqrt(d)) v."""
-  layer = tf.CrossAttention(num_heads=2)
+  """MultiHeadAttention on precomputed keys/values against a NumPy softmax(q k^T / sqrt(d)) v."""
+  layer = MultiHeadAttention(num_heads=2)
   rng = np.random.default_rng(0)
   x = rng.normal(size=(1, 3, 8)).astype(np.float32)  # [batch, q_len, d]
   enc = rng.normal(size=(1, 4, 8)).astype(np.float32)  # [batch, src_len, d]
   params = layer.init(jax.random.key(1), x, enc)["params"]
   params = jax.tree.map(lambda a: a + rng.normal(size=a.shape).astype(np.float32) * 0.1, params)
-  memory = tf.project_memory(params, enc, 2)
+  memory = project_kv(params, enc, 2)
   valid = np.array([[True, True, True, False]])
   mask = valid[:, None, None, :]
   out = layer.apply({"params": params}, x, memory, mask=mask)

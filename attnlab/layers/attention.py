@@ -36,6 +36,7 @@ so it runs the reference path.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -76,6 +77,20 @@ def _write_cache(cache: Array, new: Array, index: Array) -> Array:
   def one(c, n, i):
     return jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (0, i, 0))
   return jax.vmap(one)(cache, new, index)
+
+
+def project_kv(params: Mapping[str, Array], inputs_kv: Array, num_heads: int
+               ) -> dict[str, Array]:
+  """Keys/values `[batch, heads, k_len, head_dim]` of `inputs_kv` `[batch, k_len, d_kv]` under
+  one MultiHeadAttention's `params`: pass the result as its `inputs_kv` to skip re-projecting."""
+  out = {}
+  for name in ("key", "value"):
+    kernel = params[f"{name}_kernel"]  # [d_kv, inner]
+    x = matmul(inputs_kv.astype(kernel.dtype), kernel)  # [batch, k_len, inner]
+    if f"{name}_bias" in params:
+      x = x + params[f"{name}_bias"]
+    out[name] = core.split_heads(x, num_heads)  # [batch, heads, k_len, head_dim]
+  return out
 
 
 class MultiHeadAttention(nn.Module):
@@ -129,14 +144,16 @@ class MultiHeadAttention(nn.Module):
         max_len=self.max_len, num_heads=self.num_heads))
 
   @nn.compact
-  def __call__(self, inputs_q: Array, inputs_kv: Array | None = None, *,
+  def __call__(self, inputs_q: Array, inputs_kv: Array | Mapping[str, Array] | None = None, *,
                mask: Array | None = None, deterministic: bool = True, decode: bool = False,
                sow_weights: bool | None = None) -> Array:
     """Attends from `inputs_q` `[batch, q_len, d]` to `inputs_kv` `[batch, k_len, d_kv]`.
 
     Args:
       inputs_q: queries' inputs `[batch, q_len, d]`.
-      inputs_kv: keys'/values' inputs; None = self-attention on inputs_q.
+      inputs_kv: keys'/values' inputs; None = self-attention on inputs_q; or precomputed
+        {"key", "value"} `[batch, heads, k_len, head_dim]` made by `project_kv` from this
+        module's parameters (cross-attention decoding: the encoder side is projected once).
       mask: bool, True = may attend, broadcastable to `[batch, heads, q_len, k_len]`
         (e.g. masks.padding_mask(lengths, k_len) `[batch, 1, 1, k_len]`). In decode mode k_len
         is the cache length max_len.
@@ -154,35 +171,41 @@ class MultiHeadAttention(nn.Module):
     head_dim = inner // self.num_heads
     dtype = self.dtype or jnp.float32
     self_attention = inputs_kv is None
-    kv_dim = d_model if self_attention else inputs_kv.shape[-1]
+    precomputed = isinstance(inputs_kv, Mapping)  # {"key", "value"} from project_kv
+    kv_dim = d_model if self_attention or precomputed else inputs_kv.shape[-1]
 
     # Projections. Self-attention: one [d, 3 * inner] matmul over the concatenated kernels.
-    names = ("query", "key", "value")
-    kernels = [self.param(f"{n}_kernel", self.kernel_init,
-                          (d_model if n == "query" else kv_dim, inner), jnp.float32)
-               for n in names]  # [d, inner] each
-    biases = [self.param(f"{n}_bias", nn.initializers.zeros, (inner,), jnp.float32)
-              if self.use_bias else None for n in names]
+    kernel = lambda n, fan_in: self.param(f"{n}_kernel", self.kernel_init, (fan_in, inner),
+                                          jnp.float32)  # [fan_in, inner]
+    bias = lambda n: self.param(f"{n}_bias", nn.initializers.zeros, (inner,), jnp.float32)
     x_q = inputs_q.astype(dtype)
     if self_attention:
-      w = jnp.concatenate(kernels, axis=-1).astype(dtype)  # [d, 3 * inner]
-      qkv = matmul(x_q, w)  # [batch, q_len, 3 * inner]
+      w = jnp.concatenate([kernel(n, d_model) for n in ("query", "key", "value")], axis=-1)
+      qkv = matmul(x_q, w.astype(dtype))  # [batch, q_len, 3 * inner]
       if self.use_bias:
-        qkv = qkv + jnp.concatenate(biases).astype(dtype)
+        qkv = qkv + jnp.concatenate([bias(n) for n in ("query", "key", "value")]).astype(dtype)
       q, k, v = jnp.split(qkv, 3, axis=-1)  # [batch, len, inner] each
-    else:
-      x_kv = inputs_kv.astype(dtype)
+    else:  # kernels before biases, query first: the parameter creation order fixes their init
+      names = ("query",) if precomputed else ("query", "key", "value")
+      kernels = [kernel(n, d_model if n == "query" else kv_dim) for n in names]  # [., inner]
+      biases = [bias(n) for n in names] if self.use_bias else None
       q = matmul(x_q, kernels[0].astype(dtype))  # [batch, q_len, inner]
-      w_kv = jnp.concatenate(kernels[1:], axis=-1).astype(dtype)  # [d_kv, 2 * inner]
-      kv = matmul(x_kv, w_kv)  # [batch, k_len, 2 * inner]
       if self.use_bias:
         q = q + biases[0].astype(dtype)
-        kv = kv + jnp.concatenate(biases[1:]).astype(dtype)
-      k, v = jnp.split(kv, 2, axis=-1)  # [batch, k_len, inner] each
+      if not precomputed:
+        w_kv = jnp.concatenate(kernels[1:], axis=-1).astype(dtype)  # [d_kv, 2 * inner]
+        kv = matmul(inputs_kv.astype(dtype), w_kv)  # [batch, k_len, 2 * inner]
+        if self.use_bias:
+          kv = kv + jnp.concatenate(biases[1:]).astype(dtype)
+        k, v = jnp.split(kv, 2, axis=-1)  # [batch, k_len, inner] each
 
     qh = core.split_heads(q, self.num_heads)  # [batch, heads, q_len, head_dim]
-    kh = core.split_heads(k, self.num_heads)  # [batch, heads, k_len, head_dim]
-    vh = core.split_heads(v, self.num_heads)  # [batch, heads, k_len, head_dim]
+    if precomputed:
+      kh = inputs_kv["key"].astype(dtype)  # [batch, heads, k_len, head_dim]
+      vh = inputs_kv["value"].astype(dtype)
+    else:
+      kh = core.split_heads(k, self.num_heads)  # [batch, heads, k_len, head_dim]
+      vh = core.split_heads(v, self.num_heads)  # [batch, heads, k_len, head_dim]
     if self.rotary and self_attention:
       positions = jnp.arange(q.shape[1])  # [q_len]
       if decode and self.has_variable("cache", "cache_index"):

@@ -2,7 +2,7 @@
 
   source tokens -> Embeddings -> num_layers encoder TransformerBlocks (self-attention with a
     source padding mask) -> [final LayerNorm] = encoder outputs `[batch, src_len, d]`
-  target tokens -> Embeddings -> num_decoder_layers DecoderBlocks (self-attention with the
+  target tokens -> Embeddings -> num_decoder_layers TransformerBlocks (self-attention with the
     look-ahead mask; cross-attention from the target positions to the encoder outputs with the
     source padding mask) -> [final LayerNorm] -> logits `[batch, tgt_len, tgt_vocab]`
 
@@ -33,7 +33,6 @@ attention_weights` `[batch, heads, q_len, k_len]` (`attention_grids` collects th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -42,17 +41,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnlab import decoding
-from attnlab.attention import core
 from attnlab.attention import masks as masks_lib
 from attnlab.layers import Dense
 from attnlab.layers import Embeddings
-from attnlab.layers import MultiHeadAttention
 from attnlab.layers import NORM_POSITIONS
 from attnlab.layers import POSITIONS
 from attnlab.layers import TransformerBlock
 from attnlab.layers import check_score_and_implementation
 from attnlab.layers import get_activation
-from attnlab.layers import matmul
+from attnlab.layers import project_kv
 
 Array = jax.Array
 
@@ -76,76 +73,6 @@ def size_config(name: str) -> dict[str, int]:
   if name not in SIZES:
     raise ValueError(f"unknown Transformer size {name!r}; valid sizes: {', '.join(SIZES)}")
   return dict(SIZES[name])
-
-
-def _is_memory(x: Any) -> bool:
-  return isinstance(x, Mapping) and "key" in x and "value" in x
-
-
-class CrossAttention(MultiHeadAttention):
-  """MultiHeadAttention that also takes precomputed keys/values of the encoder outputs.
-
-  `inputs_kv` is either the encoder outputs `[batch, src_len, d]` (projected on every call, as in
-  MultiHeadAttention) or a dict {"key", "value"} `[batch, heads, src_len, head_dim]` made once by
-  `project_memory` from the same parameters (decoding). Both give the same numbers.
-  """
-
-  @nn.compact
-  def __call__(self, inputs_q: Array, inputs_kv: Any = None, *, mask: Array | None = None,
-               deterministic: bool = True, decode: bool = False,
-               sow_weights: bool | None = None) -> Array:
-    if not _is_memory(inputs_kv):
-      return super().__call__(inputs_q, inputs_kv, mask=mask, deterministic=deterministic,
-                              decode=decode, sow_weights=sow_weights)
-    check_score_and_implementation(self.score, self.implementation)
-    kh, vh = inputs_kv["key"], inputs_kv["value"]  # [batch, heads, src_len, head_dim]
-    d_model = inputs_q.shape[-1]
-    inner = self.qkv_features or d_model
-    head_dim = inner // self.num_heads
-    dtype = self.dtype or jnp.float32
-    w_q = self.param("query_kernel", self.kernel_init, (d_model, inner), jnp.float32)
-    q = matmul(inputs_q.astype(dtype), w_q.astype(dtype))  # [batch, q_len, inner]
-    if self.use_bias:
-      q = q + self.param("query_bias", nn.initializers.zeros, (inner,), jnp.float32).astype(dtype)
-    qh = core.split_heads(q, self.num_heads)  # [batch, heads, q_len, head_dim]
-    if sow_weights is None:
-      sow_weights = self.is_mutable_collection("intermediates")
-    params = self._score_params(head_dim)
-    implementation = "reference" if sow_weights else self.implementation
-    context, weights = core.attend(qh, kh.astype(dtype), vh.astype(dtype), score=self.score,
-                                   params=params, mask=mask, implementation=implementation,
-                                   return_weights=bool(sow_weights))
-    # context [batch, heads, q_len, head_dim]; weights [batch, heads, q_len, src_len] or None
-    if sow_weights:
-      self.sow("intermediates", "attention_weights", weights)
-    out = core.merge_heads(context.astype(dtype))  # [batch, q_len, inner]
-    return Dense(self.out_features or d_model, use_bias=self.use_bias,
-                 kernel_init=self.out_kernel_init, dtype=dtype, name="out")(out)
-
-
-def project_memory(params: Mapping[str, Any], encoded: Array, num_heads: int) -> dict[str, Array]:
-  """Keys/values `[batch, heads, src_len, head_dim]` of one cross-attention's parameters."""
-  out = {}
-  for name in ("key", "value"):
-    kernel = params[f"{name}_kernel"]  # [d_enc, inner]
-    x = matmul(encoded.astype(kernel.dtype), kernel)  # [batch, src_len, inner]
-    if f"{name}_bias" in params:
-      x = x + params[f"{name}_bias"]
-    out[name] = core.split_heads(x, num_heads)  # [batch, heads, src_len, head_dim]
-  return out
-
-
-class DecoderBlock(TransformerBlock):
-  """TransformerBlock whose cross-attention accepts precomputed encoder keys/values."""
-
-  def _attention(self, name: str, causal: bool) -> MultiHeadAttention:
-    if name != "cross_attention":
-      return super()._attention(name, causal)
-    return CrossAttention(
-        num_heads=self.num_heads, score=self.score, implementation=self.implementation,
-        dropout_rate=self.attention_dropout_rate, use_bias=self.use_bias, causal=False,
-        max_len=self.max_len, kernel_init=self.kernel_init, out_kernel_init=self.out_kernel_init,
-        dtype=self.dtype, name=name)
 
 
 class Transformer(nn.Module):
@@ -217,7 +144,7 @@ class Transformer(nn.Module):
                  activation=self.activation, max_len=self.max_len)
     self.encoder_layers = [TransformerBlock(**block, name=f"encoder_layer_{i}")
                            for i in range(self.num_layers)]
-    self.decoder_layers = [DecoderBlock(**block, causal=True, cross_attention=True,
+    self.decoder_layers = [TransformerBlock(**block, causal=True, cross_attention=True,
                                         name=f"decoder_layer_{i}")
                            for i in range(self.decoder_depth)]
     if self.norm_position == "pre":
@@ -253,7 +180,7 @@ class Transformer(nn.Module):
     """Decoder logits `[batch, tgt_len, tgt_vocab]`.
 
     memory: the encoder outputs `[batch, src_len, d]`, or a list with one {"key", "value"} dict
-      per decoder layer (`project_memory`).
+      per decoder layer (`attnlab.layers.project_kv`).
     decode: feed `tgt` into the self-attention KV cache (needs the "cache" collection mutable).
     """
     y = self.tgt_embed(tgt, deterministic=not train, decode=decode)  # [batch, tgt_len, d]
@@ -295,8 +222,8 @@ class Transformer(nn.Module):
     """The decoding state: cross keys/values per layer, source mask, an empty KV cache."""
     encoded, mask = self.encode_source(src, src_lengths)
     params = self.variables["params"]
-    memory = [project_memory(params[f"decoder_layer_{i}"]["cross_attention"], encoded,
-                             self.num_heads) for i in range(self.decoder_depth)]
+    memory = [project_kv(params[f"decoder_layer_{i}"]["cross_attention"], encoded,
+                         self.num_heads) for i in range(self.decoder_depth)]
     batch = src.shape[0]
     mask = jnp.broadcast_to(mask, (batch, 1, 1, src.shape[1]))  # batch-first leaf for beams
 
