@@ -399,7 +399,7 @@ def from_jsonable(data: Mapping[str, Any]) -> ConfigDict:
 # Fields added to base_config after runs existed: absent from an old config.json, they read as these
 # defaults (so such runs resume without allow_config_change).
 ADDED_DEFAULTS: dict[str, Any] = {"num_seeds": 1, "mesh.data": -1, "mesh.fsdp": 1,
-                                  "mesh.fsdp_min_size": 1024}
+                                  "mesh.fsdp_min_size": 1024, "optimizer.decay": "all"}
 
 
 # Keys that may change when a run resumes: they change where it runs, not what it computes.

@@ -4,6 +4,8 @@ Every function draws with matplotlib's Agg backend (no display needed), returns 
 saves it as PNG when given `path`.
 """
 
+import functools
+import logging
 import pathlib
 from typing import Sequence
 
@@ -12,6 +14,33 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 import numpy as np  # noqa: E402
+
+
+_LOG = logging.getLogger(__name__)
+
+# Fonts with Devanagari glyphs (Marathi labels), in order of preference.
+DEVANAGARI_FONTS = ("Noto Sans Devanagari", "Lohit Devanagari", "Mukta", "Gargi", "Nakula",
+                    "Sahadeva", "Samyak Devanagari", "Annapurna SIL")
+
+
+@functools.lru_cache(maxsize=None)
+def _installed_devanagari_fonts() -> tuple[str, ...]:
+  from matplotlib import font_manager  # pylint: disable=g-import-not-at-top
+  installed = {f.name for f in font_manager.fontManager.ttflist}
+  found = tuple(name for name in DEVANAGARI_FONTS if name in installed)
+  if not found:
+    _LOG.warning("no Devanagari font found for matplotlib: Marathi labels will show as boxes; "
+                 "install one, e.g. `apt-get install fonts-lohit-deva` or Noto Sans Devanagari")
+  return found
+
+
+def font_family(text: str) -> list[str]:
+  """matplotlib font.family for labels containing `text`: with Devanagari fallbacks when it
+  needs them (use as `with matplotlib.rc_context({"font.family": font_family(text)}):`)."""
+  family = list(matplotlib.rcParams["font.family"])
+  if any("\u0900" <= ch <= "\u097f" for ch in text):
+    family = ["DejaVu Sans", *_installed_devanagari_fonts()]
+  return family
 
 
 def _save(fig, path):

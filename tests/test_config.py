@@ -72,6 +72,12 @@ def test_config_diff_lists_changed_keys():
   a = config_utils.load_config_file(NW)
   b = config_utils.load_config_file(f"{NW}:seed=3,allow_config_change=True")
   assert config_utils.config_diff(a, b) == ["seed: 0 -> 3"]
+  # A config.json written before optimizer.decay existed reads as its old behaviour ("all").
+  old = a.to_dict()
+  del old["optimizer"]["decay"]
+  assert config_utils.config_diff(old, a) == []
+  b = config_utils.load_config_file(f"{NW}:optimizer.decay=matrices")
+  assert config_utils.config_diff(old, b) == ["optimizer.decay: 'all' -> 'matrices'"]
 
 
 @pytest.mark.parametrize("flags_, expected", [

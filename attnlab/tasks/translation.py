@@ -29,7 +29,6 @@ when `config.data.length_bins` is set (`exact_match_len_01_05`, ...).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 import logging
 import pathlib
@@ -62,11 +61,6 @@ TOKENIZER_KINDS = ("char", "word", "subword")
 _PUNCT = re.compile(r"([?.!,¿\"“”;:])")
 # Examples drawn for write_plots' heatmaps.
 NUM_PLOTS = 4
-# Fonts with Devanagari glyphs, tried in this order as matplotlib fallbacks (Marathi labels).
-DEVANAGARI_FONTS = ("Noto Sans Devanagari", "Lohit Devanagari", "Mukta", "Gargi", "Nakula",
-                    "Sahadeva", "Samyak Devanagari", "Annapurna SIL")
-
-
 def separate_punctuation(text: str) -> str:
   """Puts spaces around punctuation so that a whitespace word split keeps it apart."""
   return " ".join(_PUNCT.sub(r" \1 ", text).split())
@@ -89,26 +83,6 @@ class Translation:
 
 def _token_label(token: str) -> str:
   return "\u2423" if token == " " else token
-
-
-@functools.lru_cache(maxsize=None)
-def _installed_devanagari_fonts() -> tuple[str, ...]:
-  from matplotlib import font_manager  # pylint: disable=g-import-not-at-top
-  installed = {f.name for f in font_manager.fontManager.ttflist}
-  found = tuple(name for name in DEVANAGARI_FONTS if name in installed)
-  if not found:
-    _LOG.warning("no Devanagari font found for matplotlib: Marathi labels will show as boxes; "
-                 "install one, e.g. `apt-get install fonts-lohit-deva` or Noto Sans Devanagari")
-  return found
-
-
-def _font_family(text: str) -> list[str]:
-  """matplotlib font.family with Devanagari fallbacks when `text` needs them."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  family = list(matplotlib.rcParams["font.family"])
-  if any("\u0900" <= ch <= "\u097f" for ch in text):
-    family = ["DejaVu Sans", *_installed_devanagari_fonts()]
-  return family
 
 
 @register_task("translation")
@@ -451,7 +425,7 @@ class TranslationTask(Task):
     import matplotlib  # pylint: disable=g-import-not-at-top
     from attnlab import plotting  # pylint: disable=g-import-not-at-top  (matplotlib)
     title = title or f"{translation.source} -> {translation.text}"
-    with matplotlib.rc_context({"font.family": _font_family(title)}):
+    with matplotlib.rc_context({"font.family": plotting.font_family(title)}):
       return plotting.attention_heatmap(
           translation.weights, x_labels=[_token_label(t) for t in translation.source_tokens],
           y_labels=[_token_label(t) for t in translation.output_tokens], title=title,

@@ -8,7 +8,8 @@ Models (every run is an ordinary run directory WORKDIR/<task>/<model>/seed_<s>/:
 finished runs are skipped, loadable with attnlab.analysis.load_run):
   rnn          configs/seq2seq.py with --rnn_arg (default: bidirectional GRU + Bahdanau
                attention with the additive score, the seq2seq study's best attention model);
-  transformer  configs/transformer.py with --tf_arg (default size "small", "medium" for Marathi);
+  transformer  configs/transformer.py with TF_MATCHED[task] then --tf_arg (sizes within ~6% of
+               the RNN's parameters: "small"/"medium" with narrower width or wider MLPs);
   rnn_none     (reverse only) the same GRU without attention, for the bottleneck plot.
 Both families read identical data (configs/transformer.py takes its data fields from
 configs/seq2seq.py). --steps > 0 overrides num_train_steps of every run (a reduced study).
@@ -38,11 +39,20 @@ CONFIGS = {"rnn": REPO / "configs" / "seq2seq.py", "rnn_none": REPO / "configs" 
            "transformer": REPO / "configs" / "transformer.py"}
 DEFAULT_RNN = "model.attention=bahdanau,model.score=additive"
 # task -> (headline metric, extra config arg shared by every model of the task).
+# reverse is exactly the bottleneck study's config (experiments/bottleneck), so its GRU runs can
+# be reused (README).
 TASKS = {
     "dates": ("exact_match", "eval_every=250"),
     "marathi": ("bleu", "eval_every=1000"),
     "reverse": ("exact_match", "data.max_len=30,data.length_bins=(5,10,15,20,25,30),"
-                               "eval_every=500"),
+                               "eval_every=1000"),
+}
+# task -> Transformer size (before --tf_arg) within ~6% of the parameters of that task's RNN:
+# dates 126,570 vs GRU 119,346; reverse 55,853 vs 54,513; Marathi 3,752,444 vs 3,984,636.
+TF_MATCHED = {
+    "dates": "model.d_model=56,model.mlp_dim=96",
+    "marathi": "model.mlp_dim=768",
+    "reverse": "model.d_model=36,model.mlp_dim=72",
 }
 # Fraction of the weaker model's final score that defines the common target.
 TARGET_FRACTION = 0.9
@@ -89,6 +99,20 @@ def time_to(curve, target: float) -> tuple[int | None, float]:
   return None, float("nan")
 
 
+def mean_row(task: str, model: str, rs: list[dict], metric: str, target: float) -> str:
+  """Table row of mean ± sample std (ddof=1, as attnlab.sweep) over seeds; time to target over
+  the seeds that reach it."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  ms = lambda xs: f"{np.mean(xs):.{3 if max(xs) <= 1 else 1}f} ± {np.std(xs, ddof=1):.3f}"
+  reached = [time_to(r["curve"], target) for r in rs]
+  reached = [(step, sec) for step, sec in reached if step is not None]
+  to_target = (f"{np.mean([s for s, _ in reached]):.0f} ({len(reached)}/{len(rs)} seeds) | "
+               f"{np.mean([t for _, t in reached]):.0f}" if reached else "not reached | nan")
+  return (f"| {task} | **{model} (mean ± std, {len(rs)} seeds)** | {rs[0]['params']:,} | "
+          f"{rs[0]['steps']} | {metric} {ms([r['final'][metric] for r in rs])} | "
+          f"{np.mean([r['seconds'] for r in rs]):.0f} | {metric} >= {target:.3f} | {to_target} |")
+
+
 def run_one(task: str, model: str, seed: int, workdir: pathlib.Path, args) -> int:
   from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
   parts = [f"task={task}", f"seed={seed}", TASKS[task][1]]
@@ -97,7 +121,7 @@ def run_one(task: str, model: str, seed: int, workdir: pathlib.Path, args) -> in
   elif model == "rnn_none":
     parts.append("model.attention=none")
   else:
-    parts.append(args.tf_arg)
+    parts += [TF_MATCHED[task], args.tf_arg]
   if args.steps:
     parts.append(f"num_train_steps={args.steps}")
   if args.extra:
@@ -118,7 +142,8 @@ def plot_by_length(results: dict, path: pathlib.Path) -> None:
     bins = sorted({k for r in per_seed for k in r["final"] if k.startswith("exact_match_len_")})
     mids = [np.mean([int(x) for x in k.rsplit("_", 2)[1:]]) for k in bins]
     values = np.array([[r["final"][k] for k in bins] for r in per_seed])  # [seeds, bins]
-    ax.errorbar(mids, values.mean(0), yerr=values.std(0), marker="o", capsize=3, label=model)
+    std = values.std(0, ddof=1) if len(values) > 1 else np.zeros(len(bins))  # sample std, seeds
+    ax.errorbar(mids, values.mean(0), yerr=std, marker="o", capsize=3, label=model)
   ax.set_xlabel("source length (symbols, bin centre)")
   ax.set_ylabel("exact match")
   ax.set_title("reverse: accuracy against length")
@@ -131,6 +156,7 @@ def plot_by_length(results: dict, path: pathlib.Path) -> None:
 
 def heatmaps(run_dir: str, sentence: str | None, out_dir: pathlib.Path) -> None:
   """Cross-attention and encoder self-attention grids (layers x heads) of one sentence pair."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from attnlab import analysis  # pylint: disable=g-import-not-at-top
   from attnlab import plotting  # pylint: disable=g-import-not-at-top
@@ -149,12 +175,15 @@ def heatmaps(run_dir: str, sentence: str | None, out_dir: pathlib.Path) -> None:
   src_labels = [label(s) for s in t.source_tokens]
   out_labels = [label(s) for s in t.output_tokens]
   out_dir.mkdir(parents=True, exist_ok=True)
-  plotting.attention_grid(grids["cross"][:, 0], x_labels=src_labels, y_labels=out_labels,
-                          title=f"cross-attention: {sentence} -> {t.text}",
-                          path=out_dir / "cross_attention.png")
-  plotting.attention_grid(grids["encoder_self"][:, 0], x_labels=src_labels, y_labels=src_labels,
-                          title=f"encoder self-attention: {sentence}",
-                          path=out_dir / "encoder_self_attention.png")
+  # Devanagari labels (Marathi) need a font that has them.
+  family = plotting.font_family(t.text)
+  with matplotlib.rc_context({"font.family": family}):
+    plotting.attention_grid(grids["cross"][:, 0], x_labels=src_labels, y_labels=out_labels,
+                            title=f"cross-attention: {sentence} -> {t.text}",
+                            path=out_dir / "cross_attention.png")
+    plotting.attention_grid(grids["encoder_self"][:, 0], x_labels=src_labels,
+                            y_labels=src_labels, title=f"encoder self-attention: {sentence}",
+                            path=out_dir / "encoder_self_attention.png")
   print(f"{sentence!r} -> {t.text!r}; grids in {out_dir}")
 
 
@@ -199,7 +228,10 @@ def main(argv=None) -> int:
               if m != "rnn_none"}
     target = TARGET_FRACTION * min(finals.values())
     for model in models:
-      for seed, r in zip(seeds, results[model]):
+      rs = results[model]
+      if len(rs) > 1:
+        lines.append(mean_row(task, model, rs, metric, target))
+      for seed, r in zip(seeds, rs):
         step, sec = time_to(r["curve"], target)
         lines.append(f"| {task} | {model} (seed {seed}) | {r['params']:,} | {r['steps']} | "
                      f"{metric} {r['final'][metric]:.3f} | {r['seconds']:.0f} | "
