@@ -94,7 +94,7 @@ def get_config(arg: str | None = None):
   config.model.score = "scaled_dot"
   # attend() implementation: auto, reference, xla, blocked (the last two for dot/scaled_dot only).
   config.model.implementation = "auto"
-  # Position encoding: sinusoidal or learned.
+  # Position encoding: sinusoidal, learned or rotary (queries and keys rotated in self-attention).
   config.model.position = "sinusoidal"
   # none | target (target table = output layer) | all (one table for source, target and output).
   config.model.share_embeddings = "none"

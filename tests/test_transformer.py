@@ -94,6 +94,26 @@ def test_cached_decoding_equals_uncached(setup):
     tf.greedy_decode(model, params, src, src_len, start_id=START, end_id=END, max_len=11)
 
 
+def test_rotary_transformer_cached_decoding_equals_uncached():
+  model = tf.Transformer(src_vocab_size=SRC_VOCAB, tgt_vocab_size=TGT_VOCAB, num_layers=1,
+                         num_heads=2, d_model=16, mlp_dim=32, max_len=10, position="rotary")
+  src = jnp.array([[3, 4, 5, 6, 0, 0], [7, 8, 9, 10, 3, 4]], jnp.int32)  # [2, 6]
+  src_len = jnp.array([4, 6], jnp.int32)
+  tgt = jnp.array([[START, 5, 6, 7, 8]] * 2, jnp.int32)  # [2, 5]
+  params = jax.jit(model.init)(jax.random.key(3), src, src_len, tgt)["params"]
+  assert "position" not in params["src_embed"]  # no table: queries and keys are rotated
+  rng = np.random.default_rng(3)  # larger weights than the init's: peaked attention
+  params = jax.tree.map(lambda a: a + 0.3 * rng.normal(size=a.shape).astype(np.float32), params)
+  logits, _ = model.apply({"params": params}, src, src_len, tgt)
+  swapped, _ = model.apply({"params": params}, src, src_len, tgt[:, [0, 2, 1, 3, 4]])
+  assert np.abs(np.asarray(swapped[:, 3:]) - np.asarray(logits[:, 3:])).max() > 1e-4  # order counts
+  decode = lambda cache: tf.greedy_decode(model, params, src, src_len, start_id=START,
+                                          end_id=END, max_len=8, use_cache=cache)
+  cached, uncached = decode(True), decode(False)
+  np.testing.assert_array_equal(cached.tokens, uncached.tokens)
+  np.testing.assert_allclose(cached.scores, uncached.scores, atol=1e-4)
+
+
 def test_cached_cross_attention_matches_numpy():
   """MultiHeadAttention on precomputed keys/values against a NumPy softmax(q k^T / sqrt(d)) v."""
   layer = MultiHeadAttention(num_heads=2)

@@ -8,7 +8,9 @@
 
 The blocks are `attnlab.layers.TransformerBlock` (pre-LN by default, post-LN as in Vaswani et al.
 with `norm_position="post"`), so every score function of `attnlab.attention.scores` and every
-`attend` implementation is available by name. Positions are sinusoidal (default) or learned.
+`attend` implementation is available by name. Positions are sinusoidal (default), learned, or
+rotary (queries and keys of the encoder and decoder self-attentions rotated; cross-attention
+then compares content only).
 `share_embeddings`: "none" (separate source/target tables and output layer), "target" (the target
 table is also the output layer, logits scaled by d_model ** -0.5) or "all" (one table of
 max(src_vocab, tgt_vocab) rows for source, target and output: meaningful when both sides use the
@@ -114,7 +116,7 @@ class Transformer(nn.Module):
 
   def setup(self):
     if self.position not in POSITIONS or self.position == "none":
-      raise ValueError(f"unknown position {self.position!r}; valid: sinusoidal, learned")
+      raise ValueError(f"unknown position {self.position!r}; valid: sinusoidal, learned, rotary")
     if self.share_embeddings not in SHARE_EMBEDDINGS:
       raise ValueError(f"unknown share_embeddings {self.share_embeddings!r}; valid: "
                        f"{', '.join(SHARE_EMBEDDINGS)}")
@@ -141,7 +143,8 @@ class Transformer(nn.Module):
     block = dict(num_heads=self.num_heads, mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
                  attention_dropout_rate=self.attention_dropout_rate, score=self.score,
                  implementation=self.implementation, norm_position=self.norm_position,
-                 activation=self.activation, max_len=self.max_len)
+                 activation=self.activation, max_len=self.max_len,
+                 rotary=self.position == "rotary")
     self.encoder_layers = [TransformerBlock(**block, name=f"encoder_layer_{i}")
                            for i in range(self.num_layers)]
     self.decoder_layers = [TransformerBlock(**block, causal=True, cross_attention=True,
