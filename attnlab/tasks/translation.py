@@ -61,6 +61,8 @@ TOKENIZER_KINDS = ("char", "word", "subword")
 _PUNCT = re.compile(r"([?.!,¿\"“”;:])")
 # Examples drawn for write_plots' heatmaps.
 NUM_PLOTS = 4
+
+
 def separate_punctuation(text: str) -> str:
   """Puts spaces around punctuation so that a whitespace word split keeps it apart."""
   return " ".join(_PUNCT.sub(r" \1 ", text).split())
