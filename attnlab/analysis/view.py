@@ -1,0 +1,643 @@
+"""One self-contained HTML page to explore a Capture: head view, heatmaps, per-head metrics.
+
+  from attnlab.analysis import view
+  html = view.render_html(capture, metrics=rows, title="dates, step 4000")
+  view.write_html("runs/dates/view.html", capture, metrics=rows)
+
+The page needs nothing but a browser: its script, style and data are inline (no CDN, no network
+at view time). It shows
+  * a layer picker (grouped: encoder self / decoder self / causal / cross-attention) and a head
+    picker (each head, or the mean of all heads; the left/right arrow keys step through heads);
+  * the line view: query tokens on the left, key tokens on the right, one line per (query, key)
+    pair with opacity = weight; hovering a token keeps its lines and dims the others;
+  * the heatmap, queries down and keys across (for cross-attention: the alignment, target down and
+    source across), with a tooltip giving query token, key token and weight;
+  * the per-head metrics table (`metrics`, e.g. analysis.metrics.head_table(capture)), sortable by
+    any column; the rows of the selected layer and head are highlighted, and a click on a row
+    selects that layer and head.
+
+Weights are stored as integers in units of 10**-decimals (4 decimals; 3 or 2 when a page would pass
+PAGE_BUDGET = 1 MiB): 4 layers of 4 heads over 64 tokens make a page of about 180 KiB. The page exposes `window.attnView`
+(current selection, `select(layer, head)`, `weight(q, k)`, `colour(w)`) for scripting and tests.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+import pathlib
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["PAGE_BUDGET", "page_data", "render_html", "write_html"]
+
+# Pages over this many bytes store their weights with fewer decimals (render_html, decimals=None).
+PAGE_BUDGET = 1 << 20
+
+# Names of layer groups in the picker, in the order they appear.
+_GROUP_ORDER = ("encoder self-attention", "decoder self-attention", "self-attention",
+                "causal self-attention", "cross-attention")
+
+
+def _group(kind: str, sides: tuple[str, str]) -> str:
+  """The picker group of a layer from its kind and its (query, key) sides."""
+  if kind == "cross":
+    return "cross-attention"
+  if sides == ("source", "source"):
+    return "encoder self-attention"
+  if sides == ("target", "target"):
+    return "decoder self-attention"
+  return "causal self-attention" if kind == "causal" else "self-attention"
+
+
+def _jsonable(value: Any) -> Any:
+  """Metrics cells as JSON values: numpy scalars to Python, NaN/inf to None."""
+  if isinstance(value, np.generic):
+    value = value.item()
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  if isinstance(value, (str, int, float, bool)) or value is None:
+    return value
+  return str(value)
+
+
+def page_data(capture, metrics: Sequence[Mapping[str, Any]] | None = None, title: str = "",
+              decimals: int = 4) -> dict[str, Any]:
+  """The JSON document the page renders (weights as integers in units of 10**-decimals).
+
+  Raises:
+    ValueError: a layer's weights are not [heads, q_len, k_len] or do not match its sides' tokens.
+  """
+  tokens = {side: [str(t) for t in toks] for side, toks in capture.tokens.items()}
+  scale = 10 ** decimals
+  layers = []
+  for path, weights in capture.weights.items():
+    weights = np.asarray(weights, np.float64)
+    if weights.ndim != 3:
+      raise ValueError(f"attention weights of {path!r} must be [heads, q_len, k_len] for one "
+                       f"example, got shape {weights.shape}")
+    q_side, k_side = capture.sides.get(path, (next(iter(tokens), "tokens"),) * 2)
+    for side, length in ((q_side, weights.shape[1]), (k_side, weights.shape[2])):
+      if side not in tokens:
+        raise ValueError(f"layer {path!r} attends over side {side!r}, which has no tokens "
+                         f"(sides with tokens: {', '.join(tokens) or 'none'})")
+      if len(tokens[side]) != length:
+        raise ValueError(f"layer {path!r}: {length} {side} positions in the weights but "
+                         f"{len(tokens[side])} {side} tokens")
+    kind = capture.kind.get(path, "self")
+    ints = np.rint(np.nan_to_num(weights, nan=0.0, posinf=0.0, neginf=0.0) * scale).astype(np.int64)
+    layers.append({
+        "path": path, "kind": kind, "group": _group(kind, (q_side, k_side)),
+        "q_side": q_side, "k_side": k_side,
+        "heads": int(weights.shape[0]), "q_len": int(weights.shape[1]),
+        "k_len": int(weights.shape[2]),
+        # [heads][q_len * k_len], row-major: weight(q, k) = w[h][q * k_len + k] / scale.
+        "w": ints.reshape(ints.shape[0], -1).tolist(),
+    })
+  # Stable order: groups as in _GROUP_ORDER, layers in capture order inside a group.
+  layers.sort(key=lambda l: _GROUP_ORDER.index(l["group"]))
+  rows = [{str(k): _jsonable(v) for k, v in row.items()} for row in (metrics or [])]
+  return {"title": title, "tokens": tokens, "scale": scale, "layers": layers, "metrics": rows}
+
+
+def _script_json(data: Any) -> str:
+  """JSON safe inside <script>: no '<', '>', '&' or line separators appear literally."""
+  text = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+  for char, escape in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"),
+                       ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+    text = text.replace(char, escape)
+  return text
+
+
+def render_html(capture, metrics: Sequence[Mapping[str, Any]] | None = None, title: str = "",
+                decimals: int | None = None) -> str:
+  """The page for `capture` (an analysis.capture.Capture) as one HTML string.
+
+  Args:
+    capture: tokens, weights [heads, q_len, k_len] per layer path, sides and kind per path.
+    metrics: rows of the per-head metrics table (analysis.metrics.head_table(capture)); each row
+      names its layer path ("layer" or "path") and "head"; None or [] leaves the table out.
+    title: shown as the page heading and window title.
+    decimals: weights are rounded to this many decimals; None: 4, or 3 or 2 where that is what
+      keeps the page under PAGE_BUDGET bytes (long texts through many layers and heads).
+  Raises:
+    ValueError: the capture holds no attention layer, or weights that do not fit its tokens.
+  """
+  for places in ([decimals] if decimals is not None else [4, 3, 2]):
+    data = page_data(capture, metrics, title, places)
+    if not data["layers"]:
+      raise ValueError("the capture holds no attention layers; nothing to view")
+    parts = {"TITLE": html.escape(title or "attention"), "STYLE": _STYLE, "SCRIPT": _SCRIPT,
+             "DATA": _script_json(data)}
+    # One pass, so that text put in (a title, a token) is never itself searched for a slot.
+    page = re.sub(r"%(TITLE|STYLE|SCRIPT|DATA)%", lambda m: parts[m.group(1)], _TEMPLATE)
+    if len(page.encode("utf-8")) <= PAGE_BUDGET:
+      break
+  return page
+
+
+def write_html(path: str | os.PathLike, capture,
+               metrics: Sequence[Mapping[str, Any]] | None = None, title: str = "",
+               decimals: int | None = None) -> pathlib.Path:
+  """Writes render_html(...) to `path` (parent folders created); returns the path."""
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(render_html(capture, metrics, title, decimals), encoding="utf-8")
+  return path
+
+
+_TEMPLATE = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>%TITLE% · attnlab</title>
+<style>%STYLE%</style>
+</head>
+<body>
+<header>
+  <div class="brand">attnlab · attention viewer</div>
+  <h1 id="title">%TITLE%</h1>
+  <div id="summary" class="muted"></div>
+</header>
+<section class="card controls">
+  <label class="field">Layer <select id="layer-select" aria-label="layer"></select></label>
+  <div class="field">Head <div id="head-picker" role="group" aria-label="head"></div></div>
+  <div id="layer-info" class="muted"></div>
+</section>
+<main class="views">
+  <section class="card" id="lines-card">
+    <h2>Token to token <span class="hint">hover a token to follow its attention</span></h2>
+    <div class="scroll"><svg id="lines" xmlns="http://www.w3.org/2000/svg"></svg></div>
+  </section>
+  <section class="card" id="heatmap-card">
+    <h2 id="heatmap-title">Heatmap</h2>
+    <div class="scroll"><div id="heatwrap">
+      <canvas id="heatmap"></canvas><div id="cellmark"></div>
+    </div></div>
+    <div class="legend"><span>0</span><div class="ramp"></div><span>1</span></div>
+    <div id="tooltip" role="tooltip"></div>
+  </section>
+</main>
+<section class="card" id="metrics-card">
+  <h2>Per-head metrics <span class="hint">click a column to sort, a row to select its head</span></h2>
+  <div class="scroll"><table id="metrics"></table></div>
+</section>
+<footer class="muted">Self-contained page written by attnlab (attnlab view); no network needed.</footer>
+<script type="application/json" id="attn-data">%DATA%</script>
+<script>%SCRIPT%</script>
+</body>
+</html>
+"""
+
+_STYLE = """
+:root { --bg:#f6f7f9; --card:#fff; --ink:#1d232b; --muted:#6b7480; --line:#e3e6ea;
+  --accent:#2f6fde; --hl:#fff4cc; --hl2:#ffe08a;
+  font-family: system-ui, -apple-system, "Segoe UI", Roboto, "Noto Sans", sans-serif; }
+* { box-sizing: border-box; }
+body { margin:0; padding:20px 28px 40px; background:var(--bg); color:var(--ink); font-size:14px; }
+header { margin-bottom:14px; }
+.brand { font-size:12px; letter-spacing:.08em; text-transform:uppercase; color:var(--accent);
+  font-weight:600; }
+h1 { margin:4px 0 2px; font-size:22px; font-weight:600; }
+h2 { margin:0 0 10px; font-size:15px; font-weight:600; }
+.hint { font-weight:400; font-size:12px; color:var(--muted); margin-left:8px; }
+.muted { color:var(--muted); }
+.card { background:var(--card); border:1px solid var(--line); border-radius:10px;
+  padding:14px 16px; box-shadow:0 1px 2px rgba(16,24,40,.05); margin-bottom:16px; }
+.controls { display:flex; flex-wrap:wrap; align-items:center; gap:14px 28px; }
+.field { display:flex; align-items:center; gap:8px; font-weight:600; }
+select { font:inherit; padding:5px 8px; border:1px solid #c9ced6; border-radius:6px;
+  background:#fff; min-width:260px; }
+#head-picker { display:flex; flex-wrap:wrap; gap:4px; }
+#head-picker button { font:inherit; font-size:13px; min-width:30px; height:28px; padding:0 8px;
+  border-radius:6px; border:1px solid #c9ced6; background:#fff; cursor:pointer; font-weight:500;
+  display:inline-flex; align-items:center; gap:5px; }
+#head-picker button .sw { width:9px; height:9px; border-radius:2px; display:inline-block; }
+#head-picker button.on { background:var(--ink); color:#fff; border-color:var(--ink); }
+#layer-info { font-size:13px; }
+.views { display:flex; flex-wrap:wrap; gap:16px; align-items:flex-start; }
+.views .card { margin-bottom:0; flex:1 1 420px; min-width:0; }
+.views { margin-bottom:16px; }
+.scroll { overflow:auto; max-height:78vh; }
+#lines text { font-size:13px; dominant-baseline:middle; cursor:default; user-select:none; }
+#lines .tok rect { fill-opacity:0; }
+#lines .tok:hover text, #lines .tok.on text { font-weight:700; }
+#lines .weight { font-size:10px; fill:var(--muted); }
+#lines line { stroke-linecap:round; transition:opacity .08s; }
+#lines.focusing line { opacity:.04; }
+#lines.focusing line.on { opacity:1; }
+#heatwrap { position:relative; display:inline-block; }
+#heatmap { display:block; }
+#cellmark { position:absolute; pointer-events:none; border:2px solid #e4572e; display:none;
+  border-radius:2px; }
+#tooltip { position:fixed; pointer-events:none; display:none; background:rgba(29,35,43,.94);
+  color:#fff; padding:6px 9px; border-radius:6px; font-size:12.5px; z-index:10;
+  white-space:nowrap; box-shadow:0 2px 8px rgba(0,0,0,.2); }
+#tooltip b { color:#ffd479; }
+.legend { display:flex; align-items:center; gap:8px; margin-top:10px; font-size:12px;
+  color:var(--muted); }
+.legend .ramp { width:180px; height:10px; border-radius:3px; border:1px solid var(--line); }
+table { border-collapse:collapse; width:100%; font-size:13px; font-variant-numeric:tabular-nums; }
+th, td { padding:5px 10px; border-bottom:1px solid var(--line); text-align:right;
+  white-space:nowrap; }
+th:first-child, td:first-child { text-align:left; }
+th { position:sticky; top:0; background:#fafbfc; cursor:pointer; user-select:none;
+  font-weight:600; }
+th.sorted::after { content:" \\25B2"; font-size:10px; color:var(--accent); }
+th.sorted.desc::after { content:" \\25BC"; }
+tbody tr { cursor:pointer; }
+tbody tr:hover { background:#f1f4f9; }
+tr.layer-on { background:var(--hl); }
+tr.layer-on.head-on { background:var(--hl2); font-weight:600; }
+td.bar { background-repeat:no-repeat; background-position:right center; }
+footer { font-size:12px; margin-top:8px; }
+"""
+
+_SCRIPT = r"""
+(function () {
+  "use strict";
+  var DATA = JSON.parse(document.getElementById("attn-data").textContent);
+  var SCALE = DATA.scale;
+  var HEAD_COLOURS = ["#2f6fde", "#e4572e", "#17a398", "#f2a541", "#8e5bd6", "#d64b8a",
+    "#5d9b2f", "#3c4e66", "#c7852b", "#1f9bd1", "#a23b52", "#6c8a1f"];
+  var ROW = 20;            // line view: pixels per token
+  var GAP = 150;           // line view: pixels between the two token columns
+  var state = { layer: 0, head: -1, sortKey: null, sortDesc: false };
+  var lineEls = [], byQ = [], byK = [], tokEls = { q: [], k: [] }, cur = null;
+
+  function el(tag, attrs, parent, ns) {
+    var e = ns ? document.createElementNS("http://www.w3.org/2000/svg", tag)
+               : document.createElement(tag);
+    for (var a in attrs) { if (attrs.hasOwnProperty(a)) e.setAttribute(a, attrs[a]); }
+    if (parent) parent.appendChild(e);
+    return e;
+  }
+  function headColour(h) { return h < 0 ? "#3c4e66" : HEAD_COLOURS[h % HEAD_COLOURS.length]; }
+  function shown(tok) {   // whitespace made visible
+    return tok.replace(/ /g, "\u2423").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5") || "\u2205";
+  }
+  function fmt(w) { return w.toFixed(4); }
+
+  // The weights [q_len * k_len] of the selection: one head, or the mean of all heads.
+  function currentWeights() {
+    var L = DATA.layers[state.layer], n = L.q_len * L.k_len, out = new Float64Array(n), h, i;
+    if (state.head >= 0) {
+      var w = L.w[state.head];
+      for (i = 0; i < n; i++) out[i] = w[i] / SCALE;
+    } else {
+      for (h = 0; h < L.heads; h++) { for (i = 0; i < n; i++) out[i] += L.w[h][i]; }
+      for (i = 0; i < n; i++) out[i] /= SCALE * L.heads;
+    }
+    return out;
+  }
+
+  // Colour ramp of the heatmap: white -> pale blue -> deep blue -> near black.
+  var STOPS = [[0, [255, 255, 255]], [0.25, [198, 219, 239]], [0.6, [66, 146, 198]],
+               [1, [8, 38, 96]]];
+  function colour(w) {
+    w = Math.max(0, Math.min(1, w));
+    for (var i = 1; i < STOPS.length; i++) {
+      if (w <= STOPS[i][0]) {
+        var a = STOPS[i - 1], b = STOPS[i], t = (w - a[0]) / (b[0] - a[0]);
+        return [0, 1, 2].map(function (c) { return Math.round(a[1][c] + t * (b[1][c] - a[1][c])); });
+      }
+    }
+    return STOPS[STOPS.length - 1][1];
+  }
+  function rgb(c) { return "rgb(" + c[0] + "," + c[1] + "," + c[2] + ")"; }
+
+  var measureCtx = document.createElement("canvas").getContext("2d");
+  function textWidth(s, font) { measureCtx.font = font; return measureCtx.measureText(s).width; }
+  var FONT = "13px system-ui, -apple-system, 'Segoe UI', Roboto, 'Noto Sans', sans-serif";
+  var SMALL = "11px system-ui, -apple-system, 'Segoe UI', Roboto, 'Noto Sans', sans-serif";
+
+  // ---- pickers ------------------------------------------------------------------------------
+  function buildLayerPicker() {
+    var sel = document.getElementById("layer-select"), groups = {};
+    DATA.layers.forEach(function (L, i) {
+      var g = groups[L.group];
+      if (!g) { g = groups[L.group] = el("optgroup", { label: L.group }, sel); }
+      var o = el("option", { value: String(i) }, g);
+      o.textContent = L.path + "  (" + L.heads + (L.heads === 1 ? " head)" : " heads)");
+    });
+    sel.addEventListener("change", function () { select(+sel.value, state.head); });
+  }
+  function buildHeadPicker() {
+    var box = document.getElementById("head-picker"), L = DATA.layers[state.layer];
+    box.textContent = "";
+    var all = el("button", { type: "button", "data-head": "-1", title: "mean of all heads" }, box);
+    all.textContent = "all";
+    for (var h = 0; h < L.heads; h++) {
+      var b = el("button", { type: "button", "data-head": String(h), title: "head " + h }, box);
+      el("span", { "class": "sw", style: "background:" + headColour(h) }, b);
+      b.appendChild(document.createTextNode(String(h)));
+    }
+    Array.prototype.forEach.call(box.children, function (b) {
+      b.addEventListener("click", function () { select(state.layer, +b.getAttribute("data-head")); });
+      if (+b.getAttribute("data-head") === state.head) b.className = "on";
+    });
+  }
+
+  // ---- line view ----------------------------------------------------------------------------
+  function drawLines(W) {
+    var L = DATA.layers[state.layer], svg = document.getElementById("lines");
+    var qt = DATA.tokens[L.q_side], kt = DATA.tokens[L.k_side];
+    while (svg.firstChild) svg.removeChild(svg.firstChild);
+    svg.setAttribute("class", "");
+    var qw = 0, kw = 0, i;
+    for (i = 0; i < qt.length; i++) qw = Math.max(qw, textWidth(shown(qt[i]), "bold " + FONT));
+    for (i = 0; i < kt.length; i++) kw = Math.max(kw, textWidth(shown(kt[i]), "bold " + FONT));
+    qw = Math.max(qw, textWidth(L.q_side + " (query)", SMALL) - 36);
+    var pad = 8, xq = pad + 36 + qw + 6, xk = xq + GAP, wlab = 40;
+    var width = xk + 6 + kw + wlab + pad, top = 26;
+    var height = top + Math.max(qt.length, kt.length) * ROW + 8;
+    svg.setAttribute("width", width); svg.setAttribute("height", height);
+    svg.setAttribute("viewBox", "0 0 " + width + " " + height);
+    var hq = el("text", { x: xq, y: 10, "text-anchor": "end", "class": "weight" }, svg, true);
+    hq.textContent = L.q_side + " (query)";
+    var hk = el("text", { x: xk, y: 10, "class": "weight" }, svg, true);
+    hk.textContent = L.k_side + " (key)";
+    var colour = headColour(state.head), lines = el("g", {}, svg, true);
+    lineEls = []; byQ = []; byK = [];
+    for (i = 0; i < qt.length; i++) byQ.push([]);
+    for (i = 0; i < kt.length; i++) byK.push([]);
+    for (var q = 0; q < L.q_len; q++) {
+      for (var k = 0; k < L.k_len; k++) {
+        var w = W[q * L.k_len + k];
+        if (w <= 0) continue;
+        var ln = el("line", { x1: xq + 4, y1: top + q * ROW + ROW / 2, x2: xk - 4,
+          y2: top + k * ROW + ROW / 2, stroke: colour, "stroke-width": 2,
+          "stroke-opacity": w.toFixed(4), "data-q": q, "data-k": k }, lines, true);
+        lineEls.push(ln); byQ[q].push(ln); byK[k].push(ln);
+      }
+    }
+    tokEls = { q: [], k: [] };
+    function column(toks, side, x, anchor) {
+      toks.forEach(function (t, j) {
+        var g = el("g", { "class": "tok " + side, "data-side": side, "data-index": j }, svg, true);
+        var tw = textWidth(shown(t), "bold " + FONT) + 8;
+        el("rect", { x: anchor === "end" ? x - tw + 2 : x - 4, y: top + j * ROW + 1, width: tw,
+          height: ROW - 2, rx: 3, fill: colour }, g, true);
+        var tx = el("text", { x: x, y: top + j * ROW + ROW / 2, "text-anchor": anchor }, g, true);
+        tx.textContent = shown(t);
+        var title = el("title", {}, g, true);
+        title.textContent = side === "q" ? L.q_side + "[" + j + "] " + JSON.stringify(t)
+                                         : L.k_side + "[" + j + "] " + JSON.stringify(t);
+        var lab = null;
+        if (side === "k") {
+          lab = el("text", { x: x + tw, y: top + j * ROW + ROW / 2, "class": "weight" }, g, true);
+        } else {
+          lab = el("text", { x: x - tw - 2, y: top + j * ROW + ROW / 2, "class": "weight",
+            "text-anchor": "end" }, g, true);
+        }
+        tokEls[side].push({ g: g, rect: g.firstChild, label: lab });
+        g.addEventListener("mouseenter", function () { focus(side, j); });
+        g.addEventListener("mouseleave", function () { focus(null); });
+      });
+    }
+    column(qt, "q", xq, "end");
+    column(kt, "k", xk, "start");
+  }
+
+  // Highlight the lines of query (side "q") or key (side "k") token j; focus(null) clears.
+  function focus(side, j) {
+    var svg = document.getElementById("lines"), L = DATA.layers[state.layer], i;
+    lineEls.forEach(function (ln) { ln.classList.remove("on"); });
+    ["q", "k"].forEach(function (s) {
+      tokEls[s].forEach(function (t) {
+        t.g.classList.remove("on"); t.rect.style.fillOpacity = ""; t.label.textContent = "";
+      });
+    });
+    if (side === null || side === undefined) { svg.setAttribute("class", ""); return; }
+    svg.setAttribute("class", "focusing");
+    (side === "q" ? byQ[j] : byK[j]).forEach(function (ln) { ln.classList.add("on"); });
+    tokEls[side][j].g.classList.add("on");
+    tokEls[side][j].rect.style.fillOpacity = "0.25";
+    var other = side === "q" ? "k" : "q", n = side === "q" ? L.k_len : L.q_len;
+    for (i = 0; i < n; i++) {
+      var w = side === "q" ? cur[j * L.k_len + i] : cur[i * L.k_len + j];
+      var t = tokEls[other][i];
+      t.rect.style.fillOpacity = (0.85 * w).toFixed(3);
+      if (w >= 0.005) t.label.textContent = w.toFixed(2);
+    }
+  }
+
+  // ---- heatmap ------------------------------------------------------------------------------
+  var heat = null;   // geometry of the drawn heatmap
+  function drawHeatmap(W) {
+    var L = DATA.layers[state.layer], qt = DATA.tokens[L.q_side], kt = DATA.tokens[L.k_side];
+    var n = Math.max(L.q_len, L.k_len);
+    var cell = Math.max(3, Math.min(30, Math.floor(560 / n)));
+    var every = Math.max(1, Math.ceil(12 / cell)), font = cell >= 14 ? FONT : SMALL, i;
+    var lw = 0, tw = 0;
+    for (i = 0; i < qt.length; i += every) lw = Math.max(lw, textWidth(shown(qt[i]), font));
+    for (i = 0; i < kt.length; i += every) tw = Math.max(tw, textWidth(shown(kt[i]), font));
+    var left = Math.ceil(lw) + 12, top = Math.ceil(tw) + 12;
+    var width = left + L.k_len * cell + 4, height = top + L.q_len * cell + 4;
+    var canvas = document.getElementById("heatmap"), dpr = window.devicePixelRatio || 1;
+    canvas.width = Math.round(width * dpr); canvas.height = Math.round(height * dpr);
+    canvas.style.width = width + "px"; canvas.style.height = height + "px";
+    canvas.setAttribute("data-layer", L.path); canvas.setAttribute("data-head", state.head);
+    var ctx = canvas.getContext("2d");
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    ctx.clearRect(0, 0, width, height);
+    for (var q = 0; q < L.q_len; q++) {
+      for (var k = 0; k < L.k_len; k++) {
+        ctx.fillStyle = rgb(colour(W[q * L.k_len + k]));
+        ctx.fillRect(left + k * cell, top + q * cell, cell, cell);
+      }
+    }
+    ctx.strokeStyle = "#c9ced6"; ctx.lineWidth = 1;
+    ctx.strokeRect(left - 0.5, top - 0.5, L.k_len * cell + 1, L.q_len * cell + 1);
+    ctx.fillStyle = "#1d232b"; ctx.font = font; ctx.textBaseline = "middle";
+    ctx.textAlign = "right";
+    for (i = 0; i < qt.length; i += every) ctx.fillText(shown(qt[i]), left - 6, top + (i + 0.5) * cell);
+    ctx.save(); ctx.textAlign = "left";
+    for (i = 0; i < kt.length; i += every) {
+      ctx.save(); ctx.translate(left + (i + 0.5) * cell, top - 6); ctx.rotate(-Math.PI / 2);
+      ctx.fillText(shown(kt[i]), 0, 0); ctx.restore();
+    }
+    ctx.restore();
+    heat = { left: left, top: top, cell: cell, L: L, qt: qt, kt: kt };
+    var title = L.kind === "cross"
+      ? "Alignment: " + L.q_side + " (rows) \u00d7 " + L.k_side + " (columns)"
+      : L.q_side === L.k_side && L.q_side === "tokens"
+      ? "Heatmap: queries (rows) \u00d7 keys (columns)"
+      : "Heatmap: " + L.q_side + " queries (rows) \u00d7 " + L.k_side + " keys (columns)";
+    document.getElementById("heatmap-title").textContent = title;
+  }
+  function heatHover(ev) {
+    var tip = document.getElementById("tooltip"), mark = document.getElementById("cellmark");
+    if (!heat) return;
+    var r = ev.target.getBoundingClientRect();
+    var k = Math.floor((ev.clientX - r.left - heat.left) / heat.cell);
+    var q = Math.floor((ev.clientY - r.top - heat.top) / heat.cell);
+    if (q < 0 || k < 0 || q >= heat.L.q_len || k >= heat.L.k_len) { heatLeave(); return; }
+    var w = cur[q * heat.L.k_len + k];
+    tip.innerHTML = "";
+    tip.appendChild(document.createTextNode(shown(heat.qt[q]) + " [" + q + "] \u2192 " +
+                                            shown(heat.kt[k]) + " [" + k + "]  "));
+    var b = document.createElement("b"); b.textContent = fmt(w); tip.appendChild(b);
+    tip.setAttribute("data-q", q); tip.setAttribute("data-k", k); tip.setAttribute("data-w", fmt(w));
+    tip.style.display = "block";
+    tip.style.left = (ev.clientX + 14) + "px"; tip.style.top = (ev.clientY + 14) + "px";
+    mark.style.display = "block";
+    mark.style.left = (heat.left + k * heat.cell - 2) + "px";
+    mark.style.top = (heat.top + q * heat.cell - 2) + "px";
+    mark.style.width = mark.style.height = (heat.cell + 4) + "px";
+    focus("q", q);
+  }
+  function heatLeave() {
+    document.getElementById("tooltip").style.display = "none";
+    document.getElementById("cellmark").style.display = "none";
+    focus(null);
+  }
+
+  // ---- metrics table ------------------------------------------------------------------------
+  var rows = DATA.metrics, cols = rows.length ? Object.keys(rows[0]) : [];
+  var layerKey = ["layer", "path", "module", "layer_path"].filter(function (c) {
+    return cols.indexOf(c) >= 0; })[0];
+  function cellText(v) {
+    if (v === null || v === undefined) return "\u2013";
+    if (typeof v === "number") return Number.isInteger(v) ? String(v) : v.toFixed(3);
+    return String(v);
+  }
+  function buildTable() {
+    var table = document.getElementById("metrics");
+    if (!rows.length) { document.getElementById("metrics-card").style.display = "none"; return; }
+    var ranges = {};
+    cols.forEach(function (c) {
+      var vals = rows.map(function (r) { return r[c]; })
+                     .filter(function (v) { return typeof v === "number" && c !== "head"; });
+      if (vals.length === rows.length) {
+        ranges[c] = [Math.min.apply(null, vals), Math.max.apply(null, vals)];
+      }
+    });
+    var thead = el("thead", {}, table), tr = el("tr", {}, thead);
+    cols.forEach(function (c) {
+      var th = el("th", { "data-key": c }, tr);
+      th.textContent = c.replace(/_/g, " ");
+      th.addEventListener("click", function () {
+        state.sortDesc = state.sortKey === c ? !state.sortDesc : false;
+        state.sortKey = c; fillBody(ranges);
+      });
+    });
+    el("tbody", {}, table);
+    fillBody(ranges);
+  }
+  function fillBody(ranges) {
+    var table = document.getElementById("metrics"), tbody = table.tBodies[0];
+    var order = rows.map(function (r, i) { return i; });
+    if (state.sortKey !== null) {
+      var c = state.sortKey, s = state.sortDesc ? -1 : 1;
+      order.sort(function (a, b) {
+        var x = rows[a][c], y = rows[b][c];
+        if (x === y) return a - b;
+        if (x === null || x === undefined) return 1;
+        if (y === null || y === undefined) return -1;
+        return (x < y ? -1 : 1) * s;
+      });
+    }
+    Array.prototype.forEach.call(table.tHead.rows[0].cells, function (th) {
+      var on = th.getAttribute("data-key") === state.sortKey;
+      th.className = on ? (state.sortDesc ? "sorted desc" : "sorted") : "";
+    });
+    tbody.textContent = "";
+    order.forEach(function (i) {
+      var r = rows[i], tr = el("tr", { "data-row": i }, tbody);
+      if (layerKey) tr.setAttribute("data-layer", r[layerKey]);
+      if ("head" in r) tr.setAttribute("data-head", r.head);
+      cols.forEach(function (c) {
+        var td = el("td", {}, tr), v = r[c];
+        td.textContent = cellText(v);
+        if (ranges[c] && ranges[c][1] > ranges[c][0]) {
+          var f = (v - ranges[c][0]) / (ranges[c][1] - ranges[c][0]);
+          td.className = "bar";
+          td.style.backgroundImage = "linear-gradient(90deg, rgba(47,111,222,.16), " +
+            "rgba(47,111,222,.16))";
+          td.style.backgroundSize = Math.round(100 * f) + "% 70%";
+        }
+      });
+      tr.addEventListener("click", function () {
+        var li = -1;
+        DATA.layers.forEach(function (L, j) { if (L.path === r[layerKey]) li = j; });
+        if (li < 0) return;
+        var h = typeof r.head === "number" ? r.head : -1;
+        select(li, h);
+      });
+    });
+    markRows();
+  }
+  function markRows() {
+    var L = DATA.layers[state.layer];
+    Array.prototype.forEach.call(document.querySelectorAll("#metrics tbody tr"), function (tr) {
+      var onLayer = layerKey && tr.getAttribute("data-layer") === L.path;
+      var h = tr.getAttribute("data-head");
+      var onHead = onLayer && (String(state.head) === h ||
+                               (state.head < 0 && h !== null && isNaN(+h)));
+      tr.classList.toggle("layer-on", !!onLayer);
+      tr.classList.toggle("head-on", !!onHead);
+    });
+  }
+
+  // ---- selection ----------------------------------------------------------------------------
+  function select(layer, head) {
+    var L = DATA.layers[layer];
+    if (!L) return;
+    var layerChanged = layer !== state.layer;
+    state.layer = layer;
+    state.head = head >= 0 && head < L.heads ? head : -1;
+    if (L.heads === 1) state.head = 0;
+    document.getElementById("layer-select").value = String(layer);
+    buildHeadPicker();
+    cur = currentWeights();
+    drawLines(cur);
+    drawHeatmap(cur);
+    heatLeave();
+    markRows();
+    document.getElementById("layer-info").textContent =
+      L.kind + " \u00b7 " + L.q_len + " " + L.q_side + " \u00d7 " + L.k_len + " " + L.k_side +
+      " \u00b7 " + (state.head < 0 ? "mean of " + L.heads + " heads" : "head " + state.head);
+    document.body.setAttribute("data-layer", L.path);
+    document.body.setAttribute("data-head", String(state.head));
+    return layerChanged;
+  }
+
+  function init() {
+    var sides = Object.keys(DATA.tokens).map(function (s) {
+      return s + ": " + DATA.tokens[s].length + " tokens"; });
+    document.getElementById("summary").textContent =
+      sides.join(" \u00b7 ") + " \u00b7 " + DATA.layers.length + " attention layers";
+    var ramp = [];
+    for (var i = 0; i <= 10; i++) ramp.push(rgb(colour(i / 10)) + " " + (i * 10) + "%");
+    document.querySelector(".legend .ramp").style.background =
+      "linear-gradient(90deg, " + ramp.join(", ") + ")";
+    buildLayerPicker();
+    buildTable();
+    var canvas = document.getElementById("heatmap");
+    canvas.addEventListener("mousemove", heatHover);
+    canvas.addEventListener("mouseleave", heatLeave);
+    document.addEventListener("keydown", function (ev) {
+      if (ev.target && /^(SELECT|INPUT|TEXTAREA)$/.test(ev.target.tagName)) return;
+      var L = DATA.layers[state.layer];
+      if (ev.key === "ArrowRight") select(state.layer, state.head + 1 >= L.heads ? -1 : state.head + 1);
+      else if (ev.key === "ArrowLeft") select(state.layer, state.head < 0 ? L.heads - 1 : state.head - 1);
+      else return;
+      ev.preventDefault();
+    });
+    select(0, -1);
+  }
+
+  window.attnView = {
+    data: DATA, state: state, select: select, colour: colour, focus: focus,
+    weight: function (q, k) { return cur[q * DATA.layers[state.layer].k_len + k]; }
+  };
+  init();
+})();
+"""
