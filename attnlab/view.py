@@ -65,14 +65,14 @@ def view_text(workdir, text: str, target: str | None = None, out: str | os.PathL
   """
   # pylint: disable=g-import-not-at-top  (these import JAX)
   from attnlab import analysis
-  from attnlab.analysis import capture as capture_lib
-  from attnlab.analysis import metrics as metrics_lib
-  from attnlab.analysis import view as view_lib
-  # pylint: enable=g-import-not-at-top
   if isinstance(workdir, analysis.Run):
     run = workdir
   else:
     run = analysis.load_run(workdir, int(step) if str(step).isdigit() else step)
+  from attnlab.analysis import capture as capture_lib
+  from attnlab.analysis import metrics as metrics_lib
+  from attnlab.analysis import view as view_lib
+  # pylint: enable=g-import-not-at-top
   if run.model is None:
     raise UserError(f"{run.workdir} is a {run.config.task!r} run without a Flax model; there is no "
                     "attention to view")

@@ -124,7 +124,8 @@ def render_html(capture, metrics: Sequence[Mapping[str, Any]] | None = None, tit
       names its layer path ("layer" or "path") and "head"; None or [] leaves the table out.
     title: shown as the page heading and window title.
     decimals: weights are rounded to this many decimals; None: 4, or 3 or 2 where that is what
-      keeps the page under PAGE_BUDGET bytes (long texts through many layers and heads).
+      keeps the page under PAGE_BUDGET bytes (long texts through many layers and heads; a page
+      still too big with 2 decimals is written as it is).
   Raises:
     ValueError: the capture holds no attention layer, or weights that do not fit its tokens.
   """
@@ -503,9 +504,14 @@ _SCRIPT = r"""
   var rows = DATA.metrics, cols = rows.length ? Object.keys(rows[0]) : [];
   var layerKey = ["layer", "path", "module", "layer_path"].filter(function (c) {
     return cols.indexOf(c) >= 0; })[0];
-  function cellText(v) {
+  // Columns whose numbers are all whole (head, counts) print as integers, the others with 3 decimals.
+  var wholeCols = {};
+  cols.forEach(function (c) {
+    wholeCols[c] = rows.every(function (r) { return typeof r[c] !== "number" || Number.isInteger(r[c]); });
+  });
+  function cellText(v, c) {
     if (v === null || v === undefined) return "\u2013";
-    if (typeof v === "number") return Number.isInteger(v) ? String(v) : v.toFixed(3);
+    if (typeof v === "number") return wholeCols[c] ? String(v) : v.toFixed(3);
     return String(v);
   }
   function buildTable() {
@@ -555,7 +561,7 @@ _SCRIPT = r"""
       if ("head" in r) tr.setAttribute("data-head", r.head);
       cols.forEach(function (c) {
         var td = el("td", {}, tr), v = r[c];
-        td.textContent = cellText(v);
+        td.textContent = cellText(v, c);
         if (ranges[c] && ranges[c][1] > ranges[c][0]) {
           var f = (v - ranges[c][0]) / (ranges[c][1] - ranges[c][0]);
           td.className = "bar";
@@ -636,7 +642,10 @@ _SCRIPT = r"""
 
   window.attnView = {
     data: DATA, state: state, select: select, colour: colour, focus: focus,
-    weight: function (q, k) { return cur[q * DATA.layers[state.layer].k_len + k]; }
+    weight: function (q, k) { return cur[q * DATA.layers[state.layer].k_len + k]; },
+    // Where the heatmap's cells lie in the canvas (CSS pixels): cell (q, k) starts at
+    // (left + k * cell, top + q * cell).
+    _geometry: function () { return heat && { left: heat.left, top: heat.top, cell: heat.cell }; }
   };
   init();
 })();
