@@ -155,6 +155,8 @@ def _open(driver, path):
   errors = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
   assert not errors, errors
   assert driver.execute_script("return typeof window.attnView") == "object"
+  # Self-contained: the page fetched nothing (no script, style, font or image from anywhere).
+  assert driver.execute_script("return performance.getEntriesByType('resource').length") == 0
 
 
 def _js(driver, expr):
@@ -312,3 +314,16 @@ def test_attnlab_view_errors_are_one_line(tmp_path, capsys):
   assert cli.main(["attnlab", "view", f"--workdir={tmp_path}", "--text=hi"]) == 2
   err = capsys.readouterr().err.strip()
   assert err.startswith("attnlab view: error: ") and len(err.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_attnlab_view_refuses_a_run_without_attention(tmp_path, capsys):
+  """An RNN encoder-decoder with model.attention=none has no attention to view: one line, exit 2."""
+  workdir = tmp_path / "none"
+  _train("seq2seq.py", "runlocal=True,model.attention=none,num_train_steps=1,eval_every=0,"
+         "write_plots=False", workdir)
+  capsys.readouterr()
+  assert cli.main(["attnlab", "view", f"--workdir={workdir}", "--text=9 october 1993"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("attnlab view: error: ") and len(err.splitlines()) == 1, err
+  assert "attention" in err and not (workdir / "view.html").exists()
