@@ -218,16 +218,27 @@ def test_pickers_lines_heatmap_hover_and_table(browser, tmp_path):
   assert len(lines()) == np.count_nonzero(_rounded(w))
   # Each heatmap cell's pixel has the colour of the capture's weight.
   q, k = np.unravel_index(np.argmax(w), w.shape)
-  for qq, kk in ((q, k), (0, 0), (t - 1, len(SOURCE) - 1)):
-    pixel = browser.execute_script("""
+  def pixel(qq, kk):
+    return browser.execute_script("""
       const [q, k] = arguments, c = document.getElementById('heatmap'), ctx = c.getContext('2d');
-      const g = window.attnView, r = window.devicePixelRatio || 1;
-      const geo = g._geometry();
+      const geo = window.attnView._geometry(), r = window.devicePixelRatio || 1;
       const x = (geo.left + (k + 0.5) * geo.cell) * r, y = (geo.top + (q + 0.5) * geo.cell) * r;
       return Array.from(ctx.getImageData(Math.floor(x), Math.floor(y), 1, 1).data.slice(0, 3));
     """, int(qq), int(kk))
-    assert pixel == _js(browser, f"attnView.colour({float(_rounded(w[qq, kk]))})"), (qq, kk)
+
+  for qq, kk in ((q, k), (0, 0), (t - 1, len(SOURCE) - 1)):
+    assert pixel(qq, kk) == _js(browser, f"attnView.colour({float(_rounded(w[qq, kk]))})"), (qq, kk)
   assert _js(browser, "attnView.colour(1)") != _js(browser, "attnView.colour(0)")
+  # "Scale each row to its maximum": every row's largest weight takes the top colour; lines keep
+  # their true weight in data-w.
+  browser.find_element(By.ID, "rowmax").click()
+  row_top = np.argmax(w, 1)
+  assert all(pixel(qq, row_top[qq]) == _js(browser, "attnView.colour(1)") for qq in range(t))
+  line = browser.find_element(By.CSS_SELECTOR, f'#lines line[data-q="0"][data-k="{row_top[0]}"]')
+  assert (line.get_attribute("stroke-opacity"), float(line.get_attribute("data-w"))) == (
+      "1.0000", pytest.approx(w[0, row_top[0]], abs=1e-4))
+  browser.find_element(By.ID, "rowmax").click()
+  assert pixel(q, k) == _js(browser, f"attnView.colour({float(_rounded(w[q, k]))})")
 
   # Hover the heatmap's brightest cell: the tooltip names both tokens and the weight.
   geo = _js(browser, "attnView._geometry()")

@@ -169,6 +169,7 @@ _TEMPLATE = """<!doctype html>
 <section class="card controls">
   <label class="field">Layer <select id="layer-select" aria-label="layer"></select></label>
   <div class="field">Head <div id="head-picker" role="group" aria-label="head"></div></div>
+  <label class="field check" title="colours and line opacities relative to each query's largest weight; tooltips keep the true weights"><input type="checkbox" id="rowmax"> scale each row to its maximum</label>
   <div id="layer-info" class="muted"></div>
 </section>
 <main class="views">
@@ -181,7 +182,7 @@ _TEMPLATE = """<!doctype html>
     <div class="scroll"><div id="heatwrap">
       <canvas id="heatmap"></canvas><div id="cellmark"></div>
     </div></div>
-    <div class="legend"><span>0</span><div class="ramp"></div><span>1</span></div>
+    <div class="legend"><span>0</span><div class="ramp"></div><span id="legend-max">1</span></div>
     <div id="tooltip" role="tooltip"></div>
   </section>
 </main>
@@ -243,6 +244,7 @@ select { font:inherit; padding:5px 8px; border:1px solid #c9ced6; border-radius:
 #tooltip b { color:#ffd479; }
 .legend { display:flex; align-items:center; gap:8px; margin-top:10px; font-size:12px;
   color:var(--muted); }
+.check { font-weight:400; color:var(--muted); cursor:pointer; }
 .legend .ramp { width:180px; height:10px; border-radius:3px; border:1px solid var(--line); }
 table { border-collapse:collapse; width:100%; font-size:13px; font-variant-numeric:tabular-nums; }
 th, td { padding:5px 10px; border-bottom:1px solid var(--line); text-align:right;
@@ -269,8 +271,9 @@ _SCRIPT = r"""
     "#5d9b2f", "#3c4e66", "#c7852b", "#1f9bd1", "#a23b52", "#6c8a1f"];
   var ROW = 20;            // line view: pixels per token
   var GAP = 150;           // line view: pixels between the two token columns
-  var state = { layer: 0, head: -1, sortKey: null, sortDesc: false };
-  var lineEls = [], byQ = [], byK = [], tokEls = { q: [], k: [] }, cur = null;
+  var state = { layer: 0, head: -1, rowMax: false, sortKey: null, sortDesc: false };
+  // cur: the selection's weights; disp: what is drawn (cur, or each row over its maximum).
+  var lineEls = [], byQ = [], byK = [], tokEls = { q: [], k: [] }, cur = null, disp = null;
 
   function el(tag, attrs, parent, ns) {
     var e = ns ? document.createElementNS("http://www.w3.org/2000/svg", tag)
@@ -294,6 +297,17 @@ _SCRIPT = r"""
     } else {
       for (h = 0; h < L.heads; h++) { for (i = 0; i < n; i++) out[i] += L.w[h][i]; }
       for (i = 0; i < n; i++) out[i] /= SCALE * L.heads;
+    }
+    return out;
+  }
+
+  function displayWeights(W) {
+    if (!state.rowMax) return W;
+    var L = DATA.layers[state.layer], out = new Float64Array(W.length);
+    for (var q = 0; q < L.q_len; q++) {
+      var m = 0, k;
+      for (k = 0; k < L.k_len; k++) m = Math.max(m, W[q * L.k_len + k]);
+      for (k = 0; k < L.k_len; k++) out[q * L.k_len + k] = m > 0 ? W[q * L.k_len + k] / m : 0;
     }
     return out;
   }
@@ -346,7 +360,7 @@ _SCRIPT = r"""
   }
 
   // ---- line view ----------------------------------------------------------------------------
-  function drawLines(W) {
+  function drawLines(W, D) {
     var L = DATA.layers[state.layer], svg = document.getElementById("lines");
     var qt = DATA.tokens[L.q_side], kt = DATA.tokens[L.k_side];
     while (svg.firstChild) svg.removeChild(svg.firstChild);
@@ -374,7 +388,8 @@ _SCRIPT = r"""
         if (w <= 0) continue;
         var ln = el("line", { x1: xq + 4, y1: top + q * ROW + ROW / 2, x2: xk - 4,
           y2: top + k * ROW + ROW / 2, stroke: colour, "stroke-width": 2,
-          "stroke-opacity": w.toFixed(4), "data-q": q, "data-k": k }, lines, true);
+          "stroke-opacity": D[q * L.k_len + k].toFixed(4), "data-q": q, "data-k": k,
+          "data-w": w.toFixed(4) }, lines, true);
         lineEls.push(ln); byQ[q].push(ln); byK[k].push(ln);
       }
     }
@@ -424,7 +439,8 @@ _SCRIPT = r"""
     for (i = 0; i < n; i++) {
       var w = side === "q" ? cur[j * L.k_len + i] : cur[i * L.k_len + j];
       var t = tokEls[other][i];
-      t.rect.style.fillOpacity = (0.85 * w).toFixed(3);
+      t.rect.style.fillOpacity = (0.85 * (side === "q" ? disp[j * L.k_len + i]
+                                                       : disp[i * L.k_len + j])).toFixed(3);
       if (w >= 0.005) t.label.textContent = w.toFixed(2);
     }
   }
@@ -603,8 +619,9 @@ _SCRIPT = r"""
     document.getElementById("layer-select").value = String(layer);
     buildHeadPicker();
     cur = currentWeights();
-    drawLines(cur);
-    drawHeatmap(cur);
+    disp = displayWeights(cur);
+    drawLines(cur, disp);
+    drawHeatmap(disp);
     heatLeave();
     markRows();
     document.getElementById("layer-info").textContent =
@@ -626,6 +643,11 @@ _SCRIPT = r"""
       "linear-gradient(90deg, " + ramp.join(", ") + ")";
     buildLayerPicker();
     buildTable();
+    document.getElementById("rowmax").addEventListener("change", function (ev) {
+      state.rowMax = ev.target.checked;
+      document.getElementById("legend-max").textContent = state.rowMax ? "row max" : "1";
+      select(state.layer, state.head);
+    });
     var canvas = document.getElementById("heatmap");
     canvas.addEventListener("mousemove", heatHover);
     canvas.addEventListener("mouseleave", heatLeave);
