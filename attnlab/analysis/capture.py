@@ -1,18 +1,65 @@
-"""Capture every attention layer's weights of a run in one forward pass.
+"""Capture every attention layer's weights of a run in one jit-compiled forward pass.
 
-  cap = capture_text(run, "june 3, 1998")          # encoder-decoder: greedy-decodes the target
-  cap = capture_text(run, "the cat sat")           # GPT / BERT
-  cap.weights["encoder/layer_0/attention"]         # [heads, q_len, k_len] float32 numpy
-  cap.sides["decoder/layer_0/cross_attention"]     # ("target", "source")
+  cap = capture_text(run, "9 october 1993")        # encoder-decoder: greedy-decodes the target
+  cap = capture_text(run, "9 october 1993", target="1993-10-09")   # teacher-forced on a target
+  cap = capture_text(run, "ROMEO:")                # GPT;  BERT: "[CLS] text [SEP]" (target = B)
+  cap = capture(run, {"source": ids, "target": ids})   # token ids instead of text
+  cap.weights["encoder_layer_0/self_attention"]    # [heads, q_len, k_len] float32 numpy
+  cap.sides["decoder_layer_0/cross_attention"]     # ("target", "source")
+  maps = capture_batch(run, inputs)                # {path: [batch, heads, q_len, k_len]}
+
+Paths are the "/"-joined module paths of `attention_maps` (sorted naturally: layer_2 before
+layer_10): "block_<i>/self_attention" (GPT), "encoder/block_<i>/self_attention" (BERT),
+"encoder_layer_<i>/self_attention", "decoder_layer_<i>/{self,cross}_attention" (Transformer),
+"." (the RNN seq2seq sows its one attention at the model root; heads = 1) and "." for the
+Nadaraya-Watson regression (sides "queries" and "keys").
+
+Token sides. Encoder-decoder runs: "source" = the source tokens, "target" = the decoder's input
+tokens `<start> y_1 .. y_n`, one per decoder position: row i of a cross-attention is the step
+that *produces* y_(i+1) (`<end>` for the last row). So the rows of an alignment read "the step
+after this token"; the self-attention keys are exactly the tokens at those positions (as for
+GPT, whose position i reads token i and predicts token i + 1).
+
+Inputs of `capture` / `capture_batch` (int arrays `[len]` for one example or `[batch, len]`,
+padded with 0), by task:
+  translation     {"source", "source_length"?, "target"?, "target_length"?}: target as in
+                  training, `<start> y_1 .. y_n <end>`; without it the source is decoded greedily
+                  with the task's decoder and the decoded output is teacher-forced.
+  causal_lm       {"inputs", "length"?} or the ids themselves.
+  masked_lm, classification  {"tokens", "segments"?, "valid"?} or the ids themselves.
+  regression      {"queries", "keys", "values"} float `[n]` (default: the task's test grid and
+                  training points).
+
+extras=True adds, per MultiHeadAttention path, "<path>/queries", "<path>/keys", "<path>/values"
+`[heads, len, head_dim]` (after rotary), "<path>/scores" `[heads, q_len, k_len]` (the raw score
+logits, before masking and softmax), "<path>/context" `[heads, q_len, head_dim]` (each head's
+output before the output projection), and "<block path>/output" `[len, d]` for every
+TransformerBlock (and the RNN encoder's states), collected with Flax `capture_intermediates`.
+The default path (extras=False) computes nothing beyond the forward pass.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Capture"]
+from attnlab.attention import core as attn_core
+from attnlab.attention import positional
+from attnlab.attention import scores as scores_lib
+from attnlab.layers.attention import MultiHeadAttention
+from attnlab.layers.transformer import TransformerBlock
+
+__all__ = ["Capture", "capture", "capture_batch", "capture_text", "layer_info", "SUPPORTED_TASKS"]
+
+EXTRA_NAMES = ("queries", "keys", "values", "scores", "context", "output")
 
 
 @dataclasses.dataclass
@@ -29,3 +76,372 @@ class Capture:
   kind: dict[str, str]
   # Optional q/k/v/scores/block outputs by path ("<layer path>/<name>"), empty by default.
   extras: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class _Prepared:
+  """One batch ready for the model: positional args, and ids/lengths of every token side."""
+  args: tuple[Any, ...]
+  ids: dict[str, np.ndarray]  # side -> [batch, len]
+  lengths: dict[str, np.ndarray]  # side -> [batch]
+
+
+def natural_key(path: str) -> list[Any]:
+  """Sort key that orders "layer_2" before "layer_10"."""
+  return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path)]
+
+
+def _as_batch(x: Any, name: str, dtype=np.int32) -> np.ndarray:
+  x = np.asarray(x, dtype)
+  if x.ndim == 1:
+    x = x[None]
+  if x.ndim != 2 or x.shape[1] == 0:
+    raise ValueError(f"inputs[{name!r}] must be ids [len] or [batch, len] with len >= 1; got "
+                     f"shape {x.shape}")
+  return x
+
+
+def _length(x: np.ndarray) -> np.ndarray:
+  """Real lengths `[batch]` of 0-padded rows (index of the last nonzero + 1)."""
+  nonzero = x != 0
+  return np.where(nonzero.any(1), x.shape[1] - np.argmax(nonzero[:, ::-1], axis=1), 0)
+
+
+def _dict_inputs(inputs: Any, main: str) -> dict[str, Any]:
+  if isinstance(inputs, Mapping):
+    return dict(inputs)
+  return {main: inputs}
+
+
+def _check_keys(task: str, inputs: Mapping[str, Any], required: tuple[str, ...],
+                optional: tuple[str, ...]) -> None:
+  unknown = sorted(set(inputs) - set(required) - set(optional))
+  missing = [k for k in required if k not in inputs]
+  if unknown or missing:
+    raise ValueError(f"{task} inputs take the keys {', '.join(required)} (required) and "
+                     f"{', '.join(optional) or 'none'} (optional); "
+                     + (f"missing {', '.join(missing)}" if missing else
+                        f"unknown {', '.join(unknown)}"))
+
+
+# ------------------------------------------------------------------------------ task families
+
+
+def _prepare_translation(run, inputs) -> _Prepared:
+  inputs = _dict_inputs(inputs, "source")
+  _check_keys("translation", inputs, ("source",),
+              ("source_length", "target", "target_length"))
+  src = _as_batch(inputs["source"], "source")
+  src_len = np.asarray(inputs.get("source_length", _length(src)), np.int32).reshape(-1)
+  if "target" in inputs:
+    tgt = _as_batch(inputs["target"], "target")
+    tgt_len = np.asarray(inputs.get("target_length", _length(tgt)), np.int32).reshape(-1)
+  else:
+    tgt, tgt_len = _greedy_targets(run, src, src_len)
+  if len(src) != len(tgt):
+    raise ValueError(f"source has {len(src)} rows but target has {len(tgt)}")
+  if tgt.shape[1] < 2:
+    raise ValueError("target must be <start> tokens... <end> (at least 2 ids)")
+  tgt_in = tgt[:, :-1]  # [batch, t]: <start> y_1 .. y_n
+  return _Prepared(args=(src, src_len, tgt_in),
+                   ids={"source": src, "target": tgt_in},
+                   lengths={"source": src_len, "target": np.maximum(tgt_len - 1, 0)})
+
+
+def _greedy_targets(run, src: np.ndarray, src_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """`<start> decoded <end>` ids `[batch, t]` and lengths of a greedy decoding of `src`."""
+  task = run.task
+  tokens, _ = task.decode_arrays(run.params, src, src_len, beam_size=1, batch_size=len(src))
+  end = task.tgt_tok.end_id
+  rows = []
+  for row in np.asarray(tokens):
+    ids = [int(i) for i in row]
+    ids = ids[:ids.index(end) + 1] if end in ids else ids
+    rows.append([task.tgt_tok.start_id] + ids)
+  width = max(len(r) for r in rows)
+  tgt = np.zeros((len(rows), width), np.int32)
+  for i, r in enumerate(rows):
+    tgt[i, :len(r)] = r
+  return tgt, np.asarray([len(r) for r in rows], np.int32)
+
+
+def _prepare_causal_lm(run, inputs) -> _Prepared:
+  inputs = _dict_inputs(inputs, "inputs")
+  _check_keys("causal_lm", inputs, ("inputs",), ("length",))
+  ids = _as_batch(inputs["inputs"], "inputs")
+  block = run.model.block_size
+  if ids.shape[1] > block:
+    raise ValueError(f"the input has {ids.shape[1]} tokens but this GPT reads at most "
+                     f"block_size={block}; shorten it")
+  length = np.asarray(inputs.get("length", np.full(len(ids), ids.shape[1])), np.int32)
+  return _Prepared(args=(ids,), ids={"tokens": ids}, lengths={"tokens": length.reshape(-1)})
+
+
+def _prepare_bert(run, inputs) -> _Prepared:
+  inputs = _dict_inputs(inputs, "tokens")
+  _check_keys(run.config.task, inputs, ("tokens",), ("segments", "valid"))
+  ids = _as_batch(inputs["tokens"], "tokens")
+  max_len = run.model.max_len
+  if ids.shape[1] > max_len:
+    raise ValueError(f"the input has {ids.shape[1]} tokens but this BERT reads at most "
+                     f"max_len={max_len}; shorten it")
+  segments = np.asarray(inputs.get("segments", np.zeros_like(ids)), np.int32).reshape(ids.shape)
+  valid = np.asarray(inputs.get("valid", ids != 0), bool).reshape(ids.shape)
+  return _Prepared(args=(ids, segments, valid), ids={"tokens": ids},
+                   lengths={"tokens": valid.sum(1).astype(np.int32)})
+
+
+def _prepare_regression(run, inputs) -> _Prepared:
+  if inputs is None:
+    data = run.task.data
+    inputs = {"queries": data.x_test, "keys": data.x_train, "values": data.y_train}
+  if not isinstance(inputs, Mapping):
+    raise ValueError("regression inputs are {'queries', 'keys', 'values'} float arrays [n]")
+  _check_keys("regression", inputs, ("queries", "keys", "values"), ())
+  q, k, v = (np.asarray(inputs[n], np.float32).reshape(-1) for n in ("queries", "keys", "values"))
+  if len(k) != len(v):
+    raise ValueError(f"regression keys ({len(k)}) and values ({len(v)}) must have one entry each")
+  return _Prepared(args=(q, k, v), ids={"queries": q[None], "keys": k[None]},
+                   lengths={"queries": np.array([len(q)]), "keys": np.array([len(k)])})
+
+
+def _translation_info(path: str) -> tuple[tuple[str, str], str]:
+  if path.endswith("cross_attention") or path == ".":
+    return ("target", "source"), "cross"
+  if path.startswith("encoder"):
+    return ("source", "source"), "self"
+  return ("target", "target"), "causal"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Family:
+  # Builds the model's inputs from ids (or text-derived ids).
+  prepare: Callable[[Any, Any], _Prepared]
+  # Layer path -> ((query side, key side), kind).
+  info: Callable[[str], tuple[tuple[str, str], str]]
+  # Text -> inputs (None: no text form).
+  encode_text: Callable[[Any, str, str | None], Any] | None
+  # Side -> id-to-string of its tokens.
+  labels: Callable[[Any, str, np.ndarray], list[str]]
+
+
+def _translation_text(run, text: str, target: str | None) -> dict[str, Any]:
+  task = run.task
+  src = task.encode_source(text)
+  if not src:
+    raise ValueError("cannot capture an empty input; give at least one source token")
+  inputs: dict[str, Any] = {"source": np.asarray(src, np.int32)}
+  if target is not None:
+    inputs["target"] = np.asarray(task.encode_target(target), np.int32)
+  return inputs
+
+
+def _causal_lm_text(run, text: str, target: str | None) -> np.ndarray:
+  if target is not None:
+    raise ValueError("a causal_lm run reads one text; pass target=None (append it to the text)")
+  return run.task.encode_prompt(text)
+
+
+def _bert_text(run, text: str, target: str | None) -> dict[str, np.ndarray]:
+  from attnlab.tasks import masked_lm  # pylint: disable=g-import-not-at-top
+  tok = run.task.tokenizer
+  a = tok.encode(text)
+  b = tok.encode(target) if target is not None else None
+  ids, segments = masked_lm.make_pair(a, b, run.model.max_len, np.random.default_rng(0))
+  return {"tokens": np.asarray(ids, np.int32), "segments": np.asarray(segments, np.int32)}
+
+
+def _token_labels(tokenizer_of: Callable[[Any, str], Any]):
+  def labels(run, side: str, ids: np.ndarray) -> list[str]:
+    tok = tokenizer_of(run, side)
+    return [tok.id_to_token(int(i)) for i in ids]
+  return labels
+
+
+def _number_labels(run, side: str, values: np.ndarray) -> list[str]:
+  return [f"{float(x):.3g}" for x in values]
+
+
+_BERT = _Family(_prepare_bert, lambda p: (("tokens", "tokens"), "self"), _bert_text,
+                _token_labels(lambda run, side: run.task.tokenizer))
+# config.task -> how its model is fed and its layers are named.
+_FAMILIES: dict[str, _Family] = {
+    "translation": _Family(
+        _prepare_translation, _translation_info, _translation_text,
+        _token_labels(lambda run, side: run.task.src_tok if side == "source"
+                      else run.task.tgt_tok)),
+    "causal_lm": _Family(_prepare_causal_lm, lambda p: (("tokens", "tokens"), "causal"),
+                         _causal_lm_text, _token_labels(lambda run, side: run.task.tokenizer)),
+    "masked_lm": _BERT,
+    "classification": _BERT,
+    "regression": _Family(_prepare_regression, lambda p: (("queries", "keys"), "cross"), None,
+                          _number_labels),
+}
+# Tasks whose runs capture() understands.
+SUPPORTED_TASKS: tuple[str, ...] = tuple(_FAMILIES)
+
+
+def _family(run) -> _Family:
+  task = run.config.task
+  if task not in _FAMILIES:
+    raise ValueError(f"capture does not know task {task!r}; supported tasks: "
+                     f"{', '.join(SUPPORTED_TASKS)}")
+  if run.model is None:
+    raise ValueError(f"task {task!r} has no Flax model to run")
+  return _FAMILIES[task]
+
+
+def layer_info(run, path: str) -> tuple[tuple[str, str], str]:
+  """((query side, key side), kind) of the attention layer `path` of `run`."""
+  return _family(run).info(path)
+
+
+# ------------------------------------------------------------------------------ forward pass
+
+
+def _attention_extras(next_fun, args, kwargs, context):
+  """Method interceptor: after a MultiHeadAttention call, sows its q/k/v, scores and context."""
+  out = next_fun(*args, **kwargs)
+  mdl = context.module
+  if not isinstance(mdl, MultiHeadAttention) or context.method_name != "__call__":
+    return out
+  inputs_kv = args[1] if len(args) > 1 else kwargs.get("inputs_kv")
+  if kwargs.get("decode") or isinstance(inputs_kv, Mapping):
+    return out  # cached decoding / precomputed keys: not the single forward pass captured here
+  params = mdl.variables["params"]
+  x_q = args[0] if args else kwargs["inputs_q"]
+  x_kv = x_q if inputs_kv is None else inputs_kv
+
+  def project(x, name):
+    y = jnp.matmul(x.astype(jnp.float32), params[f"{name}_kernel"])  # [batch, len, inner]
+    if f"{name}_bias" in params:
+      y = y + params[f"{name}_bias"]
+    return attn_core.split_heads(y, mdl.num_heads)  # [batch, heads, len, head_dim]
+
+  qh, kh, vh = project(x_q, "query"), project(x_kv, "key"), project(x_kv, "value")
+  if mdl.rotary and inputs_kv is None:
+    positions = jnp.arange(qh.shape[2])  # [len]
+    qh, kh = positional.rotary(qh, positions), positional.rotary(kh, positions)
+  score_params = params.get("score_params") or {}
+  scores = scores_lib.get_score_fn(mdl.score)(qh, kh, **score_params)  # [b, heads, q, k]
+  weights = mdl.get_variable("intermediates", "attention_weights")[-1]  # [b, heads, q, k]
+  context_h = jnp.matmul(weights.astype(jnp.float32), vh)  # [batch, heads, q_len, head_dim]
+  for name, value in (("queries", qh), ("keys", kh), ("values", vh), ("scores", scores),
+                      ("context", context_h)):
+    mdl.sow("intermediates", name, value)
+  return out
+
+
+def _is_block(mdl: nn.Module, method_name: str) -> bool:
+  from attnlab.models import seq2seq  # pylint: disable=g-import-not-at-top
+  return method_name == "__call__" and isinstance(mdl, (TransformerBlock, seq2seq.Encoder))
+
+
+@functools.partial(jax.jit, static_argnames=("model", "extras"))
+def _forward(model, params, args, extras: bool):
+  if not extras:
+    _, state = model.apply({"params": params}, *args, mutable=["intermediates"])
+    return state["intermediates"]
+  with nn.intercept_methods(_attention_extras):
+    _, state = model.apply({"params": params}, *args, mutable=["intermediates"],
+                           capture_intermediates=_is_block)
+  return state["intermediates"]
+
+
+def _collect(intermediates: Any, extras: bool) -> tuple[dict[str, np.ndarray],
+                                                        dict[str, np.ndarray]]:
+  """({path: weights [batch, heads, q, k]}, {"<path>/<name>": batched extra})."""
+  weights, extra = {}, {}
+  flat = jax.tree_util.tree_flatten_with_path(
+      intermediates, is_leaf=lambda x: isinstance(x, tuple))[0]
+  for key_path, value in flat:
+    names = [str(getattr(p, "key", p)) for p in key_path]
+    path = "/".join(names[:-1]) or "."
+    value = value[-1] if isinstance(value, tuple) else value  # sow keeps every call's value
+    if names[-1] == "__call__":
+      if extras:  # a block's output; the RNN Encoder returns (states, final carries)
+        out = value[0] if isinstance(value, tuple) else value
+        extra[f"{path}/output"] = np.asarray(out)
+      continue
+    value = np.asarray(value)
+    if names[-1] == "attention_weights":
+      value = value.astype(np.float32)
+      if value.ndim == 2:  # Nadaraya-Watson: [n_q, n_k]
+        value = value[None, None]
+      elif value.ndim == 3:  # RNN seq2seq: [batch, tgt_len, src_len], one head
+        value = value[:, None]
+      weights[path] = value
+    elif extras and names[-1] in EXTRA_NAMES[:-1]:
+      extra[f"{path}/{names[-1]}"] = value
+  order = lambda d: {k: d[k] for k in sorted(d, key=natural_key)}
+  return order(weights), order(extra)
+
+
+def _run_forward(run, prepared: _Prepared, extras: bool):
+  intermediates = _forward(run.model, run.params, tuple(jnp.asarray(a) for a in prepared.args),
+                           extras=bool(extras))
+  return _collect(jax.device_get(intermediates), extras)
+
+
+def capture_batch(run, inputs: Any = None, *, extras: bool = False) -> dict[str, np.ndarray]:
+  """{path: weights `[batch, heads, q_len, k_len]`} of a whole (padded) batch, one forward pass.
+
+  Rows of padded positions are kept (trim them with the lengths of the inputs).
+  """
+  family = _family(run)
+  weights, _ = _run_forward(run, family.prepare(run, inputs), extras)
+  return weights
+
+
+def capture(run, inputs: Any = None, *, example: int = 0, extras: bool = False) -> Capture:
+  """Every attention layer's weights for example `example` of `inputs` (see the module docstring).
+
+  Raises ValueError naming the expected inputs, or the supported tasks.
+  """
+  family = _family(run)
+  prepared = family.prepare(run, inputs)
+  batch = len(next(iter(prepared.lengths.values())))
+  if not -batch <= example < batch:
+    raise ValueError(f"example must be in 0..{batch - 1} (the inputs hold {batch}), got {example}")
+  weights, extra = _run_forward(run, prepared, extras)
+  lengths = {side: int(n[example]) for side, n in prepared.lengths.items()}
+  tokens = {side: family.labels(run, side, ids[example, :lengths[side]])
+            for side, ids in prepared.ids.items()}
+  out = Capture(tokens=tokens, weights={}, sides={}, kind={})
+  for path, w in weights.items():
+    (q_side, k_side), kind = family.info(path)
+    w = w[example if w.shape[0] > 1 else 0, :, :lengths[q_side], :lengths[k_side]]
+    out.weights[path] = np.ascontiguousarray(w, np.float32)  # [heads, q_len, k_len]
+    out.sides[path] = (q_side, k_side)
+    out.kind[path] = kind
+  for key, value in extra.items():
+    path, name = key.rsplit("/", 1)
+    if name == "output":  # [batch, len, d] of a block
+      side = family.info(path)[0][0]
+      out.extras[key] = value[example, :lengths[side]]
+      continue
+    q_side, k_side = out.sides[path]
+    n_q, n_k = lengths[q_side], lengths[k_side]
+    value = value[example]  # [heads, len, ...]
+    if name in ("queries", "context"):
+      value = value[:, :n_q]
+    elif name in ("keys", "values"):
+      value = value[:, :n_k]
+    else:  # scores
+      value = value[:, :n_q, :n_k]
+    out.extras[key] = np.asarray(value, np.float32)
+  return out
+
+
+def capture_text(run, text: str, target: str | None = None, *, extras: bool = False) -> Capture:
+  """`capture` of raw text, encoded with the run's own tokenizer.
+
+  translation: `text` is the source; `target` (optional) the reference output to teacher-force,
+    otherwise the greedy decoding of `text` is captured. causal_lm: the prompt as
+    `attnlab generate` encodes it. masked_lm / classification: `[CLS] text [SEP]`, or
+    `[CLS] text [SEP] target [SEP]` (segments 0 and 1) when `target` is given.
+  """
+  family = _family(run)
+  if family.encode_text is None:
+    raise ValueError(f"a {run.config.task!r} run has no text inputs; use capture(run, inputs)")
+  return capture(run, family.encode_text(run, text, target), extras=extras)

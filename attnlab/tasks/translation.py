@@ -170,6 +170,10 @@ class TranslationTask(Task):
   def encode_source(self, text: str) -> list[int]:
     return self.src_tok.encode(self._prepare_text(text))
 
+  def encode_target(self, text: str) -> list[int]:
+    """`<start>` + the target tokens of `text` + `<end>`, as the training targets are encoded."""
+    return self.tgt_tok.encode(self._prepare_text(text), add_start=True, add_end=True)
+
   def _encode(self, examples: list[dict[str, str]]) -> list[dict[str, Any]]:
     return [{"source": self.encode_source(ex["source"]),
              "target": self.tgt_tok.encode(self._prepare_text(ex["target"]), add_start=True,
