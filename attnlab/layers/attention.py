@@ -31,6 +31,10 @@ mutable (e.g. `apply(..., mutable=["intermediates"])`), the reference path runs 
 chosen `implementation` runs without materialising weights when it can ("auto" picks the fused
 kernel for dot/scaled_dot). Attention dropout (dropout_rate > 0, training) also needs the weights,
 so it runs the reference path.
+Head ablation: an optional "head_mask" collection with `scale` `[heads]` and `shift`
+`[heads, head_dim]` under the module's path replaces each head's context c_h (before the output
+projection) by c_h * scale_h + shift_h (attnlab.analysis.ablation: scale 0 removes a head, shift
+its mean output replaces it). Without that collection nothing changes.
 """
 
 from __future__ import annotations
@@ -238,6 +242,13 @@ class MultiHeadAttention(nn.Module):
     if dropout:
       dropped = nn.Dropout(rate=self.dropout_rate)(weights, deterministic=False)
       context = jnp.matmul(dropped, vh.astype(dropped.dtype))  # [batch, heads, q_len, head_dim]
+    if self.has_variable("head_mask", "scale"):
+      # Head ablation (attnlab.analysis.ablation): each head's context * scale + shift; absent
+      # unless the caller passes a "head_mask" collection, so it costs nothing otherwise.
+      scale = self.get_variable("head_mask", "scale")  # [heads]
+      shift = self.get_variable("head_mask", "shift")  # [heads, head_dim]
+      context = (context * scale[:, None, None].astype(context.dtype)
+                 + shift[:, None, :].astype(context.dtype))
     out = core.merge_heads(context.astype(dtype))  # [batch, q_len, inner]
     return Dense(self.out_features or d_model, use_bias=self.use_bias,
                  kernel_init=self.out_kernel_init, dtype=dtype, name="out")(out)
