@@ -4,10 +4,25 @@
   run = analysis.load_run("runs/nw")                 # config, task, model, params of the latest checkpoint
   maps = analysis.attention_maps(run, queries, keys, values)   # {module path: weights} sown by the model
   records = analysis.read_metrics("runs/nw")         # metrics.jsonl as a list of dicts
+  cap = analysis.capture_text(run, "9 october 1993")  # every layer's weights of one example
+  rows = analysis.head_table(cap)                    # entropy, offsets, special mass per head
+  report = analysis.evaluate_alignment(run)          # argmax alignment accuracy / AER (synthetic)
+  result = analysis.head_ablation(run)               # the task's loss with each head removed
 
-Modules: runs (load_run, attention_maps).
+Modules: runs (load_run, attention_maps), capture (Capture, capture, capture_text,
+capture_batch), metrics (entropy, offsets, special-token mass, rollout, head_table), alignment
+(gold alignments of copy/reverse/dates, evaluate_alignment), ablation (head_ablation,
+plot_head_ablation).
 """
 
+from attnlab.analysis.ablation import AblationResult, head_ablation, plot_head_ablation
+from attnlab.analysis.alignment import evaluate_alignment, gold_alignment
+from attnlab.analysis.capture import Capture, capture, capture_batch, capture_text
+from attnlab.analysis.metrics import (attention_rollout, entropy, head_table, mean_abs_offset,
+                                      mean_offset, normalized_entropy, special_token_mass)
 from attnlab.analysis.runs import Run, attention_maps, load_run, read_metrics
 
-__all__ = ["Run", "attention_maps", "load_run", "read_metrics"]
+__all__ = ["AblationResult", "Capture", "Run", "attention_maps", "attention_rollout", "capture",
+           "capture_batch", "capture_text", "entropy", "evaluate_alignment", "gold_alignment",
+           "head_ablation", "head_table", "load_run", "mean_abs_offset", "mean_offset",
+           "normalized_entropy", "plot_head_ablation", "read_metrics", "special_token_mass"]

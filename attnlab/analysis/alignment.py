@@ -1,0 +1,219 @@
+"""Gold alignments of the synthetic translation tasks and how well attention recovers them.
+
+  gold = gold_alignment("dates", "9 october 1993", "1993-10-09")   # per output token: (sure, possible)
+  report = evaluate_alignment(run, num_examples=200)   # {layer path: {bin: {accuracy, aer, ...}}}
+
+Gold links (output token i -> source token positions; the final `<end>` has none):
+- copy: i -> i;  reverse: i -> n - 1 - i (sure links).
+- dates (character tokens): each character of the ISO output "YYYY-MM-DD" comes from the source
+  field that holds its year, month or day, as `attnlab.data.synthetic.DATE_FORMATS` renders it
+  (the format is recovered by re-rendering the date in every format). Every character of that
+  field is a possible link; the digits of a numeric field, right-aligned with the output digits
+  ("93" -> the "93" of "1993", "9" -> the "9" of "09", "9th" -> "9"), are sure links. The "-"
+  separators have no gold link and are not scored.
+
+Scores over held-out examples of the run's own task, teacher-forced on the reference output (row
+i of a cross-attention is the step producing output token i), from the argmax alignment
+A = {(i, argmax_j w_ij)} of the head-averaged weights (and of each head):
+- accuracy: the fraction of scored output tokens whose argmax is a possible link;
+- AER (Och & Ney 2003): 1 - (|A ∩ S| + |A ∩ P|) / (|A| + |S|), S the sure and P the possible links
+  (S ⊆ P), summed over the examples;
+per source-length bin (`config.data.length_bins`, or `bins=`) and over all ("all").
+"""
+
+from __future__ import annotations
+
+import datetime
+import string
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from attnlab.analysis import capture as capture_lib
+from attnlab.data import synthetic
+
+__all__ = ["ALIGNMENT_TASKS", "alignment_counts", "dates_gold", "evaluate_alignment",
+           "gold_alignment", "score_counts", "translation_arrays"]
+
+# data.name values with gold alignments.
+ALIGNMENT_TASKS = ("copy", "reverse", "dates")
+# Date field -> the part of the ISO output it fills (start, end) in "YYYY-MM-DD".
+_FIELD_PART = {
+    "yyyy": "year", "yy": "year", "m": "month", "mm": "month", "month": "month", "Month": "month",
+    "mon": "month", "Mon": "month", "d": "day", "dd": "day", "dth": "day",
+}
+_PART_SPAN = {"year": (0, 4), "month": (5, 7), "day": (8, 10)}
+
+Gold = list[tuple[frozenset[int], frozenset[int]]]  # per output token: (sure, possible)
+
+
+def dates_gold(source: str, target: str) -> Gold:
+  """(sure, possible) source character positions of each character of the ISO `target`."""
+  date = datetime.date.fromisoformat(target)
+  fields = synthetic._date_fields(date)  # pylint: disable=protected-access
+  for pattern in synthetic.DATE_FORMATS.values():
+    spans, pos = {}, 0
+    for literal, name, _, _ in string.Formatter().parse(pattern):
+      pos += len(literal)
+      if name is not None:
+        spans[name] = (pos, pos + len(fields[name]))
+        pos += len(fields[name])
+    if pattern.format(**fields) == source:
+      break
+  else:
+    raise ValueError(f"{source!r} is no rendering of {target} in attnlab.data.synthetic."
+                     f"DATE_FORMATS; dates_gold needs an example of the dates task")
+  gold: Gold = [(frozenset(), frozenset())] * len(target)
+  for name, (start, end) in spans.items():
+    part = _FIELD_PART.get(name)
+    if part is None:  # the weekday gives nothing to the output
+      continue
+    out_start, out_end = _PART_SPAN[part]
+    possible = frozenset(range(start, end))
+    digits = [j for j in range(start, end) if source[j].isdigit()]
+    for k, i in enumerate(range(out_end - 1, out_start - 1, -1)):  # output digits right to left
+      sure = frozenset([digits[-1 - k]]) if k < len(digits) else frozenset()
+      gold[i] = (sure, possible)
+  return gold
+
+
+def gold_alignment(task: str, source: str | Sequence[Any], target: str | Sequence[Any]) -> Gold:
+  """(sure, possible) source positions of each output token of one example of `task`.
+
+  copy/reverse take the token sequences (or strings of one-character tokens); dates the texts.
+  """
+  if task not in ALIGNMENT_TASKS:
+    raise ValueError(f"no gold alignment for task {task!r}; tasks with one: "
+                     f"{', '.join(ALIGNMENT_TASKS)}")
+  if task == "dates":
+    return dates_gold(str(source), str(target))
+  n = len(source)
+  if len(target) != n:
+    raise ValueError(f"{task}: source and target must have as many tokens, got {n} and "
+                     f"{len(target)}")
+  link = (lambda i: i) if task == "copy" else (lambda i: n - 1 - i)
+  return [(frozenset([link(i)]), frozenset([link(i)])) for i in range(n)]
+
+
+def alignment_counts(weights: Any, gold: Gold) -> dict[str, int]:
+  """Counts of the argmax alignment of `weights` `[>= len(gold) rows, src_len]` against `gold`.
+
+  Only rows with a possible link are scored. Returns scored (|A|), correct (|A ∩ P|),
+  sure_hits (|A ∩ S|) and sure (|S|).
+  """
+  w = np.asarray(weights)
+  if w.ndim != 2 or w.shape[0] < len(gold):
+    raise ValueError(f"weights must be [rows >= {len(gold)}, src_len], got shape {w.shape}")
+  counts = {"scored": 0, "correct": 0, "sure_hits": 0, "sure": 0}
+  for i, (sure, possible) in enumerate(gold):
+    counts["sure"] += len(sure)
+    if not possible:
+      continue
+    j = int(np.argmax(w[i]))
+    counts["scored"] += 1
+    counts["correct"] += j in possible
+    counts["sure_hits"] += j in sure
+  return counts
+
+
+def score_counts(counts: dict[str, int]) -> dict[str, float]:
+  """accuracy = |A ∩ P| / |A| and AER = 1 - (|A ∩ S| + |A ∩ P|) / (|A| + |S|)."""
+  a, s = counts["scored"], counts["sure"]
+  return {"accuracy": counts["correct"] / a if a else float("nan"),
+          "aer": 1.0 - (counts["sure_hits"] + counts["correct"]) / (a + s) if a + s
+                 else float("nan"),
+          "positions": a}
+
+
+def translation_arrays(task, examples: Sequence[dict[str, str]]) -> dict[str, np.ndarray]:
+  """Raw {"source", "target"} examples as one 0-padded batch in the task's training format."""
+  src = [task.encode_source(ex["source"]) for ex in examples]
+  tgt = [task.encode_target(ex["target"]) for ex in examples]
+  n, s, t = len(examples), max(map(len, src)), max(map(len, tgt))
+  out = {"source": np.zeros((n, s), np.int32), "target": np.zeros((n, t), np.int32),
+         "source_length": np.array([len(x) for x in src], np.int32),
+         "target_length": np.array([len(x) for x in tgt], np.int32),
+         "example_mask": np.ones((n,), bool)}
+  for i, (a, b) in enumerate(zip(src, tgt)):
+    out["source"][i, :len(a)] = a
+    out["target"][i, :len(b)] = b
+  out["source_mask"] = np.arange(s)[None] < out["source_length"][:, None]
+  out["target_mask"] = np.arange(t)[None] < out["target_length"][:, None]
+  return out
+
+
+def _bins(edges: Sequence[int]) -> list[tuple[str, int, int]]:
+  bins, low = [], 1
+  for high in edges:
+    bins.append((f"len_{low:02d}_{int(high):02d}", low, int(high)))
+    low = int(high) + 1
+  return bins
+
+
+def evaluate_alignment(run, *, num_examples: int = 200, split: str | None = None,
+                       bins: Sequence[int] | None = None) -> dict[str, dict[str, Any]]:
+  """Alignment accuracy and AER of every cross-attention layer of a translation run.
+
+  Args:
+    run: a loaded translation run (attnlab.analysis.load_run) on copy, reverse or dates.
+    num_examples: how many examples of the held-out split to score (the first ones).
+    split: the split (default config.data.eval_split).
+    bins: upper edges of source-length bins (default config.data.length_bins; () = none).
+  Returns:
+    {layer path: {"all": {accuracy, aer, positions, examples}, "len_01_05": {...}, ...,
+    "head_accuracy": [accuracy of each head's own argmax over all examples]}}.
+  """
+  if run.config.task != "translation":
+    raise ValueError(f"alignment needs a translation run, got task {run.config.task!r}")
+  name = run.config.data.name
+  if name not in ALIGNMENT_TASKS:
+    raise ValueError(f"no gold alignment for data.name={name!r}; tasks with one: "
+                     f"{', '.join(ALIGNMENT_TASKS)}")
+  task = run.task
+  split = split or run.config.data.eval_split
+  if split not in task.splits:
+    task.splits[split] = task._load(split)  # pylint: disable=protected-access
+  examples = task.splits[split][:num_examples]
+  if not examples:
+    raise ValueError(f"split {split!r} has no examples")
+  if name == "dates" and run.config.data.tokenizer != "char":
+    raise ValueError("dates gold alignments are per character: the run needs data.tokenizer=char")
+  arrays = translation_arrays(task, examples)
+  maps = capture_lib.capture_batch(
+      run, {k: arrays[k] for k in ("source", "source_length", "target", "target_length")})
+  cross = {p: w for p, w in maps.items() if capture_lib.layer_info(run, p)[1] == "cross"}
+  edges = run.config.data.length_bins if bins is None else bins
+  bin_list = [("all", 1, 10 ** 9)] + _bins(edges)
+  golds = []
+  for i, ex in enumerate(examples):
+    if name == "dates":
+      golds.append(gold_alignment(name, ex["source"], ex["target"]))
+    else:
+      src = task.src_tok.split(task._prepare_text(ex["source"]))  # pylint: disable=protected-access
+      tgt = task.tgt_tok.split(task._prepare_text(ex["target"]))  # pylint: disable=protected-access
+      golds.append(gold_alignment(name, src, tgt))
+  report = {}
+  for path, w in cross.items():  # [batch, heads, t, s]
+    n_heads = w.shape[1]
+    totals = {b[0]: {"scored": 0, "correct": 0, "sure_hits": 0, "sure": 0, "examples": 0}
+              for b in bin_list}
+    head_totals = [{"scored": 0, "correct": 0, "sure_hits": 0, "sure": 0} for _ in range(n_heads)]
+    for i, gold in enumerate(golds):
+      s_len = int(arrays["source_length"][i])
+      c = alignment_counts(w[i].mean(axis=0)[:, :s_len], gold)
+      for label, low, high in bin_list:
+        if low <= s_len <= high:
+          for key, value in c.items():
+            totals[label][key] += value
+          totals[label]["examples"] += 1
+      for h in range(n_heads):
+        for key, value in alignment_counts(w[i, h, :, :s_len], gold).items():
+          head_totals[h][key] += value
+    entry: dict[str, Any] = {}
+    for label, _, _ in bin_list:
+      if totals[label]["examples"]:
+        entry[label] = {**score_counts(totals[label]), "examples": totals[label]["examples"]}
+    entry["head_accuracy"] = [score_counts(t)["accuracy"] for t in head_totals]
+    report[path] = entry
+  return report
