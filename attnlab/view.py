@@ -22,6 +22,7 @@ import pathlib
 import sys
 from collections.abc import Sequence
 
+import numpy as np
 from absl import flags
 
 from attnlab import main as main_lib
@@ -69,27 +70,29 @@ def view_text(workdir, text: str, target: str | None = None, out: str | os.PathL
     run = workdir
   else:
     run = analysis.load_run(workdir, int(step) if str(step).isdigit() else step)
-  from attnlab.analysis import capture as capture_lib
-  from attnlab.analysis import metrics as metrics_lib
-  from attnlab.analysis import view as view_lib
+  # (attnlab.analysis also exports a function named `capture`: import the names themselves.)
+  from attnlab.analysis.capture import capture_text
+  from attnlab.analysis.metrics import head_table
+  from attnlab.analysis.view import write_html
   # pylint: enable=g-import-not-at-top
   if run.model is None:
     raise UserError(f"{run.workdir} is a {run.config.task!r} run without a Flax model; there is no "
                     "attention to view")
   try:
-    capture = capture_lib.capture_text(run, text, target=target)
+    capture = capture_text(run, text, target=target)
   except UserError:
     raise
   except ValueError as e:  # an input the run's tokenizer or task refuses
     raise UserError(f"cannot capture attention of {run.workdir} on {text!r}: {e}") from e
-  if not capture.weights:
+  # A model without attention (the RNN seq2seq with model.attention=none) sows all-zero weights.
+  if not any(np.any(w) for w in capture.weights.values()):
     raise UserError(f"{run.workdir} is a {run.config.task!r} run whose model has no attention "
-                    "layer; there is nothing to view")
-  rows = metrics_lib.head_table(capture)
+                    "(no layer sows nonzero weights); there is nothing to view")
+  rows = head_table(capture)
   path = pathlib.Path(out) if out else run.workdir / "view.html"
   title = f"{run.workdir.name} \u00b7 step {run.step}"
   try:
-    return view_lib.write_html(path, capture, rows, title=title)
+    return write_html(path, capture, rows, title=title)
   except OSError as e:
     raise UserError(f"cannot write {path}: {e.strerror or e}") from e
 

@@ -56,13 +56,15 @@ def _group(kind: str, sides: tuple[str, str]) -> str:
 
 
 def _jsonable(value: Any) -> Any:
-  """Metrics cells as JSON values: numpy scalars to Python, NaN/inf to None."""
+  """Metrics cells as JSON values: numpy scalars to Python, NaN/inf to None, pairs as "a → b"."""
   if isinstance(value, np.generic):
     value = value.item()
   if isinstance(value, float) and not math.isfinite(value):
     return None
   if isinstance(value, (str, int, float, bool)) or value is None:
     return value
+  if isinstance(value, (tuple, list)):  # e.g. the (query, key) sides
+    return " \u2192 ".join(str(v) for v in value)
   return str(value)
 
 
@@ -102,6 +104,9 @@ def page_data(capture, metrics: Sequence[Mapping[str, Any]] | None = None, title
   # Stable order: groups as in _GROUP_ORDER, layers in capture order inside a group.
   layers.sort(key=lambda l: _GROUP_ORDER.index(l["group"]))
   rows = [{str(k): _jsonable(v) for k, v in row.items()} for row in (metrics or [])]
+  # Rows in the picker's layer order (stable: heads keep their order); unknown layers last.
+  order = {layer["path"]: i for i, layer in enumerate(layers)}
+  rows.sort(key=lambda r: order.get(r.get("layer", r.get("path")), len(order)))
   return {"title": title, "tokens": tokens, "scale": scale, "layers": layers, "metrics": rows}
 
 
@@ -538,12 +543,14 @@ _SCRIPT = r"""
       var vals = rows.map(function (r) { return r[c]; })
                      .filter(function (v) { return typeof v === "number" && c !== "head"; });
       if (vals.length === rows.length) {
-        ranges[c] = [Math.min.apply(null, vals), Math.max.apply(null, vals)];
+        // Bars from 0 (or the most negative value): their lengths compare the values themselves.
+        ranges[c] = [Math.min(0, Math.min.apply(null, vals)), Math.max(0, Math.max.apply(null, vals))];
       }
     });
     var thead = el("thead", {}, table), tr = el("tr", {}, thead);
     cols.forEach(function (c) {
       var th = el("th", { "data-key": c }, tr);
+      if (rows.every(function (r) { return typeof r[c] === "string"; })) th.style.textAlign = "left";
       th.textContent = c.replace(/_/g, " ");
       th.addEventListener("click", function () {
         state.sortDesc = state.sortKey === c ? !state.sortDesc : false;
@@ -578,6 +585,7 @@ _SCRIPT = r"""
       cols.forEach(function (c) {
         var td = el("td", {}, tr), v = r[c];
         td.textContent = cellText(v, c);
+        if (typeof v === "string") td.style.textAlign = "left";
         if (ranges[c] && ranges[c][1] > ranges[c][0]) {
           var f = (v - ranges[c][0]) / (ranges[c][1] - ranges[c][0]);
           td.className = "bar";
