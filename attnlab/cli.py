@@ -15,6 +15,7 @@ COMMANDS = {
     "generate": ("attnlab.generate", "sample text from a trained language model"),
     "translate": ("attnlab.translate", "translate a sentence with a trained model and plot alignment"),
     "data": ("attnlab.data.cli", "prepare or show a dataset"),
+    "import-hf": ("attnlab.import_hf", "import (or export) a Hugging Face GPT-2/BERT checkpoint"),
     "view": ("attnlab.view", "write an interactive HTML page of a run's attention on a text"),
 }
 

@@ -5,6 +5,9 @@ Config args (besides any field, e.g. `optimizer.learning_rate=1e-4`):
   size=tiny|mini|test      encoder size (attnlab.models.bert.SIZES; tiny = BERT-Tiny 2x128,
                            mini = BERT-Mini 4x256; test = seconds on a CPU, the runlocal default)
   score=NAME               attention score (dot, scaled_dot, cosine, general, additive, location)
+  pretrained=DIR           (finetune) start from the encoder of run DIR, e.g. a checkpoint imported
+                           with `attnlab import-hf`: sets init_from=DIR and copies DIR's encoder
+                           fields (model.*) and tokenizer fields (data.*) so that they match
 
 Launch (from the repository root; data from $ATTNLAB_DATA_DIR or
 `--config.data.manual_dir=../shared/data`, else downloaded):
@@ -12,12 +15,18 @@ Launch (from the repository root; data from $ATTNLAB_DATA_DIR or
   attnlab train --config=configs/bert.py:mode=finetune,size=tiny \
       --config.init_from=runs/bert_pretrain --workdir=runs/bert_sst2
   attnlab train --config=configs/bert.py:mode=finetune,size=tiny --workdir=runs/bert_sst2_scratch
+  attnlab import-hf path/to/bert_checkpoint --workdir=runs/bert_hf
+  attnlab train --config=configs/bert.py:mode=finetune,pretrained=runs/bert_hf \
+      --workdir=runs/bert_hf_sst2
 Seconds-long checks of both modes (`init_from` must name a run of the same size and data options):
   attnlab train --config=configs/bert.py:mode=pretrain,runlocal=True --workdir=/tmp/bert_pt
   attnlab train --config=configs/bert.py:mode=finetune,runlocal=True \
       --config.init_from=/tmp/bert_pt --workdir=/tmp/bert_ft
 The study (pretrain, fine-tune vs scratch, 3 seeds): python experiments/bert_sst2/run.py
 """
+
+import json
+import os
 
 from attnlab import config_utils
 
@@ -31,7 +40,27 @@ SIZES = {
     "test": dict(num_layers=2, d_model=32, num_heads=2, mlp_dim=64),
 }
 # Arg keys handled by this file rather than by config fields.
-SHORTCUTS = ("mode", "size", "score")
+SHORTCUTS = ("mode", "size", "score", "pretrained")
+# Fields that `pretrained=DIR` copies from DIR/config.json (when DIR's config has them).
+PRETRAINED_FIELDS = ("model.num_layers", "model.d_model", "model.num_heads", "model.mlp_dim",
+                     "model.max_len", "model.score", "model.activation", "model.norm_position",
+                     "model.layer_norm_epsilon", "model.type_vocab_size", "data.corpus",
+                     "data.vocab_size", "data.max_documents", "data.max_extra_sentences",
+                     "data.tokenizer_dir", "data.tokenizer", "data.tokenizer_path")
+
+
+def _pretrained_fields(workdir: str) -> dict:
+  """{field: value} of PRETRAINED_FIELDS in the run `workdir` (its config.json)."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isfile(path):
+    raise config_utils.ConfigError(f"pretrained={workdir}: no config.json there; give the "
+                                   f"--workdir of a masked_lm run or of `attnlab import-hf`")
+  with open(path, encoding="utf-8") as f:
+    stored = config_utils.flatten(json.load(f))
+  if stored.get("task") != "masked_lm":
+    raise config_utils.ConfigError(f"pretrained={workdir} is a {stored.get('task')!r} run; a "
+                                   f"masked_lm run (BERT pretraining or import) is needed")
+  return {key: stored[key] for key in PRETRAINED_FIELDS if key in stored}
 
 
 def _shortcuts(arg: str | None) -> tuple[dict[str, str], str]:
@@ -45,6 +74,8 @@ def _shortcuts(arg: str | None) -> tuple[dict[str, str], str]:
   if found.get("mode", "pretrain") not in MODES:
     raise config_utils.ConfigError(f"unknown mode {found['mode']!r}; valid modes: "
                                    f"{', '.join(MODES)}")
+  if "pretrained" in found and found.get("mode") != "finetune":
+    raise config_utils.ConfigError("pretrained=DIR goes with mode=finetune")
   if found.get("size", "tiny") not in SIZES:
     raise config_utils.ConfigError(f"unknown size {found['size']!r}; valid sizes: "
                                    f"{', '.join(SIZES)}")
@@ -152,4 +183,12 @@ def get_config(arg: str | None = None):
     local.update({"data.max_predictions": 5, "data.num_eval_examples": 32})
   else:
     local.update({"data.max_train_examples": 200, "data.max_eval_examples": 40})
+  if "pretrained" in shortcuts:
+    config.init_from = shortcuts["pretrained"]
+    for key, value in _pretrained_fields(shortcuts["pretrained"]).items():
+      section, field = key.split(".")
+      config[section][field] = value  # adds the fields an imported run has
+      local.pop(key, None)  # the pretrained run's values win over runlocal's
+    config.data.max_len = min(config.data.max_len, config.model.max_len)
+    local["data.max_len"] = min(local["data.max_len"], config.model.max_len)
   return config_utils.finalize(config, rest, runlocal=local)

@@ -81,6 +81,10 @@ class BertHyperparameters(nn.Module):
   activation: str = "gelu"
   # LayerNorm placement in the blocks: post (BERT) or pre.
   norm_position: str = "post"
+  # LayerNorm epsilon of the embeddings, blocks and MLM head (BERT: 1e-12).
+  layer_norm_epsilon: float = 1e-12
+  # Number of segment (token type) ids: BERT's sentence A = 0, sentence B = 1.
+  type_vocab_size: int = NUM_SEGMENTS
   # Compute dtype (None: float32).
   dtype: Any = None
 
@@ -100,20 +104,21 @@ class BertEncoder(BertHyperparameters):
     self.embed = Embeddings(self.vocab_size, self.d_model, self.max_len, position="learned",
                             dropout_rate=0.0, embedding_init=default_kernel_init,
                             dtype=self.dtype)
-    self.segment = nn.Embed(NUM_SEGMENTS, self.d_model, embedding_init=default_kernel_init,
-                            dtype=self.dtype)
-    self.embed_norm = nn.LayerNorm(epsilon=1e-12, dtype=self.dtype)
+    self.segment = nn.Embed(self.type_vocab_size, self.d_model,
+                            embedding_init=default_kernel_init, dtype=self.dtype)
+    self.embed_norm = nn.LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype)
     self.embed_dropout = nn.Dropout(self.dropout_rate)
     self.blocks = [
         TransformerBlock(
             num_heads=self.num_heads, mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
             attention_dropout_rate=self.attention_dropout_rate, score=self.score,
             implementation=self.implementation, causal=False, norm_position=self.norm_position,
-            activation=self.activation, use_bias=True, layer_norm_epsilon=1e-12,
+            activation=self.activation, use_bias=True,
+            layer_norm_epsilon=self.layer_norm_epsilon,
             max_len=self.max_len, dtype=self.dtype, name=f"block_{i}")
         for i in range(self.num_layers)]
     # A pre-LN stack needs a final LayerNorm; a post-LN one ends normalised already.
-    self.final_norm = (nn.LayerNorm(epsilon=1e-12, dtype=self.dtype)
+    self.final_norm = (nn.LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype)
                        if self.norm_position == "pre" else None)
     self.pooler = Dense(self.d_model, dtype=self.dtype)
 
@@ -161,7 +166,7 @@ class BertForPretraining(BertHyperparameters):
   def setup(self):
     self.encoder = _encoder(self)
     self.mlm_transform = Dense(self.d_model, dtype=self.dtype)
-    self.mlm_norm = nn.LayerNorm(epsilon=1e-12, dtype=self.dtype)
+    self.mlm_norm = nn.LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype)
     self.mlm_bias = self.param("mlm_bias", nn.initializers.zeros, (self.vocab_size,))
     self.nsp = Dense(2, dtype=self.dtype)
 

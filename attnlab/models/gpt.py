@@ -85,6 +85,8 @@ class GPT(nn.Module):
   activation: str = "gelu_tanh"
   # Biases in Dense layers and LayerNorms (nanoGPT's recipe: none).
   use_bias: bool = False
+  # LayerNorm epsilon (GPT-2: 1e-5).
+  layer_norm_epsilon: float = 1e-5
   # Compute dtype (None: float32).
   dtype: Any = None
 
@@ -101,11 +103,11 @@ class GPT(nn.Module):
             dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
             score=self.score, implementation=self.implementation, causal=True,
             norm_position="pre", activation=self.activation, use_bias=self.use_bias,
-            max_len=self.block_size, rotary=self.position == "rotary", kernel_init=init,
-            out_kernel_init=out_init,
+            layer_norm_epsilon=self.layer_norm_epsilon, max_len=self.block_size,
+            rotary=self.position == "rotary", kernel_init=init, out_kernel_init=out_init,
             dtype=self.dtype, name=f"block_{i}")
         for i in range(self.num_layers)]
-    self.ln_f = LayerNorm(epsilon=1e-5, use_bias=self.use_bias, dtype=self.dtype)
+    self.ln_f = LayerNorm(epsilon=self.layer_norm_epsilon, use_bias=self.use_bias, dtype=self.dtype)
 
   def __call__(self, tokens: Array, *, deterministic: bool = True, decode: bool = False,
                sow_weights: bool | None = None) -> Array:
@@ -135,6 +137,8 @@ def check_config(model: GPT) -> None:
       raise ValueError(f"{name} must be >= 1, got {getattr(model, name)}")
   if model.d_model % model.num_heads:
     raise ValueError(f"d_model={model.d_model} must be divisible by num_heads={model.num_heads}")
+  if not model.layer_norm_epsilon > 0:
+    raise ValueError(f"layer_norm_epsilon must be > 0, got {model.layer_norm_epsilon}")
   for name in ("dropout_rate", "attention_dropout_rate"):
     if not 0.0 <= getattr(model, name) < 1.0:
       raise ValueError(f"{name} must be in [0, 1), got {getattr(model, name)}")

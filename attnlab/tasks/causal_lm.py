@@ -7,6 +7,9 @@ Datasets (config.data.name):
   windows of block_size + 1 tokens at random offsets (nanoGPT's sampler), drawn from a generator
   seeded by (seed, step), so a resumed run sees the same batches. Evaluation covers every
   non-overlapping block_size window of the validation text (or the first `data.eval_windows`).
+  A run imported from a Hugging Face checkpoint (attnlab import-hf) uses the checkpoint's
+  tokenizer (`data.tokenizer=hf`, files in `data.tokenizer_path`; or `ids`: text written as token
+  ids) and reads the text only when it trains or evaluates, so it generates without the dataset.
 - `addition`: the synthetic "a+b=c" texts of attnlab.data, one per sequence:
   inputs `<start> a+b=c`, targets `a+b=c <end>`, padded to a fixed length. Evaluation adds the
   exact-answer accuracy: the fraction of validation sums whose greedy continuation after "=" is
@@ -31,6 +34,7 @@ import optax
 
 from attnlab import data as data_lib
 from attnlab.config_utils import ConfigError
+from attnlab.data import hf_tokenizer
 from attnlab.data import tokenizers as tok_lib
 from attnlab.models import gpt as gpt_lib
 from attnlab.tasks import register_task
@@ -40,8 +44,11 @@ from attnlab.tasks.base import rng_for
 
 # Datasets this task trains on.
 DATASETS = ("tiny_shakespeare", "addition")
-# Tokenizers for tiny_shakespeare (addition always uses characters).
-TOKENIZERS = ("char", "subword")
+# Tokenizers for tiny_shakespeare (addition always uses characters); hf and ids are those of an
+# imported checkpoint (attnlab.data.hf_tokenizer), read from data.tokenizer_path.
+TOKENIZERS = ("char", "subword", "hf", "ids")
+# Tokenizers that come with the run rather than from the data (the text is read only to train).
+PRETRAINED_TOKENIZERS = ("hf", "ids")
 # Characters of the addition texts.
 ADDITION_ALPHABET = "0123456789+="
 
@@ -53,7 +60,11 @@ def default_tokenizer_dir() -> pathlib.Path:
 
 
 def build_model(model_cfg: Any, vocab_size: int) -> gpt_lib.GPT:
-  """The GPT of `config.model`: size preset, explicit dims (0 = from the size) and options."""
+  """The GPT of `config.model`: size preset, explicit dims (0 = from the size) and options.
+
+  Keys an imported checkpoint's config adds (absent = the default): model.layer_norm_epsilon
+  (1e-5) and model.vocab_size (0 = the tokenizer's size, `vocab_size`).
+  """
   try:
     dims = gpt_lib.size_config(model_cfg.size)
   except ValueError as e:
@@ -68,7 +79,8 @@ def build_model(model_cfg: Any, vocab_size: int) -> gpt_lib.GPT:
         dropout_rate=model_cfg.dropout, attention_dropout_rate=model_cfg.attention_dropout,
         score=model_cfg.score, implementation=model_cfg.implementation,
         position=model_cfg.position, activation=model_cfg.activation,
-        use_bias=model_cfg.use_bias)
+        use_bias=model_cfg.use_bias,
+        layer_norm_epsilon=model_cfg.get("layer_norm_epsilon", 1e-5))
     gpt_lib.check_config(model)
   except ValueError as e:
     raise ConfigError(f"config.model: {e}") from None
@@ -104,7 +116,11 @@ class CausalLMTask(Task):
         self._setup_addition(d)
     except data_lib.DataError as e:  # missing files, bad options: one line for the user
       raise ConfigError(f"causal_lm data ({d.name}): {e}") from e
-    self.model = build_model(config.model, len(self.tokenizer))
+    vocab_size = config.model.get("vocab_size", 0) or len(self.tokenizer)
+    if vocab_size < len(self.tokenizer):
+      raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the tokenizer's "
+                        f"{len(self.tokenizer)} tokens; raise it or set 0 (the tokenizer's size)")
+    self.model = build_model(config.model, vocab_size)
     self.block_size = self.model.block_size
     if self.seq_len > self.block_size:
       raise ConfigError(f"addition texts need {self.seq_len} positions but model.block_size is "
@@ -114,10 +130,23 @@ class CausalLMTask(Task):
   # ---------------------------------------------------------------------------- data
 
   def _setup_shakespeare(self, d) -> None:
+    if d.tokenizer in PRETRAINED_TOKENIZERS:
+      # The run brings its tokenizer: the text is read on first use (training, evaluation), so
+      # an imported run generates text without the dataset.
+      self.tokenizer = hf_tokenizer.load(d.tokenizer, d.get("tokenizer_path", ""),
+                                         self.config.model.get("vocab_size", 0))
+      self.train_ids = self.val_ids = None
+      self.seq_len = 0
+      return
+    self._read_shakespeare(d)
+
+  def _read_shakespeare(self, d) -> None:
     kwargs = {"data_dir": d.data_dir or None, "manual_dir": d.manual_dir or None}
     train_text = data_lib.get_dataset("tiny_shakespeare", "train", **kwargs)[0]["text"]
     val_text = data_lib.get_dataset("tiny_shakespeare", "validation", **kwargs)[0]["text"]
-    if d.tokenizer == "char":
+    if d.tokenizer in PRETRAINED_TOKENIZERS:
+      pass  # built by _setup_shakespeare
+    elif d.tokenizer == "char":
       self.tokenizer = tok_lib.CharTokenizer.train([train_text])
     else:
       directory = pathlib.Path(d.tokenizer_dir) if d.tokenizer_dir else default_tokenizer_dir()
@@ -128,7 +157,18 @@ class CausalLMTask(Task):
     self.val_ids = np.asarray(self.tokenizer.encode(val_text), np.int32)
     self.seq_len = 0  # windows of block_size
 
+  def _text_ids(self) -> None:
+    """Reads and encodes the text if _setup_shakespeare left it for later."""
+    if self.seq_len == 0 and self.train_ids is None:
+      try:
+        self._read_shakespeare(self.config.data)
+      except data_lib.DataError as e:
+        raise ConfigError(f"causal_lm data ({self.config.data.name}): {e}") from e
+
   def _setup_addition(self, d) -> None:
+    if d.tokenizer in PRETRAINED_TOKENIZERS:
+      raise ConfigError(f"data.tokenizer={d.tokenizer} works with tiny_shakespeare only; the "
+                        f"addition texts use their own character tokenizer")
     options = {"min_digits": d.min_digits, "max_digits": d.max_digits}
     seed = d.seed if d.seed >= 0 else self.config.seed
     train = data_lib.get_dataset("addition", "train", num_examples=d.num_train_examples,
@@ -157,6 +197,7 @@ class CausalLMTask(Task):
 
   def train_iterator(self) -> IndexedBatches:
     size, seed, block = self.config.batch_size, self.config.seed, self.block_size
+    self._text_ids()
     if self.seq_len == 0:
       ids = self.train_ids
       if len(ids) <= block + 1:
@@ -185,6 +226,7 @@ class CausalLMTask(Task):
   def eval_batches(self) -> list[dict[str, np.ndarray]]:
     """Validation batches with per-position `weights` (0 on padding rows/positions)."""
     size = self.config.data.eval_batch_size
+    self._text_ids()
     if self.seq_len == 0:
       block, ids = self.block_size, self.val_ids
       count = (len(ids) - 1) // block

@@ -41,7 +41,9 @@ _LOG = logging.getLogger(__name__)
 
 # Model fields that must agree between a pretraining run and the fine-tuning model.
 ENCODER_KEYS = ("num_layers", "d_model", "num_heads", "mlp_dim", "max_len", "score", "activation",
-                "norm_position")
+                "norm_position", "layer_norm_epsilon", "type_vocab_size")
+# Defaults of the encoder keys that older configs lack (a run imported from Hugging Face has them).
+ENCODER_DEFAULTS = {"layer_norm_epsilon": 1e-12, "type_vocab_size": bert.NUM_SEGMENTS}
 NUM_CLASSES = 2
 
 
@@ -50,7 +52,8 @@ def encode_sst2(tokenizer, examples, max_len: int) -> tuple[np.ndarray, np.ndarr
   ids = np.zeros((len(examples), max_len), np.int32)
   labels = np.zeros((len(examples),), np.int32)
   for i, ex in enumerate(examples):
-    seq, _ = masked_lm.make_pair(tokenizer.encode(ex["sentence"]), None, max_len, None)
+    seq, _ = masked_lm.make_pair(tokenizer.encode(ex["sentence"]), None, max_len, None,
+                                 cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id)
     ids[i, :len(seq)] = seq
     labels[i] = ex["label"]
   return ids, labels
@@ -63,7 +66,8 @@ def pretraining_mismatch(pretrain: ml_collections.ConfigDict,
   if pretrain.get("task") != "masked_lm":
     diffs.append(f"task: {pretrain.get('task')!r} (a 'masked_lm' run is needed)")
   for key in ENCODER_KEYS:
-    a, b = pretrain.model.get(key), config.model.get(key)
+    default = ENCODER_DEFAULTS.get(key)
+    a, b = pretrain.model.get(key, default), config.model.get(key, default)
     if a != b:
       diffs.append(f"model.{key}: {a!r} in the pretraining run, {b!r} here")
   a, b = masked_lm.tokenizer_options(pretrain.data), masked_lm.tokenizer_options(config.data)
@@ -83,7 +87,7 @@ class ClassificationTask(Task):
       raise ConfigError("config.init_from is missing; build the config with configs/bert.py "
                         "(mode=finetune)")
     self.tokenizer = masked_lm.bert_tokenizer(config.data)
-    self.vocab_size = len(self.tokenizer)
+    self.vocab_size = masked_lm.model_vocab_size(config.data, self.tokenizer)
     self.model = bert.BertForClassification(num_classes=NUM_CLASSES,
                                             **masked_lm.model_kwargs(config, self.vocab_size))
     self._train: tuple[np.ndarray, np.ndarray] | None = None

@@ -47,6 +47,7 @@ import optax
 
 from attnlab import data as data_lib
 from attnlab.config_utils import ConfigError
+from attnlab.data import hf_tokenizer
 from attnlab.data import tokenizers
 from attnlab.models import bert
 from attnlab.tasks import register_task
@@ -92,11 +93,19 @@ def corpus_texts(data: ml_collections.ConfigDict) -> tuple[list[list[str]], list
   return documents, extra
 
 
+# data.tokenizer values: subword (the default: sentencepiece trained on the corpus) or the
+# tokenizer of an imported checkpoint, hf (files in data.tokenizer_path) or ids (no files).
+TOKENIZER_KINDS = ("subword", "hf", "ids")
+
+
 def tokenizer_options(data: ml_collections.ConfigDict) -> dict[str, Any]:
   """The data options that determine the vocabulary (compared across pretraining/fine-tuning)."""
-  return {"corpus": data.corpus, "vocab_size": int(data.vocab_size),
-          "max_documents": int(data.max_documents),
-          "max_extra_sentences": int(data.max_extra_sentences)}
+  options = {"corpus": data.corpus, "vocab_size": int(data.vocab_size),
+             "max_documents": int(data.max_documents),
+             "max_extra_sentences": int(data.max_extra_sentences)}
+  if data.get("tokenizer", "subword") != "subword":
+    options.update(tokenizer=data.tokenizer, tokenizer_path=data.get("tokenizer_path", ""))
+  return options
 
 
 def _tokenizer_dir(data: ml_collections.ConfigDict) -> pathlib.Path:
@@ -106,11 +115,25 @@ def _tokenizer_dir(data: ml_collections.ConfigDict) -> pathlib.Path:
   return pathlib.Path(cache) / "attnlab" / "bert_tokenizers"
 
 
-def bert_tokenizer(data: ml_collections.ConfigDict) -> tokenizers.SubwordTokenizer:
+def bert_tokenizer(data: ml_collections.ConfigDict) -> Any:
   """The subword tokenizer of these data options: loaded from the cache or trained and cached.
 
   Training is deterministic, so a missing cache only costs time, never a different vocabulary.
+  With `data.tokenizer=hf` (or `ids`), the tokenizer of an imported checkpoint instead
+  (attnlab.data.hf_tokenizer; `data.vocab_size` is then the model's vocabulary size).
   """
+  kind = data.get("tokenizer", "subword")
+  if kind not in TOKENIZER_KINDS:
+    raise ConfigError(f"unknown data.tokenizer {kind!r}; valid: {', '.join(TOKENIZER_KINDS)}")
+  if kind != "subword":
+    try:
+      tokenizer = hf_tokenizer.load(kind, data.get("tokenizer_path", ""), data.vocab_size)
+    except data_lib.DataError as e:
+      raise ConfigError(str(e)) from None
+    if len(tokenizer) > data.vocab_size:
+      raise ConfigError(f"data.vocab_size={data.vocab_size} is smaller than the tokenizer's "
+                        f"{len(tokenizer)} tokens; set it to the checkpoint's vocabulary size")
+    return tokenizer
   options = tokenizer_options(data)
   key = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:16]
   path = _tokenizer_dir(data) / f"{key}.json"
@@ -123,10 +146,36 @@ def bert_tokenizer(data: ml_collections.ConfigDict) -> tokenizers.SubwordTokeniz
 
 
 def word_start_table(tokenizer: tokenizers.Vocab) -> np.ndarray:
-  """bool `[vocab]`: True where a piece begins a word (starts with "▁") or is special."""
+  """bool `[vocab]`: True where a piece begins a word (starts with "▁") or is special.
+
+  For a WordPiece vocabulary (data.tokenizer=hf): every piece but the "##" continuations.
+  """
+  if tokenizer.kind in ("hf", "ids"):
+    return np.array([not t.startswith("##") for t in tokenizer.tokens], bool)  # [vocab]
   table = np.array([t.startswith("\u2581") for t in tokenizer.tokens], bool)  # [vocab]
   table[:FIRST_ORDINARY_ID] = True
   return table
+
+
+def model_vocab_size(data: ml_collections.ConfigDict, tokenizer: Any) -> int:
+  """Rows of the token table: the tokenizer's size, or data.vocab_size for an imported one."""
+  return len(tokenizer) if data.get("tokenizer", "subword") == "subword" else int(data.vocab_size)
+
+
+def special_ids(tokenizer: Any, vocab_size: int) -> dict[str, Any] | None:
+  """{cls_id, sep_id, mask_id, ordinary} of an imported tokenizer (PretrainingData's
+  `special`); None for attnlab's own vocabularies (ids 0..6 special)."""
+  if tokenizer.kind not in ("hf", "ids"):
+    return None
+  ids = {"cls_id": tokenizer.cls_id, "sep_id": tokenizer.sep_id, "mask_id": tokenizer.mask_id}
+  missing = [k[:-3] for k, v in ids.items() if v is None]
+  if missing:
+    raise ConfigError(f"the tokenizer has no {', '.join(missing)} token, which BERT's pairs and "
+                      f"masks need; import a checkpoint whose tokenizer has [CLS], [SEP], [MASK]")
+  ordinary = np.zeros((vocab_size,), bool)  # [vocab]
+  ordinary[:len(tokenizer)] = True
+  ordinary[list(tokenizer.all_special_ids)] = False
+  return {**ids, "ordinary": ordinary}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -166,19 +215,24 @@ def truncate_pair(a: list[int], b: list[int], max_tokens: int,
 
 
 def make_pair(a: Sequence[int], b: Sequence[int] | None, max_len: int,
-              rng: np.random.Generator) -> tuple[list[int], list[int]]:
-  """(`[CLS] A [SEP] B [SEP]` ids, segment ids), or `[CLS] A [SEP]` when b is None; fits max_len."""
+              rng: np.random.Generator, *, cls_id: int = tokenizers.CLS_ID,
+              sep_id: int = tokenizers.SEP_ID) -> tuple[list[int], list[int]]:
+  """(`[CLS] A [SEP] B [SEP]` ids, segment ids), or `[CLS] A [SEP]` when b is None; fits max_len.
+
+  cls_id, sep_id: the tokenizer's ids (`tokenizer.cls_id`; an imported vocabulary has its own).
+  """
   if b is None:
     a = list(a)[:max_len - 2]
-    return [tokenizers.CLS_ID, *a, tokenizers.SEP_ID], [0] * (len(a) + 2)
+    return [cls_id, *a, sep_id], [0] * (len(a) + 2)
   a, b = truncate_pair(a, b, max_len - 3, rng)
-  ids = [tokenizers.CLS_ID, *a, tokenizers.SEP_ID, *b, tokenizers.SEP_ID]
+  ids = [cls_id, *a, sep_id, *b, sep_id]
   return ids, [0] * (len(a) + 2) + [1] * (len(b) + 1)
 
 
 def mask_tokens(ids: Sequence[int], rng: np.random.Generator, *, vocab_size: int,
                 mask_prob: float = 0.15, max_predictions: int = 20,
-                word_starts: np.ndarray | None = None
+                word_starts: np.ndarray | None = None, mask_id: int = tokenizers.MASK_ID,
+                ordinary: np.ndarray | None = None
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """BERT's masking of one sequence.
 
@@ -189,11 +243,17 @@ def mask_tokens(ids: Sequence[int], rng: np.random.Generator, *, vocab_size: int
     mask_prob: expected fraction of ordinary tokens chosen (stochastic rounding of the count).
     max_predictions: cap on the number chosen.
     word_starts: bool `[vocab]` (word_start_table) for whole-word masking; None = per piece.
+    mask_id: the tokenizer's [MASK] id.
+    ordinary: bool `[vocab]`, True = an ordinary token (may be chosen, or drawn as a random
+      replacement); None = the ids >= 7 (attnlab's vocabularies).
   Returns:
     (masked ids int32 `[len]`, chosen positions int32 `[n]` ascending, their original ids `[n]`).
   """
   ids = np.asarray(ids, np.int32)  # [len]
-  candidates = np.flatnonzero(ids >= FIRST_ORDINARY_ID)  # [num_candidates]
+  if ordinary is None:
+    candidates = np.flatnonzero(ids >= FIRST_ORDINARY_ID)  # [num_candidates]
+  else:
+    candidates = np.flatnonzero(ordinary[ids])  # [num_candidates]
   # Group candidates into words: a new word at a word-start piece or after a non-candidate.
   words: list[list[int]] = []
   for pos in candidates:
@@ -216,8 +276,11 @@ def mask_tokens(ids: Sequence[int], rng: np.random.Generator, *, vocab_size: int
   labels = ids[positions]  # [n]
   masked = ids.copy()
   u = rng.random(len(positions))  # [n]
-  random_ids = rng.integers(FIRST_ORDINARY_ID, vocab_size, len(positions))  # [n]
-  masked[positions] = np.where(u < 0.8, tokenizers.MASK_ID,
+  if ordinary is None:
+    random_ids = rng.integers(FIRST_ORDINARY_ID, vocab_size, len(positions))  # [n]
+  else:
+    random_ids = np.flatnonzero(ordinary)[rng.integers(0, int(ordinary.sum()), len(positions))]
+  masked[positions] = np.where(u < 0.8, mask_id,
                                np.where(u < 0.9, random_ids, labels))
   return masked, positions, labels
 
@@ -225,11 +288,13 @@ def mask_tokens(ids: Sequence[int], rng: np.random.Generator, *, vocab_size: int
 def pack_example(ids: list[int], segments: list[int], rng: np.random.Generator, *,
                  max_len: int, is_next: int, nsp_weight: float, vocab_size: int,
                  mask_prob: float, max_predictions: int,
-                 word_starts: np.ndarray | None) -> MaskedExample:
+                 word_starts: np.ndarray | None, mask_id: int = tokenizers.MASK_ID,
+                 ordinary: np.ndarray | None = None) -> MaskedExample:
   """Masks a sequence and pads it to fixed-size arrays."""
   masked, positions, labels = mask_tokens(ids, rng, vocab_size=vocab_size, mask_prob=mask_prob,
                                           max_predictions=max_predictions,
-                                          word_starts=word_starts)
+                                          word_starts=word_starts, mask_id=mask_id,
+                                          ordinary=ordinary)
   n, length = len(positions), len(ids)
   pad = lambda x, size, dtype: np.pad(np.asarray(x, dtype), (0, size - len(x)))
   return MaskedExample(
@@ -252,8 +317,10 @@ class PretrainingData:
   def __init__(self, documents: Sequence[Sequence[Sequence[int]]],
                singles: Sequence[Sequence[int]], *, vocab_size: int, max_len: int,
                mask_prob: float = 0.15, max_predictions: int = 20,
-               word_starts: np.ndarray | None = None):
-    """documents: encoded sentences per document; singles: encoded extra sentences."""
+               word_starts: np.ndarray | None = None, special: dict[str, Any] | None = None):
+    """documents: encoded sentences per document; singles: encoded extra sentences;
+    special: {cls_id, sep_id, mask_id, ordinary} of the tokenizer (`special_ids`; None: attnlab's
+    fixed ids)."""
     self.documents = [list(map(list, doc)) for doc in documents if len(doc)]
     self.singles = [list(s) for s in singles if len(s)]
     # (document, sentence) of every sentence with a successor in its document.
@@ -265,6 +332,7 @@ class PretrainingData:
       raise ConfigError("random next-sentence partners need at least two documents")
     self.options = dict(vocab_size=vocab_size, max_len=max_len, mask_prob=mask_prob,
                         max_predictions=max_predictions, word_starts=word_starts)
+    self.special = dict(special or {})
 
   def pair_example(self, anchor: int, rng: np.random.Generator) -> MaskedExample:
     """The pair of anchor `anchor`: real successor or random partner with probability 1/2."""
@@ -277,19 +345,24 @@ class PretrainingData:
       other += other >= d  # any document but d
       doc = self.documents[other]
       b, is_next = doc[int(rng.integers(len(doc)))], 0
-    ids, segments = make_pair(a, b, self.options["max_len"], rng)
+    ids, segments = make_pair(a, b, self.options["max_len"], rng, **self._pair_ids())
     return self._pack(ids, segments, rng, is_next=is_next, nsp_weight=1.0)
 
   def single_example(self, index: int, rng: np.random.Generator) -> MaskedExample:
     """`[CLS] sentence [SEP]` of extra sentence `index`, MLM only."""
-    ids, segments = make_pair(self.singles[index], None, self.options["max_len"], rng)
+    ids, segments = make_pair(self.singles[index], None, self.options["max_len"], rng,
+                              **self._pair_ids())
     return self._pack(ids, segments, rng, is_next=0, nsp_weight=0.0)
+
+  def _pair_ids(self) -> dict[str, int]:
+    return {k: self.special[k] for k in ("cls_id", "sep_id") if k in self.special}
 
   def _pack(self, ids, segments, rng, **kw) -> MaskedExample:
     opts = self.options
+    masking = {k: self.special[k] for k in ("mask_id", "ordinary") if k in self.special}
     return pack_example(ids, segments, rng, max_len=opts["max_len"], vocab_size=opts["vocab_size"],
                         mask_prob=opts["mask_prob"], max_predictions=opts["max_predictions"],
-                        word_starts=opts["word_starts"], **kw)
+                        word_starts=opts["word_starts"], **masking, **kw)
 
   def stream(self, kind: int, position: int, seed: int) -> MaskedExample:
     """Example `position` of a stream: epoch = position // size walks a fresh permutation; the
@@ -335,13 +408,17 @@ def model_kwargs(config: ml_collections.ConfigDict, vocab_size: int) -> dict[str
               num_heads=m.num_heads, mlp_dim=m.mlp_dim, max_len=m.max_len,
               dropout_rate=m.dropout_rate, attention_dropout_rate=m.attention_dropout_rate,
               score=m.score, implementation=m.implementation, activation=m.activation,
-              norm_position=m.norm_position)
+              norm_position=m.norm_position,
+              # Written by attnlab import-hf; absent from older configs (BERT's values).
+              layer_norm_epsilon=m.get("layer_norm_epsilon", 1e-12),
+              type_vocab_size=m.get("type_vocab_size", bert.NUM_SEGMENTS))
 
 
 def encode_sentence(tokenizer: tokenizers.Vocab, sentence: str,
                     max_len: int) -> tuple[np.ndarray, list[str]]:
   """(ids `[1, n]` of `[CLS] sentence [SEP]`, the n token labels) for plots."""
-  ids, _ = make_pair(tokenizer.encode(sentence), None, max_len, np.random.default_rng(0))
+  ids, _ = make_pair(tokenizer.encode(sentence), None, max_len, np.random.default_rng(0),
+                     cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id)
   labels = [tokenizer.id_to_token(i).replace("\u2581", "_") for i in ids]
   return np.asarray([ids], np.int32), labels
 
@@ -404,7 +481,7 @@ class MaskedLMTask(Task):
     if not 0.0 <= data.single_fraction < 1.0:
       raise ConfigError(f"data.single_fraction must be in [0, 1), got {data.single_fraction}")
     self.tokenizer = bert_tokenizer(data)
-    self.vocab_size = len(self.tokenizer)
+    self.vocab_size = model_vocab_size(data, self.tokenizer)
     self.model = bert.BertForPretraining(**model_kwargs(config, self.vocab_size))
     self.num_single = (int(round(config.batch_size * data.single_fraction))
                        if data.corpus == "shakespeare+sst2" else 0)
@@ -422,7 +499,8 @@ class MaskedLMTask(Task):
     data = self.config.data
     return dict(vocab_size=self.vocab_size, max_len=data.max_len, mask_prob=data.mask_prob,
                 max_predictions=data.max_predictions,
-                word_starts=word_start_table(self.tokenizer) if data.whole_word else None)
+                word_starts=word_start_table(self.tokenizer) if data.whole_word else None,
+                special=special_ids(self.tokenizer, self.vocab_size))
 
   @property
   def train_data(self) -> PretrainingData:
