@@ -7,20 +7,29 @@
       metrics.jsonl      one JSON object per logged step and split
       tensorboard/       TensorBoard event files
       checkpoints_corrupt/<step>/  unreadable checkpoints moved aside when a run resumes
+      run.lock           held (flock) by the process training in the workdir; names its host and pid
 
 Checkpoints are written synchronously (the call returns once the step directory is final), so a
 SIGKILL at any moment leaves only whole checkpoints behind; orbax's temporary directories from an
-interrupted save are removed when the run restarts.
+interrupted save are removed when the run restarts. A save the disk refuses (full, read-only)
+removes its partial directory and raises CheckpointWriteError; the checkpoints before it stay.
+
+One process at a time trains in a workdir: `WorkdirLock` refuses a second one with a line naming
+the holder, and takes over the lock file of a holder that died (the kernel drops its flock).
 """
 
 from __future__ import annotations
 
+import datetime
+import errno
+import fcntl
 import json
 import logging
 import os
 import pathlib
 import re
 import shutil
+import socket
 import sys
 import time
 from collections.abc import Iterable
@@ -40,6 +49,13 @@ CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_DIR = "checkpoints"
 CORRUPT_DIR = "checkpoints_corrupt"
+LOCK_FILE = "run.lock"
+# Suffix of orbax's directory for a checkpoint being written (renamed to <step> when complete).
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+# errno values of a write the file system refuses: full, over quota, file too large, read-only.
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+# errno values of a write refused for want of permission (counted as such inside a workdir only).
+PERMISSION_ERRNOS = (errno.EACCES, errno.EPERM)
 
 
 class ConfigMismatchError(UserError):
@@ -52,6 +68,88 @@ class CheckpointError(UserError):
 
 class CorruptCheckpointError(CheckpointError):
   """A checkpoint's files cannot be read (a damaged or partial write)."""
+
+
+class CheckpointWriteError(OSError):
+  """A checkpoint could not be written (disk full, read-only directory); its partial directory
+  was removed, the earlier checkpoints are untouched. `errno` is set when the cause is known."""
+
+  def __init__(self, code: int | None, message: str):
+    super().__init__(message)
+    self.errno = code
+
+
+class WorkdirBusyError(UserError):
+  """Another process holds the lock of the workdir (it is training there)."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Refused writes
+
+
+def exception_chain(exc: BaseException) -> list[BaseException]:
+  """`exc`, its cause (or context), that one's cause, ..."""
+  chain, node = [], exc
+  while node is not None and node not in chain:
+    chain.append(node)
+    node = node.__cause__ or node.__context__
+  return chain
+
+
+def write_errno(exc: BaseException, within: str | os.PathLike | None = None) -> int | None:
+  """The errno of a write the file system refused (disk full, read-only, ...) behind `exc`, or None.
+
+  Looks at the OSErrors in the exception chain and at the `[os_error_code='28']` that tensorstore
+  (orbax's array writer) puts in its messages. A permission error counts only for a file inside
+  `within` (the workdir), so that an unreadable input elsewhere is not mistaken for one.
+  """
+  for node in exception_chain(exc):
+    code = node.errno if isinstance(node, OSError) else None
+    if code is None:
+      found = re.search(r"os_error_code='?(\d+)", str(node))
+      code = int(found.group(1)) if found else None
+    if code in DISK_ERRNOS:
+      return code
+    if code in PERMISSION_ERRNOS and within is not None:
+      filename = getattr(node, "filename", None) or _file_in_error(str(node)) or ""
+      if filename and _is_inside(filename, within):
+        return code
+  return None
+
+
+def _is_inside(path: str | os.PathLike, directory: str | os.PathLike) -> bool:
+  path, directory = os.path.abspath(path), os.path.abspath(directory)
+  return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+def finished_steps(workdir: str | os.PathLike) -> list[int]:
+  """Steps of the finished checkpoints of a run, from the directory names (orbax's temporary
+  directories of a save in progress or refused end in TMP_SUFFIX and are not counted)."""
+  directory = pathlib.Path(workdir) / CHECKPOINT_DIR
+  if not directory.is_dir():
+    return []
+  return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def last_good_checkpoint(workdir: str | os.PathLike) -> str:
+  """"the last good checkpoint is step N in DIR" (or that none was saved) for error messages."""
+  directory = pathlib.Path(workdir).absolute() / CHECKPOINT_DIR
+  steps = finished_steps(workdir)
+  if not steps:
+    return "no checkpoint had been saved yet"
+  return f"the last good checkpoint is step {steps[-1]} in {directory}"
+
+
+def _drop_thread_error_logs(record: logging.LogRecord) -> bool:
+  """Filter of the absl logger: orbax's worker threads log a failed write with its traceback
+  before the save re-raises it in the caller, which reports it in one line; drop those records."""
+  return "_SignalingThread.run() raised an exception" not in str(record.msg)
+
+
+def _quiet_orbax_thread_errors() -> None:
+  logger = logging.getLogger("absl")
+  if _drop_thread_error_logs not in logger.filters:
+    logger.addFilter(_drop_thread_error_logs)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -209,13 +307,37 @@ class Checkpointer:
     return steps[-1] if steps else None
 
   def save(self, step: int, state: Any, data_state: dict[str, Any]) -> None:
-    """Saves `state` (a pytree of arrays) and the data-iterator state as checkpoint `step`."""
+    """Saves `state` (a pytree of arrays) and the data-iterator state as checkpoint `step`.
+
+    Raises:
+      CheckpointWriteError: the write failed (disk full, read-only directory, ...); the partial
+        directory is removed, so the earlier checkpoints stay the newest.
+    """
     meta = {"step": int(step), "data_iterator": data_state, "tree": tree_signature(state)}
     if step in self._manager.all_steps():
       return  # already saved (e.g. a stop request on a checkpoint step)
-    self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
-    self._manager.wait_until_finished()
+    _quiet_orbax_thread_errors()
+    try:
+      self._manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+      self._manager.wait_until_finished()
+    except Exception as e:  # orbax and tensorstore raise many types for a refused write
+      _silence_closed_loop_noise()
+      code = write_errno(e, self.directory)
+      reason = os.strerror(code) if code is not None else f"{type(e).__name__}: {_short(str(e))}"
+      self._discard_partial(step)
+      raise CheckpointWriteError(code, f"could not write checkpoint step {step} in "
+                                       f"{self.directory} ({reason})") from e
+
+  def _discard_partial(self, step: int) -> None:
+    """Removes what a refused save of `step` left (on a read-only disk it stays, and the next run
+    removes it); a finished checkpoint of that step, if orbax got that far, is kept."""
+    for path in self.directory.glob(f"{step}{TMP_SUFFIX}*"):
+      shutil.rmtree(path, ignore_errors=True)
+    try:
+      self._manager.reload()
+    except Exception:  # pylint: disable=broad-except  (the listing is re-read on the next call)
+      pass
 
   def _step_dir(self, step: int) -> pathlib.Path:
     return self.directory / str(step)
@@ -291,3 +413,189 @@ def _mismatch_message(step: int, step_dir: pathlib.Path, stored: dict[str, str],
   return (f"checkpoint step {step} in {step_dir.parent} does not fit the model built from the "
           f"config ({'; '.join(diffs[:3])}{' ...' if len(diffs) > 3 else ''}); the model config "
           f"changed since it was saved: use a new --workdir")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checking a checkpoint's files
+
+
+# Files every finished checkpoint has (relative to checkpoints/<step>/); the JSON ones are parsed.
+REQUIRED_FILES = ("_CHECKPOINT_METADATA", "meta/metadata", "state/_METADATA",
+                  "state/manifest.ocdbt")
+_JSON_FILES = ("_CHECKPOINT_METADATA", "meta/metadata", "state/_METADATA")
+
+
+def check_files(step_dir: str | os.PathLike) -> str | None:
+  """None if the checkpoint in `step_dir` is complete and readable, else what is wrong with it.
+
+  Complete: every file of REQUIRED_FILES is there; readable: its JSON files parse and every value
+  of its array store (tensorstore OCDBT: the B-tree index and the data files it points to) reads
+  back whole. The arrays are not decoded: `attnlab inspect --verify` restores them too.
+  """
+  step_dir = pathlib.Path(step_dir)
+  for name in REQUIRED_FILES:
+    if not (step_dir / name).is_file():
+      return f"file {step_dir / name} is missing"
+  for name in _JSON_FILES:
+    try:
+      data = json.loads((step_dir / name).read_bytes())
+    except (OSError, ValueError) as e:
+      return f"file {step_dir / name} is not readable JSON ({type(e).__name__}: {_short(str(e))})"
+    if not isinstance(data, dict) or (name == "meta/metadata" and "tree" not in data):
+      return f"file {step_dir / name} lacks the fields of a checkpoint"
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  state_dir = str((step_dir / "state").absolute()) + os.sep
+  try:
+    store = ts.KvStore.open({"driver": "ocdbt",
+                             "base": {"driver": "file", "path": state_dir}}).result()
+    keys = store.list().result()
+    for key in keys:
+      store.read(key).result()
+  except Exception as e:  # tensorstore raises ValueError and others for damaged files
+    file = _file_in_error(str(e)) or state_dir
+    return f"file {file} is unreadable ({_short(str(e))})"
+  if not keys:
+    return f"the array store in {state_dir} is empty"
+  return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# One run per workdir
+
+
+class WorkdirLock:
+  """Exclusive use of a run directory: `with WorkdirLock(workdir): ...train...`.
+
+  The lock is an flock on workdir/run.lock, which holds the holder's host, pid and start time. The
+  kernel drops an flock when its process ends, however it ends, so a lock file still naming a
+  process whose flock is gone is stale: the next run takes it over and logs whose it was. Locks
+  are per open file, so even a second lock in the same process is refused. On a file system
+  without flock, the file is created exclusively instead and a holder on this host whose pid no
+  longer runs counts as stale.
+  """
+
+  def __init__(self, workdir: str | os.PathLike):
+    self.path = pathlib.Path(workdir).absolute() / LOCK_FILE
+    self._fd: int | None = None
+    self._flock = True
+
+  def __enter__(self) -> WorkdirLock:
+    self.acquire()
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.release()
+
+  @staticmethod
+  def _me() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(),
+            "since": datetime.datetime.now().isoformat(timespec="seconds")}
+
+  @staticmethod
+  def describe(holder: dict[str, Any] | None) -> str:
+    """"pid 123 on host h, since 2024-01-01T12:00:00" for a lock file's contents."""
+    if not holder:
+      return "a process that left no name in the lock file"
+    return (f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, since "
+            f"{holder.get('since', '?')}")
+
+  def _read(self, fd: int) -> dict[str, Any] | None:
+    os.lseek(fd, 0, os.SEEK_SET)
+    text = os.read(fd, 4096).decode("utf-8", "replace").strip()
+    try:
+      holder = json.loads(text) if text else None
+    except json.JSONDecodeError:
+      return {"host": "?", "pid": text[:40]}
+    return holder if isinstance(holder, dict) else None
+
+  def _busy(self, holder: dict[str, Any] | None) -> WorkdirBusyError:
+    return WorkdirBusyError(
+        f"workdir {self.path.parent} is in use by another run ({self.describe(holder)}; lock file "
+        f"{self.path}); wait for it to finish or stop it, or use another --workdir")
+
+  def acquire(self) -> None:
+    """Takes the lock (creating the workdir) or raises WorkdirBusyError naming the holder."""
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = self._read(fd)
+      os.close(fd)
+      raise self._busy(holder) from None
+    except OSError as e:
+      os.close(fd)
+      if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        raise
+      self._acquire_without_flock()
+      return
+    self._fd = fd
+    self._take_over(self._read(fd))
+    try:
+      self._write_me()
+    except OSError:
+      self.release()
+      raise
+
+  def _acquire_without_flock(self) -> None:
+    self._flock = False
+    for _ in range(2):
+      try:
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        self._write_me()
+        return
+      except FileExistsError:
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+          holder = self._read(fd)
+        finally:
+          os.close(fd)
+        if not self._is_dead(holder):
+          raise self._busy(holder) from None
+        self._take_over(holder)
+        self.path.unlink(missing_ok=True)
+    raise self._busy(None)
+
+  @staticmethod
+  def _is_dead(holder: dict[str, Any] | None) -> bool:
+    """Whether the holder is a process of this host that no longer runs (others: unknown)."""
+    if not holder or holder.get("host") != socket.gethostname():
+      return not holder
+    try:
+      os.kill(int(holder["pid"]), 0)
+    except ProcessLookupError:
+      return True
+    except (OSError, ValueError, KeyError, TypeError):
+      return False
+    return False
+
+  def _take_over(self, holder: dict[str, Any] | None) -> None:
+    if holder:
+      _LOG.warning("taking over the stale lock %s of %s, which has ended", self.path,
+                   self.describe(holder))
+
+  def _write_me(self) -> None:
+    try:
+      os.ftruncate(self._fd, 0)
+      os.lseek(self._fd, 0, os.SEEK_SET)
+      os.write(self._fd, (json.dumps(self._me()) + "\n").encode())
+      os.fsync(self._fd)
+    except OSError as e:
+      raise OSError(e.errno, e.strerror, str(self.path)) from e
+
+  def release(self) -> None:
+    """Empties the lock file (an empty one is not stale) and drops the lock."""
+    if self._fd is None:
+      return
+    try:
+      if self._flock:
+        os.ftruncate(self._fd, 0)
+      else:
+        self.path.unlink(missing_ok=True)
+    except OSError:
+      pass  # a full or read-only disk: the flock still goes with the file descriptor
+    finally:
+      if self._flock:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+      os.close(self._fd)
+      self._fd = None

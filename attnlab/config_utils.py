@@ -27,6 +27,7 @@ import difflib
 import importlib.util
 import json
 import os
+import traceback
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -370,19 +371,49 @@ def validate(config: ConfigDict) -> None:
 # Files and JSON
 
 
+def _python_error(path: str, exc: BaseException) -> str:
+  """"line N: SyntaxError: invalid syntax" for an error raised while running the file `path`."""
+  if isinstance(exc, SyntaxError) and exc.filename and os.path.samefile(exc.filename, path):
+    return f"line {exc.lineno}: {type(exc).__name__}: {exc.msg}"
+  lines = [frame.lineno for frame in traceback.extract_tb(exc.__traceback__)
+           if os.path.exists(frame.filename) and os.path.samefile(frame.filename, path)]
+  where = f"line {lines[-1]}: " if lines else ""
+  message = " ".join(str(exc).split())
+  return f"{where}{type(exc).__name__}{': ' + message if message else ''}"
+
+
+def run_python_file(path: str, module_name: str, what: str, function: str,
+                    *args: Any) -> Any:
+  """Imports the Python file `path` and returns `function(*args)` from it.
+
+  A file that fails to import, lacks `function`, or whose `function` raises something other than
+  a UserError raises ConfigError naming the file, the line in it and the Python error, e.g.
+  "config file 'bad.py' failed: line 1: SyntaxError: invalid syntax".
+  """
+  module_spec = importlib.util.spec_from_file_location(module_name, path)
+  module = importlib.util.module_from_spec(module_spec)
+  try:
+    module_spec.loader.exec_module(module)
+  except Exception as e:  # any error in the user's file: name the file and the line
+    raise ConfigError(f"{what} {path!r} failed to import: {_python_error(path, e)}") from e
+  if not callable(getattr(module, function, None)):
+    raise ConfigError(f"{what} {path!r} defines no {function}()")
+  try:
+    return getattr(module, function)(*args)
+  except UserError:
+    raise
+  except Exception as e:
+    raise ConfigError(f"{what} {path!r} failed in {function}(): {_python_error(path, e)}") from e
+
+
 def load_config_file(spec: str) -> ConfigDict:
   """Loads `path.py[:arg]` like `--config=` does: imports the file and calls `get_config(arg)`."""
   path, _, arg = spec.partition(":")
   if not os.path.isfile(path):
     raise ConfigError(f"config file {path!r} not found (from {spec!r}); give a path to a "
                       f"configs/*.py file, relative to the current directory or absolute")
-  module_spec = importlib.util.spec_from_file_location(
-      "attnlab_config_" + os.path.basename(path)[:-3].replace("-", "_"), path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  if not hasattr(module, "get_config"):
-    raise ConfigError(f"config file {path!r} defines no get_config(arg)")
-  return module.get_config(arg) if arg else module.get_config()
+  name = "attnlab_config_" + os.path.basename(path)[:-3].replace("-", "_")
+  return run_python_file(path, name, "config file", "get_config", *([arg] if arg else []))
 
 
 def to_jsonable(config: ConfigDict | Mapping[str, Any]) -> dict[str, Any]:

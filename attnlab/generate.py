@@ -7,19 +7,23 @@
 
 Restores the run's checkpoint (latest by default) with attnlab.analysis.load_run, encodes the
 prompt with the run's tokenizer, and samples with the KV cache (attnlab.models.gpt.generate).
-Prints the prompt followed by the generated text.
+Prints the prompt followed by the generated text. Characters (or words, subword symbols) of the
+prompt outside the run's vocabulary are fed to the model as <unk>, with a warning naming them.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from absl import flags
 
 from attnlab import main as main_lib
 from attnlab.config_utils import UserError
+
+_LOG = logging.getLogger("attnlab.generate")  # not __name__: it is __main__ under python -m
 
 
 def _define_flags() -> flags.FlagValues:
@@ -60,8 +64,14 @@ def _check(fv: flags.FlagValues) -> str | None:
 
 def generate_text(workdir: str, prompt: str = "", *, num_tokens: int = 300,
                   temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                  step: str | int = "latest", use_cache: bool = True) -> tuple[str, str, float]:
-  """(prompt used, generated text, seconds spent generating incl. compilation)."""
+                  step: str | int = "latest", use_cache: bool = True,
+                  warn: Callable[[str], None] | None = None) -> tuple[str, str, float]:
+  """(prompt used, generated text, seconds spent generating incl. compilation).
+
+  `warn` (default: a logged warning) gets the line naming the prompt's symbols that are not in the
+  run's vocabulary, if any.
+  """
+  from attnlab.data import tokenizers  # pylint: disable=g-import-not-at-top
   from attnlab import analysis  # pylint: disable=g-import-not-at-top  (imports JAX)
   run = analysis.load_run(workdir, step)
   task = run.task
@@ -69,6 +79,9 @@ def generate_text(workdir: str, prompt: str = "", *, num_tokens: int = 300,
     raise UserError(f"{workdir} is a {run.config.task!r} run; attnlab generate needs a causal_lm "
                     "run (configs/gpt.py)")
   prompt = prompt or task.default_prompt
+  message = tokenizers.unknown_warning(task.tokenizer, prompt, "the prompt")
+  if message is not None:
+    (warn or _LOG.warning)(message)
   start = time.perf_counter()
   text = task.sample_text(run.params, prompt, num_tokens=num_tokens, temperature=temperature,
                           top_k=top_k or None, top_p=top_p if top_p < 1.0 else None, seed=seed,
@@ -92,7 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   def body() -> None:
     prompt, text, seconds = generate_text(
         fv.workdir, fv.prompt, num_tokens=fv.num_tokens, temperature=fv.temperature,
-        top_k=fv.top_k, top_p=fv.top_p, seed=fv.seed, step=fv.step, use_cache=fv.use_cache)
+        top_k=fv.top_k, top_p=fv.top_p, seed=fv.seed, step=fv.step, use_cache=fv.use_cache,
+        warn=lambda message: print(f"{prog}: warning: {message}", file=sys.stderr))
     print(prompt + text)
     if fv.timing:
       print(f"{fv.num_tokens} tokens in {seconds:.2f} s (including compilation)", file=sys.stderr)

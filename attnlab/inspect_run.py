@@ -1,7 +1,13 @@
-"""Print a run's config, last metrics and checkpoint steps.
+"""Print a run's config, last metrics and checkpoint steps, and check the checkpoints.
 
   attnlab inspect --workdir=runs/nw            config, last metrics per split, checkpoint steps
   attnlab inspect --workdir=runs/nw --step=50  also restores checkpoint 50 and lists its parameters
+  attnlab inspect --workdir=runs/nw --verify   also restores every checkpoint into the model
+
+Every listed checkpoint is checked: its files are all there and read back whole
+(checkpoint.check_files); `--verify` restores each one as a resumed run would. A bad checkpoint is
+marked in the list ("20 (damaged)"), described below it, and the command exits with status 1 after
+one line on stderr naming it and the newest good checkpoint (the one a resumed run starts from).
 """
 
 from __future__ import annotations
@@ -22,15 +28,47 @@ def _define_flags() -> flags.FlagValues:
   flags.DEFINE_string("workdir", None, "Run directory to inspect.", flag_values=flag_values)
   flags.DEFINE_integer("step", None, "Also restore this checkpoint and summarise its parameters.",
                        flag_values=flag_values)
+  flags.DEFINE_bool("verify", False, "Restore every checkpoint into the model (slower: builds the "
+                    "task), beyond checking that its files are complete and readable.",
+                    flag_values=flag_values)
   return flag_values
 
 
-def _checkpoint_steps(workdir: pathlib.Path) -> list[int]:
-  """Finished checkpoint steps, read from the directory names (no JAX needed)."""
-  directory = workdir / checkpoint.CHECKPOINT_DIR
-  if not directory.is_dir():
-    return []
-  return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+class DamagedCheckpoints(RuntimeError):
+  """Some checkpoints of the run are damaged; `report` is the full text, the message one line."""
+  exit_code = 1
+
+  def __init__(self, message: str, report: str):
+    super().__init__(message)
+    self.report = report
+
+
+def check_checkpoints(workdir: pathlib.Path, config, steps: list[int],
+                      verify: bool = False) -> dict[int, str]:
+  """{step: what is wrong} for the damaged checkpoints among `steps` (empty: all good)."""
+  bad = {}
+  for step in steps:
+    problem = checkpoint.check_files(workdir / checkpoint.CHECKPOINT_DIR / str(step))
+    if problem is not None:
+      bad[step] = problem
+  good = [step for step in steps if step not in bad]
+  if verify and good:
+    from attnlab import tasks  # pylint: disable=g-import-not-at-top  (imports JAX)
+    from attnlab import train  # pylint: disable=g-import-not-at-top
+    task = tasks.build_task(config)
+    tx = train.make_optimizer(config.optimizer,
+                              train.make_schedule(config.optimizer, config.num_train_steps))
+    abstract = train.abstract_train_state(task, tx, train.run_keys(config.seed)[0])
+    ckpt = checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR, read_only=True)
+    try:
+      for step in good:
+        try:
+          ckpt.restore(step, abstract)
+        except checkpoint.CheckpointError as e:
+          bad[step] = str(e)
+    finally:
+      ckpt.close()
+  return bad
 
 
 def _format_record(record: dict) -> str:
@@ -39,8 +77,12 @@ def _format_record(record: dict) -> str:
   return ", ".join(values)
 
 
-def describe(workdir: str | pathlib.Path, step: int | None = None) -> str:
-  """The text `attnlab inspect` prints."""
+def describe(workdir: str | pathlib.Path, step: int | None = None, verify: bool = False) -> str:
+  """The text `attnlab inspect` prints.
+
+  Raises:
+    DamagedCheckpoints: a checkpoint is damaged (its `report` is the text, with the bad ones marked).
+  """
   workdir = pathlib.Path(workdir).absolute()
   config = checkpoint.read_config(workdir)
   lines = [f"run: {workdir}", "config:"]
@@ -52,10 +94,16 @@ def describe(workdir: str | pathlib.Path, step: int | None = None) -> str:
     lines.append("  none yet")
   for split, record in sorted(last.items()):
     lines.append(f"  {split} @ step {record['step']}: {_format_record(record)}")
-  steps = _checkpoint_steps(workdir)
+  steps = checkpoint.finished_steps(workdir)
+  bad = check_checkpoints(workdir, config, steps, verify)
   complete = checkpoint.is_complete(workdir, config.num_train_steps)
-  lines.append(f"checkpoints: {', '.join(map(str, steps)) or 'none'} "
-               f"(of {config.num_train_steps} steps; {'complete' if complete else 'not complete'})")
+  listed = [f"{s} (damaged)" if s in bad else str(s) for s in steps]
+  checked = "restored" if verify else "files checked"
+  lines.append(f"checkpoints: {', '.join(listed) or 'none'} "
+               f"(of {config.num_train_steps} steps; {'complete' if complete else 'not complete'}"
+               f"{f'; {checked}' if steps else ''})")
+  for bad_step, problem in sorted(bad.items()):
+    lines.append(f"  checkpoint {bad_step} is damaged: {problem}")
   if step is not None:
     from attnlab import analysis  # pylint: disable=g-import-not-at-top  (imports JAX)
     import jax  # pylint: disable=g-import-not-at-top
@@ -72,6 +120,15 @@ def describe(workdir: str | pathlib.Path, step: int | None = None) -> str:
                    f"mean={array.mean():.5g} std={array.std():.5g}")
     if not leaves:
       lines.append("  (none: the model has no trainable parameters)")
+  if bad:
+    good = [s for s in steps if s not in bad]
+    newest = (f"the newest good checkpoint is step {good[-1]} (a resumed run starts from it)"
+              if good else "no checkpoint is good (a resumed run starts from step 0)")
+    names = ", ".join(map(str, sorted(bad)))
+    raise DamagedCheckpoints(
+        f"checkpoint{'s' if len(bad) > 1 else ''} {names} of {workdir} "
+        f"{'are' if len(bad) > 1 else 'is'} damaged ({bad[max(bad)]}); {newest}",
+        "\n".join(lines))
   return "\n".join(lines)
 
 
@@ -88,8 +145,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return main_lib.USAGE_ERROR
   main_lib.setup_logging()
 
-  def body() -> None:
-    print(describe(flag_values.workdir, flag_values.step))
+  def body() -> int:
+    try:
+      print(describe(flag_values.workdir, flag_values.step, flag_values.verify))
+    except DamagedCheckpoints as e:
+      print(e.report)
+      print(f"{prog}: error: {e}", file=sys.stderr)
+      return e.exit_code
+    return 0
   return main_lib.run_tool(prog, body)
 
 

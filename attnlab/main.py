@@ -5,14 +5,18 @@
   attnlab train --config=... --workdir=...        (the same, through the console script)
 
 Running the same command on an existing workdir resumes from its last checkpoint. Errors a user can
-fix (unknown config key, wrong value type, missing config file, a workdir holding a different
-config) print one line to stderr and exit with status 2; a NaN/Inf loss exits with 1; SIGTERM or
-Ctrl-C saves a checkpoint and exits with 128 + the signal number.
+fix (unknown config key, wrong value type, missing config file, a config file that fails to
+import, a workdir holding a different config or in use by another run) print one line to stderr
+and exit with status 2; a NaN/Inf loss, or a write the disk refuses (full, read-only), exits with 1
+after one line naming the last good checkpoint; SIGTERM or Ctrl-C saves a checkpoint and exits
+with 128 + the signal number.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -23,6 +27,10 @@ from attnlab import config_utils
 from attnlab.config_utils import UserError
 
 USAGE_ERROR = 2
+# Exit status of a tool stopped by a file it could not write or read (disk full, read-only, ...).
+IO_ERROR = 1
+# errno values run_tool reports in one line: the disk refused a write, or a permission is missing.
+_IO_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 def _define_flags(argv: Sequence[str]) -> flags.FlagValues:
@@ -125,6 +133,13 @@ def run_tool(prog: str, body: Callable[[], int | None]) -> int:
   except UserError as e:
     print(f"{prog}: error: {error_line(e)}", file=sys.stderr)
     return USAGE_ERROR
+  except OSError as e:
+    if e.errno not in _IO_ERRNOS:
+      raise
+    where = f" {e.filename}" if e.filename else ""
+    verb = "could not write" if e.errno not in (errno.EACCES, errno.EPERM) else "no permission for"
+    print(f"{prog}: error: {verb}{where} ({os.strerror(e.errno)})", file=sys.stderr)
+    return IO_ERROR
   except Exception as e:
     from attnlab.train import RunStopped  # pylint: disable=g-import-not-at-top  (imports JAX)
     if not isinstance(e, RunStopped):

@@ -5,7 +5,8 @@
   attnlab sweep --sweep_file=configs/sweeps/nadaraya_watson_kernels.py --workdir=runs/nw_sweep
 
 Each member runs in DIR/<key=value,...>/ (an ordinary run directory: resumable, inspectable,
-loadable with attnlab.analysis.load_run). Members that already finished are skipped, so re-running
+loadable with attnlab.analysis.load_run; no two members share one, and each is locked while it
+trains, as DIR is while the sweep runs). Members that already finished are skipped, so re-running
 the command completes an interrupted sweep. At the end DIR/summary.csv and DIR/summary.md hold one
 row per setting with the final metrics as mean ± std (sample std, ddof=1) over the `seed` values.
 
@@ -27,7 +28,6 @@ import concurrent.futures
 import copy
 import csv
 import dataclasses
-import importlib.util
 import itertools
 import logging
 import math
@@ -91,12 +91,10 @@ def load_sweep_file(path: str | os.PathLike) -> tuple[str | None, dict[str, list
   path = pathlib.Path(path)
   if not path.is_file():
     raise UserError(f"sweep file {str(path)!r} not found; give a configs/sweeps/*.py file")
-  spec = importlib.util.spec_from_file_location(f"attnlab_sweep_{path.stem}", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  if not hasattr(module, "get_sweep"):
-    raise UserError(f"sweep file {str(path)!r} defines no get_sweep()")
-  sweep = module.get_sweep()
+  sweep = config_utils.run_python_file(str(path), f"attnlab_sweep_{path.stem}", "sweep file",
+                                      "get_sweep")
+  if not isinstance(sweep, Mapping):
+    raise UserError(f"get_sweep() in {str(path)!r} must return a dict, got {type(sweep).__name__}")
   unknown = set(sweep) - {"config", "axes"}
   if unknown or not isinstance(sweep.get("axes", {}), Mapping):
     raise UserError(f"get_sweep() in {str(path)!r} must return {{'config': 'path.py[:args]', "
@@ -128,6 +126,12 @@ def expand(base: ml_collections.ConfigDict, axes: Mapping[str, Sequence[Any]],
     config_utils.apply_overrides(config, values)
     name = ",".join(f"{key}={_format(value)}" for key, value in values.items())
     members.append(Member(name, values, config, pathlib.Path(workdir).absolute() / name))
+  seen: dict[str, Member] = {}
+  for member in members:  # two members in one directory would write into each other's run
+    if member.name in seen:
+      raise UserError(f"sweep members {seen[member.name].values} and {member.values} would share "
+                      f"the run directory {member.workdir}; give each axis distinct values")
+    seen[member.name] = member
   return members
 
 
@@ -200,6 +204,14 @@ def run_sweep(base: ml_collections.ConfigDict, axes: Mapping[str, Sequence[Any]]
       _LOG.info("member %d/%d: %s", member_index, len(members), member.name)
       _run_inprocess(member)
     return members
+  with checkpoint.WorkdirLock(workdir):  # one sweep at a time in DIR
+    _run_members(members, axes, workdir, parallel)
+  return members
+
+
+def _run_members(members: list[Member], axes: Mapping[str, Sequence[Any]],
+                 workdir: pathlib.Path, parallel: int) -> None:
+  """Runs the members that are not complete (in this process, or `parallel` subprocesses)."""
   for member in members:  # refuse a changed config before anything runs
     checkpoint.prepare_workdir(member.workdir, member.config)
   todo = []
@@ -221,7 +233,6 @@ def run_sweep(base: ml_collections.ConfigDict, axes: Mapping[str, Sequence[Any]]
           _LOG.info("%s: %s %s", member.name, member.status, member.error)
   finally:
     write_summary(workdir, members, list(axes))
-  return members
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -4,7 +4,9 @@ The task (attnlab/tasks) supplies model, data, loss and evaluation; this module 
 the optax optimizer from `config.optimizer`, a jit-compiled train step with donated state, the run
 directory (attnlab/checkpoint.py), TensorBoard events, a tqdm progress bar, resume, and the faults:
 a non-finite loss stops the run without saving over the last good checkpoint; SIGTERM or Ctrl-C
-saves a checkpoint and stops.
+saves a checkpoint and stops; a write the disk refuses (full, read-only) stops the run with one line
+naming the file and the last good checkpoint; a second process on a busy workdir is refused
+(checkpoint.WorkdirLock).
 
 Determinism: parameters come from `split(key(seed))[0]`; step t's dropout/sampling key is
 `fold_in(split(key(seed))[1], t)`, so the key needs no saving; the data order comes from the task's
@@ -71,6 +73,11 @@ class RunStopped(RuntimeError):
 
 class NonFiniteLossError(RunStopped):
   """The loss became NaN or Inf; nothing was saved after the last good checkpoint."""
+
+
+class WriteFailed(RunStopped):
+  """A file of the run could not be written (disk full, read-only workdir); the checkpoints before
+  it are intact and the same command resumes from the last of them once the disk takes writes."""
 
 
 class TrainingInterrupted(RunStopped):
@@ -306,6 +313,17 @@ class _PlacedBatches:
 # Logging
 
 
+@contextlib.contextmanager
+def _writing(path: str | os.PathLike):
+  """Names `path` in an OSError raised inside that carries no file name (a failed write/flush)."""
+  try:
+    yield
+  except OSError as e:
+    if e.filename or e.errno is None:
+      raise
+    raise OSError(e.errno, e.strerror, str(path)) from e
+
+
 class _MetricLogger:
   """Appends records to metrics.jsonl and TensorBoard (on process 0 only)."""
 
@@ -316,9 +334,12 @@ class _MetricLogger:
     if not self._enabled:
       return
     import tensorboardX  # pylint: disable=g-import-not-at-top  (slow import, only when training)
-    self._file = open(workdir / checkpoint.METRICS_FILE, "a")
-    self._tb = tensorboardX.SummaryWriter(str(workdir / "tensorboard"),
-                                          purge_step=start_step + 1 if start_step else None)
+    self._path, self._tb_dir = workdir / checkpoint.METRICS_FILE, workdir / "tensorboard"
+    with _writing(self._path):
+      self._file = open(self._path, "a")
+    with _writing(self._tb_dir):
+      self._tb = tensorboardX.SummaryWriter(str(self._tb_dir),
+                                            purge_step=start_step + 1 if start_step else None)
 
   def write(self, step: int, split: str, metrics: dict[str, float],
             per_seed: dict[str, list[float]] | None = None, **extra: float) -> None:
@@ -329,20 +350,30 @@ class _MetricLogger:
     if per_seed is not None and self._seeds is not None:
       record["seeds"] = self._seeds
       record["per_seed"] = per_seed
-    self._file.write(json.dumps(record) + "\n")
-    self._file.flush()
-    for name, value in {**metrics, **extra}.items():
-      self._tb.add_scalar(f"{split}/{name}", value, step)
-    if per_seed is not None and self._seeds is not None:
-      for name, values in per_seed.items():
-        for seed, value in zip(self._seeds, values):
-          self._tb.add_scalar(f"{split}_seed{seed}/{name}", value, step)
-    self._tb.flush()
+    with _writing(self._path):
+      self._file.write(json.dumps(record) + "\n")
+      self._file.flush()
+    with _writing(self._tb_dir):
+      for name, value in {**metrics, **extra}.items():
+        self._tb.add_scalar(f"{split}/{name}", value, step)
+      if per_seed is not None and self._seeds is not None:
+        for name, values in per_seed.items():
+          for seed, value in zip(self._seeds, values):
+            self._tb.add_scalar(f"{split}_seed{seed}/{name}", value, step)
+      self._tb.flush()
 
-  def close(self) -> None:
-    if self._enabled:
-      self._file.close()
-      self._tb.close()
+  def close(self, quiet: bool = False) -> None:
+    """Closes the files (once); `quiet`: while another error propagates, ignore write errors."""
+    if not self._enabled:
+      return
+    self._enabled = False
+    for path, close in ((self._path, self._file.close), (self._tb_dir, self._tb.close)):
+      try:
+        with _writing(path):
+          close()
+      except OSError:
+        if not quiet:
+          raise
 
 
 def _mean_metrics(pending: list[tuple[int, dict]], num_seeds: int = 1
@@ -429,8 +460,43 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
         f"(mesh.data x mesh.fsdp); set batch_size to a multiple of {pieces} or set mesh.data")
   task = tasks.build_task(config)  # before touching the workdir: a bad model config writes nothing
   is_main = parallel.is_main_process()
-  if is_main:
-    checkpoint.prepare_workdir(workdir, config)
+  with _stop_on_refused_writes(workdir), contextlib.ExitStack() as stack:
+    if is_main:
+      stack.enter_context(checkpoint.WorkdirLock(workdir))
+      checkpoint.prepare_workdir(workdir, config)
+    return _train_in_workdir(config, workdir, task, mesh, is_main)
+
+
+@contextlib.contextmanager
+def _stop_on_refused_writes(workdir: pathlib.Path):
+  """Turns a write the disk refuses (full, read-only, ...) into WriteFailed: one line naming what
+  could not be written and the last good checkpoint."""
+  try:
+    yield
+  except (RunStopped, config_utils.UserError):
+    raise
+  except Exception as e:
+    code = checkpoint.write_errno(e, workdir)
+    if isinstance(e, checkpoint.CheckpointWriteError):
+      what = str(e)
+    elif code is not None:
+      names = [n.filename for n in checkpoint.exception_chain(e)
+               if isinstance(n, OSError) and n.filename]
+      what = f"could not write {names[0] if names else workdir} ({os.strerror(code)})"
+    else:
+      raise
+    if checkpoint.finished_steps(workdir):
+      then = f"{checkpoint.last_good_checkpoint(workdir)}; make room on the disk (or make it " \
+             f"writable) and run the same command to resume from it"
+    else:
+      then = "no checkpoint had been saved yet; make room on the disk (or make it writable) and " \
+             "run the same command to start again"
+    raise WriteFailed(f"{what}; training stopped: {then}") from e
+
+
+def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, task: tasks.Task,
+                      mesh: jax.sharding.Mesh | None, is_main: bool) -> TrainState:
+  """train_and_evaluate once the workdir is prepared (and locked by this process)."""
   num_steps = config.num_train_steps
   schedule = make_schedule(config.optimizer, num_steps)
   tx = make_optimizer(config.optimizer, schedule)
@@ -475,7 +541,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     params = parallel.to_local(state.params)
     if num_seeds > 1:  # the first replica's plots
       params = jax.tree.map(lambda x: x[0], params)
-    task.write_plots(params, workdir)
+    with _writing(workdir):
+      task.write_plots(params, workdir)
   return state
 
 
@@ -506,8 +573,12 @@ def _finish_complete_run(task: tasks.Task, state: TrainState, workdir: pathlib.P
   """A run already at its last step: add the final evaluation if a crash skipped it."""
   if not checkpoint.is_complete(workdir, step):
     logger = _MetricLogger(workdir, step, seeds)
-    metrics, per_seed = evaluate(task, state.params, len(seeds))
-    logger.write(step, "eval", metrics, per_seed)
+    try:
+      metrics, per_seed = evaluate(task, state.params, len(seeds))
+      logger.write(step, "eval", metrics, per_seed)
+    except BaseException:
+      logger.close(quiet=True)
+      raise
     logger.close()
   _LOG.info("%s is complete (step %d); nothing to train", workdir, step)
 
@@ -580,6 +651,9 @@ def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, trai
           raise TrainingInterrupted(
               f"stopped by {name} at step {step}; checkpoint saved in {ckpt.directory}; run the "
               f"same command to resume", stop.signum)
+  except BaseException:
+    logger.close(quiet=True)  # the error on its way out is the one to report
+    raise
   finally:
     bar.close()
     logger.close()

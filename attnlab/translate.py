@@ -11,18 +11,24 @@ DIR/alignment_<i>.png for several, or --output). From Python / a notebook:
   run = attnlab.analysis.load_run("runs/marathi")
   [t] = run.task.translate(run.params, ["Rahul is a good boy"])
   run.task.plot_alignment(t)          # the same figure
+
+Words (or characters, subword symbols) of an input outside the run's source vocabulary are fed to
+the model as <unk>, with a warning naming them.
 """
 
 from __future__ import annotations
 
+import logging
 import pathlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from absl import flags
 
 from attnlab import main as main_lib
 from attnlab.config_utils import UserError
+
+_LOG = logging.getLogger("attnlab.translate")  # not __name__: it is __main__ under python -m
 
 
 def _define_flags() -> flags.FlagValues:
@@ -49,14 +55,27 @@ def output_paths(workdir: str, output: str | None, count: int) -> list[pathlib.P
 
 
 def translate(workdir: str, sentences: Sequence[str], *, step: str = "latest",
-              beam_size: int | None = None, output: str | None = None) -> list[str]:
-  """Loads the run, translates, saves the heatmaps; returns the lines to print."""
+              beam_size: int | None = None, output: str | None = None,
+              warn: Callable[[str], None] | None = None) -> list[str]:
+  """Loads the run, translates, saves the heatmaps; returns the lines to print.
+
+  `warn` (default: a logged warning) gets one line per input with symbols outside the source
+  vocabulary.
+  """
   from attnlab import analysis  # pylint: disable=g-import-not-at-top  (imports JAX)
+  from attnlab.data import tokenizers  # pylint: disable=g-import-not-at-top
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   run = analysis.load_run(workdir, int(step) if step.isdigit() else step)
   if not hasattr(run.task, "translate"):
     raise UserError(f"{workdir} is a {run.config.task!r} run; translate needs a translation run "
                     f"(configs/seq2seq.py)")
+  # The source text as the task segments it (punctuation split off for word tokenizers).
+  prepare = getattr(run.task, "_prepare_text", lambda text: text)
+  for sentence in sentences:
+    message = tokenizers.unknown_warning(run.task.src_tok, prepare(sentence),
+                                         f"the input {sentence!r}")
+    if message is not None:
+      (warn or _LOG.warning)(message)
   try:
     results = run.task.translate(run.params, list(sentences), beam_size)
   except ValueError as e:
@@ -91,8 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   main_lib.setup_logging()
 
   def body() -> None:
+    warn = lambda message: print(f"{prog}: warning: {message}", file=sys.stderr)
     for line in translate(flag_values.workdir, sentences, step=flag_values.step,
-                          beam_size=flag_values.beam_size, output=flag_values.output):
+                          beam_size=flag_values.beam_size, output=flag_values.output, warn=warn):
       print(line)
   return main_lib.run_tool(prog, body)
 

@@ -4,7 +4,8 @@ Ids 0..6 are always the special tokens, in this order (the models rely on 0 = pa
   0 `<pad>`, 1 `<start>`, 2 `<end>`, 3 `<unk>`, 4 `[CLS]`, 5 `[SEP]`, 6 `[MASK]`.
 
 `encode(text, add_start=False, add_end=False) -> list[int]`: tokens outside the vocabulary
-become `<unk>`; the start/end tokens are added only when asked.
+become `<unk>` (`unknown(text)` lists them, `unknown_warning` says so in one line); the start/end
+tokens are added only when asked.
 
 `decode(ids, stop_at_end=True, skip_special=True) -> str`:
 - with `stop_at_end`, the first `<end>` and everything after it are dropped;
@@ -101,6 +102,12 @@ class Vocab:
 
   def _decode(self, ids: list[int]) -> str:
     raise NotImplementedError
+
+  def unknown(self, text: str) -> list[str]:
+    """The tokens of `text` outside the vocabulary, each once, in order: `encode` makes them
+    `<unk>` (nothing is dropped)."""
+    pieces, ids = self.split(text), self._encode(text)
+    return list(dict.fromkeys(p for p, i in zip(pieces, ids) if i == UNK_ID))
 
   def encode(self, text: str, *, add_start: bool = False, add_end: bool = False) -> list[int]:
     """Token ids of `text`, optionally wrapped in `<start>` ... `<end>`."""
@@ -319,6 +326,24 @@ class SubwordTokenizer(Vocab):
     (model_dir / cls.MODEL_FILE).write_bytes(proto)
     return cls(tokens, model_proto=proto, vocab_size=int(vocab_size), model_type=model_type,
                character_coverage=character_coverage, byte_fallback=byte_fallback)
+
+
+def unknown_warning(tokenizer: Vocab, text: str, what: str = "the input") -> str | None:
+  """One line naming the symbols of `text` that `tokenizer` cannot represent (None if there are
+  none), e.g. "the prompt has 1 character outside the vocabulary of the run: '€' (3 times); it
+  was encoded as <unk>, ..."."""
+  unknown = tokenizer.unknown(text)
+  if not unknown:
+    return None
+  counts = collections.Counter(t for t in tokenizer.split(text) if t in set(unknown))
+  shown = ", ".join(f"{t!r}" + (f" ({counts[t]} times)" if counts[t] > 1 else "")
+                    for t in unknown[:10])
+  more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
+  one = len(unknown) == 1
+  noun = {"char": "character", "word": "word"}.get(tokenizer.kind, "symbol")
+  return (f"{what} has {len(unknown)} {noun}{'' if one else 's'} outside the vocabulary of the "
+          f"run: {shown}{more}; {'it was' if one else 'they were'} encoded as <unk>, which the "
+          f"model reads as 'unknown'")
 
 
 # kind -> tokenizer class; the one place a tokenizer kind is registered.
