@@ -19,6 +19,11 @@ A = {(i, argmax_j w_ij)} of the head-averaged weights (and of each head):
 - AER (Och & Ney 2003): 1 - (|A ∩ S| + |A ∩ P|) / (|A| + |S|), S the sure and P the possible links
   (S ⊆ P), summed over the examples;
 per source-length bin (`config.data.length_bins`, or `bins=`) and over all ("all").
+
+`shift=d` scores against the gold links moved d source positions to the right. A recurrent
+encoder's state at position j + 1 still carries token j, so an RNN decoder may learn to attend
+one position late while translating perfectly: compare shift=0 with shift=1 before reading a low
+accuracy as a failure to align.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from attnlab.analysis import capture as capture_lib
 from attnlab.data import synthetic
 
 __all__ = ["ALIGNMENT_TASKS", "alignment_counts", "dates_gold", "evaluate_alignment",
-           "gold_alignment", "score_counts", "translation_arrays"]
+           "gold_alignment", "score_counts", "shift_gold", "translation_arrays"]
 
 # data.name values with gold alignments.
 ALIGNMENT_TASKS = ("copy", "reverse", "dates")
@@ -151,8 +156,16 @@ def _bins(edges: Sequence[int]) -> list[tuple[str, int, int]]:
   return bins
 
 
+def shift_gold(gold: Gold, shift: int) -> Gold:
+  """`gold` with every source position moved by `shift` (a link moved off the source can never
+  be the argmax, so it counts as a miss)."""
+  return [(frozenset(j + shift for j in sure), frozenset(j + shift for j in possible))
+          for sure, possible in gold]
+
+
 def evaluate_alignment(run, *, num_examples: int = 200, split: str | None = None,
-                       bins: Sequence[int] | None = None) -> dict[str, dict[str, Any]]:
+                       bins: Sequence[int] | None = None, shift: int = 0
+                       ) -> dict[str, dict[str, Any]]:
   """Alignment accuracy and AER of every cross-attention layer of a translation run.
 
   Args:
@@ -160,6 +173,7 @@ def evaluate_alignment(run, *, num_examples: int = 200, split: str | None = None
     num_examples: how many examples of the held-out split to score (the first ones).
     split: the split (default config.data.eval_split).
     bins: upper edges of source-length bins (default config.data.length_bins; () = none).
+    shift: score against the gold links moved this many source positions (module docstring).
   Returns:
     {layer path: {"all": {accuracy, aer, positions, examples}, "len_01_05": {...}, ...,
     "head_accuracy": [accuracy of each head's own argmax over all examples]}}.
@@ -193,6 +207,7 @@ def evaluate_alignment(run, *, num_examples: int = 200, split: str | None = None
       src = task.src_tok.split(task._prepare_text(ex["source"]))  # pylint: disable=protected-access
       tgt = task.tgt_tok.split(task._prepare_text(ex["target"]))  # pylint: disable=protected-access
       golds.append(gold_alignment(name, src, tgt))
+  golds = [shift_gold(g, shift) for g in golds]
   report = {}
   for path, w in cross.items():  # [batch, heads, t, s]
     n_heads = w.shape[1]
