@@ -111,6 +111,11 @@ def test_tokenizers_of_imported_runs(gpt2_run, bert_run):
   assert pathlib.Path(gpt2_run.config.data.tokenizer_path).parent == gpt2_run.workdir
 
 
+def test_capture_of_imported_bert_uses_its_special_tokens(bert_run):
+  cap = analysis.capture_text(bert_run, "the cat sat", target="the cat")
+  assert cap.tokens["tokens"] == ["[CLS]", "the", "cat", "sat", "[SEP]", "the", "cat", "[SEP]"]
+
+
 def test_generate_cli_on_imported_gpt2(gpt2_run, capsys):
   status = generate.main(["attnlab generate", f"--workdir={gpt2_run.workdir}",
                           "--prompt=To be", "--num_tokens=6", "--temperature=0"])

@@ -247,7 +247,8 @@ def _bert_text(run, text: str, target: str | None) -> dict[str, np.ndarray]:
   tok = run.task.tokenizer
   a = tok.encode(text)
   b = tok.encode(target) if target is not None else None
-  ids, segments = masked_lm.make_pair(a, b, run.model.max_len, np.random.default_rng(0))
+  ids, segments = masked_lm.make_pair(a, b, run.model.max_len, np.random.default_rng(0),
+                                      cls_id=tok.cls_id, sep_id=tok.sep_id)
   return {"tokens": np.asarray(ids, np.int32), "segments": np.asarray(segments, np.int32)}
 
 
