@@ -98,10 +98,10 @@ def describe(workdir: str | pathlib.Path, step: int | None = None, verify: bool 
   bad = check_checkpoints(workdir, config, steps, verify)
   complete = checkpoint.is_complete(workdir, config.num_train_steps)
   listed = [f"{s} (damaged)" if s in bad else str(s) for s in steps]
-  checked = "restored" if verify else "files checked"
   lines.append(f"checkpoints: {', '.join(listed) or 'none'} "
-               f"(of {config.num_train_steps} steps; {'complete' if complete else 'not complete'}"
-               f"{f'; {checked}' if steps else ''})")
+               f"(of {config.num_train_steps} steps; {'complete' if complete else 'not complete'})")
+  if steps and not bad:
+    lines.append(f"  all {'restored into the model' if verify else 'complete and readable'}")
   for bad_step, problem in sorted(bad.items()):
     lines.append(f"  checkpoint {bad_step} is damaged: {problem}")
   if step is not None:

@@ -324,7 +324,7 @@ def test_inspect_marks_damaged_checkpoints(local_run, tmp_path, damage):
       path.write_bytes(b"garbage")
   result = _cli("inspect", f"--workdir={workdir}")
   assert result.returncode == 1
-  assert "checkpoints: 10, 20 (damaged) (of 20 steps; complete; files checked)" in result.stdout
+  assert "checkpoints: 10, 20 (damaged) (of 20 steps; complete)\n" in result.stdout
   assert "  checkpoint 20 is damaged: file " + str(newest) in result.stdout
   line = _one_line(result.stderr)
   assert line.startswith(f"attnlab inspect: error: checkpoint 20 of {workdir} is damaged (file "
@@ -335,7 +335,11 @@ def test_inspect_marks_damaged_checkpoints(local_run, tmp_path, damage):
 def test_inspect_verify_restores_every_checkpoint(local_run, capsys):
   from attnlab import inspect_run  # pylint: disable=g-import-not-at-top
   assert inspect_run.main(["attnlab inspect", f"--workdir={local_run}", "--verify"]) == 0
-  assert "checkpoints: 10, 20 (of 20 steps; complete; restored)" in capsys.readouterr().out
+  assert "checkpoints: 10, 20 (of 20 steps; complete)\n  all restored into the model\n" in \
+      capsys.readouterr().out
+  assert inspect_run.main(["attnlab inspect", f"--workdir={local_run}"]) == 0
+  assert "checkpoints: 10, 20 (of 20 steps; complete)\n  all complete and readable\n" in \
+      capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------------------
