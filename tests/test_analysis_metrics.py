@@ -130,14 +130,16 @@ def test_alignment_accuracy_perfect_and_shifted():
 
 def test_shifted_gold_scores_a_late_alignment():
   # An alignment one source position late (as a unidirectional RNN encoder may learn): wrong
-  # against the gold links, right against them moved by one, except row 0, whose moved link
-  # (4 -> 5) leaves the source and so is a miss.
+  # against the gold links, right against them moved by one. Row 0's moved link (4 -> 5) leaves
+  # the source, so that row is not scored.
   gold = alignment.gold_alignment("reverse", "abcde", "edcba")
   late = np.zeros((5, 5))
   for i in range(5):
-    late[i, min(5 - i, 4)] = 1.0  # row i on source n-i (the last row stays on 4)
-  assert alignment.shift_gold(gold, 1)[0] == (frozenset([5]), frozenset([5]))
+    late[i, min(5 - i, 4)] = 1.0  # row i on source n-i (row 0 stays on 4)
+  moved_gold = alignment.shift_gold(gold, 1, src_len=5)
+  assert moved_gold[0] == (frozenset(), frozenset())
+  assert moved_gold[1] == (frozenset([4]), frozenset([4]))
   plain = alignment.score_counts(alignment.alignment_counts(late, gold))
-  moved = alignment.score_counts(alignment.alignment_counts(late, alignment.shift_gold(gold, 1)))
+  moved = alignment.score_counts(alignment.alignment_counts(late, moved_gold))
   assert plain["accuracy"] == pytest.approx(1 / 5)  # only row 0 (on 4) matches gold 4
-  assert moved["accuracy"] == pytest.approx(4 / 5)  # rows 1..4 on n-i; row 0's link is off
+  assert moved["accuracy"] == 1.0 and moved["positions"] == 4

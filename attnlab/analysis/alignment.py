@@ -20,9 +20,9 @@ A = {(i, argmax_j w_ij)} of the head-averaged weights (and of each head):
   (S ⊆ P), summed over the examples;
 per source-length bin (`config.data.length_bins`, or `bins=`) and over all ("all").
 
-`shift=d` scores against the gold links moved d source positions to the right. A recurrent
-encoder's state at position j + 1 still carries token j, so an RNN decoder may learn to attend
-one position late while translating perfectly: compare shift=0 with shift=1 before reading a low
+`shift=d` scores against the gold links moved d source positions to the right (rows whose link
+leaves the source are not scored). A recurrent encoder's state at position j + 1 still carries
+token j, so an RNN decoder may learn to attend one position late while translating perfectly: compare shift=0 with shift=1 before reading a low
 accuracy as a failure to align.
 """
 
@@ -156,11 +156,12 @@ def _bins(edges: Sequence[int]) -> list[tuple[str, int, int]]:
   return bins
 
 
-def shift_gold(gold: Gold, shift: int) -> Gold:
-  """`gold` with every source position moved by `shift` (a link moved off the source can never
-  be the argmax, so it counts as a miss)."""
-  return [(frozenset(j + shift for j in sure), frozenset(j + shift for j in possible))
-          for sure, possible in gold]
+def shift_gold(gold: Gold, shift: int, src_len: int) -> Gold:
+  """`gold` with every source position moved by `shift`; links moved off the source (outside
+  0..src_len-1) are dropped, so a row left without one is not scored."""
+  def moved(links: frozenset[int]) -> frozenset[int]:
+    return frozenset(j + shift for j in links if 0 <= j + shift < src_len)
+  return [(moved(sure), moved(possible)) for sure, possible in gold]
 
 
 def evaluate_alignment(run, *, num_examples: int = 200, split: str | None = None,
@@ -207,7 +208,7 @@ def evaluate_alignment(run, *, num_examples: int = 200, split: str | None = None
       src = task.src_tok.split(task._prepare_text(ex["source"]))  # pylint: disable=protected-access
       tgt = task.tgt_tok.split(task._prepare_text(ex["target"]))  # pylint: disable=protected-access
       golds.append(gold_alignment(name, src, tgt))
-  golds = [shift_gold(g, shift) for g in golds]
+  golds = [shift_gold(g, shift, int(n)) for g, n in zip(golds, arrays["source_length"])]
   report = {}
   for path, w in cross.items():  # [batch, heads, t, s]
     n_heads = w.shape[1]
