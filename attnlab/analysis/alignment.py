@@ -22,8 +22,8 @@ per source-length bin (`config.data.length_bins`, or `bins=`) and over all ("all
 
 `shift=d` scores against the gold links moved d source positions to the right (rows whose link
 leaves the source are not scored). A recurrent encoder's state at position j + 1 still carries
-token j, so an RNN decoder may learn to attend one position late while translating perfectly: compare shift=0 with shift=1 before reading a low
-accuracy as a failure to align.
+token j, so an RNN decoder may learn to attend one position late while translating perfectly:
+compare shift=0 with shift=1 before reading a low accuracy as a failure to align.
 """
 
 from __future__ import annotations
