@@ -521,6 +521,7 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
     restored = ckpt.restore_latest(abstract, quarantine=is_main)
     if restored is None:
       state = _initial_state(task, tx, init_rng, num_seeds, mesh, shardings)
+      state = _with_pretrained(task, tx, state, num_seeds, mesh, shardings)
     else:
       state, data_state = restored
       train_iter.set_state(data_state)
@@ -561,6 +562,29 @@ def _initial_state(task: tasks.Task, tx: optax.GradientTransformation, init_rng:
     return create_replicas(task, tx, keys)
   key_data = parallel.put_replicated(jax.random.key_data(init_rng), mesh)
   return jax.jit(create, out_shardings=shardings)(key_data)
+
+
+def _with_pretrained(task: tasks.Task, tx: optax.GradientTransformation, state: TrainState,
+                     num_seeds: int, mesh: jax.sharding.Mesh | None, shardings: Any) -> TrainState:
+  """Step 0 with the task's pretrained weights (`Task.load_pretrained`, called eagerly on every
+  replica's parameters) and the optimizer state rebuilt for them; `state` when it loads none."""
+  params = parallel.to_host(state.params)
+  if num_seeds == 1:
+    loaded = task.load_pretrained(params)
+  else:
+    replicas = [task.load_pretrained(jax.tree.map(lambda x, i=i: x[i], params))
+                for i in range(num_seeds)]
+    loaded = None if replicas[0] is None else jax.tree.map(
+        lambda *xs: np.stack([np.asarray(x) for x in xs]), *replicas)  # [N, ...] leaves
+  if loaded is None:
+    return state
+
+  def rebuild(params: Any) -> TrainState:
+    opt_state = tx.init(params) if num_seeds == 1 else jax.vmap(tx.init)(params)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+  if mesh is None:
+    return jax.jit(rebuild)(loaded)
+  return jax.jit(rebuild, out_shardings=shardings)(parallel.put_replicated(loaded, mesh))
 
 
 def _step_of(state: TrainState) -> int:

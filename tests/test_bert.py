@@ -1,7 +1,10 @@
 """BERT: masking and NSP statistics, padding, MLM loss, encoder transfer, runlocal end to end."""
 
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -294,7 +297,7 @@ def test_finetune_loads_pretrained_encoder_end_to_end(pretrain_run, data_args, t
   task = classification.ClassificationTask(config)
   pretrained = analysis.load_run(pretrain_run).params
   rng = jax.random.key(3)
-  loaded = task.init(rng)
+  loaded = task.load_pretrained(task.init(rng))
   for a, b in zip(jax.tree.leaves(pretrained["encoder"]), jax.tree.leaves(loaded["encoder"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   tokens = jnp.zeros((1, config.data.max_len), jnp.int32)
@@ -310,12 +313,59 @@ def test_finetune_loads_pretrained_encoder_end_to_end(pretrain_run, data_args, t
   assert (workdir / "head_view.png").is_file() and (workdir / "cls_attention.png").is_file()
 
 
-def test_finetune_rejects_a_different_pretraining_model(pretrain_run, data_args):
+def test_finetune_rejects_a_different_pretraining_model(pretrain_run, data_args, tmp_path):
   config = _config("finetune", data_args, "model.num_layers=1")
   config.init_from = str(pretrain_run)
   task = classification.ClassificationTask(config)
   with pytest.raises(config_utils.ConfigError, match="model.num_layers: 2 .* 1 here"):
-    task.init(jax.random.key(0))
+    task.load_pretrained(task.init(jax.random.key(0)))
+  with pytest.raises(config_utils.ConfigError, match="model.num_layers: 2 .* 1 here"):
+    train.train_and_evaluate(config, tmp_path / "mismatch")
+
+
+# Step 0 of a fine-tuning run in a subprocess with 2 fake CPU devices (a 2-way data mesh).
+_TWO_DEVICE_WORKER = """
+import sys, jax, numpy as np
+from attnlab import config_utils, train
+config = config_utils.load_config_file(sys.argv[1])
+config.init_from = sys.argv[2]
+state = train.train_and_evaluate(config, sys.argv[3])
+leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]
+np.savez(sys.argv[4], devices=len(jax.tree.leaves(state.params)[0].sharding.device_set),
+         **{jax.tree_util.keystr(path): np.asarray(x) for path, x in leaves})
+"""
+
+
+def test_init_from_loads_the_encoder_whatever_the_seeds_or_devices(pretrain_run, data_args,
+                                                                   tmp_path):
+  """Step 0 of every replica holds the pretraining run's encoder: num_seeds=2 on one device, and
+  num_seeds=2 on a mesh of 2 fake CPU devices (the parameters are loaded after the state is
+  built, never inside the traced init)."""
+  pretrained = jax.device_get(analysis.load_run(pretrain_run).params["encoder"])
+  arg = "num_train_steps=0,eval_every=0,write_plots=False,num_seeds=2"
+  config = _config("finetune", data_args, arg)
+  config.init_from = str(pretrain_run)
+  state = train.train_and_evaluate(config, tmp_path / "seeds")
+  params = jax.device_get(state.params)
+  for replica in range(2):
+    for a, b in zip(jax.tree.leaves(pretrained), jax.tree.leaves(params["encoder"])):
+      np.testing.assert_array_equal(a, b[replica])
+  kernels = params["classifier"]["kernel"]  # [2, d_model, classes]: each seed its own classifier
+  assert not np.allclose(kernels[0], kernels[1])
+  out = tmp_path / "two_devices.npz"
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+             JAX_PLATFORMS="cpu", ATTNLAB_DISTRIBUTED="0")
+  proc = subprocess.run(
+      [sys.executable, "-c", _TWO_DEVICE_WORKER, f"{CONFIG}:mode=finetune,runlocal=True,"
+       f"{data_args},{arg},batch_size=8", str(pretrain_run), str(tmp_path / "mesh"), str(out)],
+      env=env, capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = np.load(out)
+  assert int(result["devices"]) == 2
+  flat = jax.tree_util.tree_flatten_with_path({"encoder": pretrained})[0]
+  for path, value in flat:
+    for replica in range(2):
+      np.testing.assert_array_equal(value, result[jax.tree_util.keystr(path)][replica])
 
 
 def test_config_shortcuts_and_errors():

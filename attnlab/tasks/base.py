@@ -7,6 +7,7 @@ owns everything else: optimizer, jit, checkpoints, metrics files, resume, signal
     class MyTask(Task):
       def __init__(self, config):           # build model and data from config.model / config.data
       def init(self, rng) -> params         # a pytree of arrays (e.g. a Flax "params" collection)
+      def load_pretrained(self, params)     # optional: params with pretrained weights put in
       def train_iterator(self) -> BatchIterator
       def loss_fn(self, params, batch, rng) -> (loss, metrics)
       def evaluate(self, params) -> {name: float}        # optional (default: eval_batches below)
@@ -20,6 +21,9 @@ Contract the trainer relies on:
   JSON-serialisable dict stored in every checkpoint, `set_state(state)` puts a fresh iterator back
   at that position, so a resumed run sees exactly the batches an uninterrupted one would. Order
   must depend only on `config.seed` (and the data), never on wall-clock or global RNG state.
+- `init` is a pure function of the key (the trainer and `load_run` trace it for shapes, and vmap
+  it over seeds). Weights from elsewhere (`config.init_from`) come from `load_pretrained`, which
+  the trainer calls eagerly once on every replica's step-0 parameters of a new run.
 - Trainable state is `params` only; the trainer keeps the optimizer state and the step. None of the
   planned families (RNN seq2seq, Transformer, BERT, GPT) keeps batch statistics; attention weights
   are `sow`n into the "intermediates" collection, read by `attnlab.analysis.attention_maps`.
@@ -107,6 +111,12 @@ class Task(abc.ABC):
   @abc.abstractmethod
   def init(self, rng: jax.Array) -> Params:
     """Initial parameters (a pytree of arrays) from a JAX key."""
+
+  def load_pretrained(self, params: Params) -> Params | None:
+    """`params` (one replica's initial parameters) with pretrained weights put in, or None when
+    the task loads none (the default). Called eagerly, outside any jit or vmap."""
+    del params
+    return None
 
   @abc.abstractmethod
   def train_iterator(self) -> BatchIterator:

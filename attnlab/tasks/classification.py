@@ -8,10 +8,10 @@ cross-entropy; metrics: accuracy; evaluation: accuracy over the whole SST-2 vali
 Initialisation:
 - `config.init_from = ""`: every parameter random (fine-tuning from scratch).
 - `config.init_from = WORKDIR` of a "masked_lm" run: the encoder (embeddings, blocks, pooler)
-  is that run's latest checkpoint, loaded with `attnlab.analysis.load_run`; the classifier is
-  new. The run's encoder hyperparameters and tokenizer options must equal this config's (checked,
-  with the differing keys named). Under `jax.eval_shape` (how the trainer and load_run build the
-  restore target) nothing is loaded: only the shapes are needed.
+  is that run's latest checkpoint; the classifier is new. The run's encoder hyperparameters and
+  tokenizer options must equal this config's (checked, with the differing keys named). `init`
+  stays a pure function of the key; the trainer calls `load_pretrained` eagerly on every
+  replica's step-0 parameters of a new run (whatever `num_seeds` or the device mesh).
 
 The tokenizer is the pretraining one (`masked_lm.bert_tokenizer` of the same data options), so
 the from-scratch baseline sees exactly the same vocabulary as the pretrained model.
@@ -138,13 +138,12 @@ class ClassificationTask(Task):
   # ---- parameters
   def init(self, rng: jax.Array) -> Any:
     tokens = jnp.zeros((1, self.config.data.max_len), jnp.int32)
-    params = self.model.init(rng, tokens)["params"]
-    if not self.config.init_from or masked_lm.is_tracer(rng):
-      return params
-    return self.load_pretrained(params)
+    return self.model.init(rng, tokens)["params"]
 
-  def load_pretrained(self, params: Any) -> Any:
-    """`params` with the encoder of the pretraining run `config.init_from`."""
+  def load_pretrained(self, params: Any) -> Any | None:
+    """`params` with the encoder of the pretraining run `config.init_from` (None without one)."""
+    if not self.config.init_from:
+      return None
     from attnlab import analysis  # pylint: disable=g-import-not-at-top  (imports train)
     from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
     workdir = self.config.init_from

@@ -457,11 +457,6 @@ def plot_head_views(apply_fn, tokenizer: tokenizers.Vocab, sentence: str, max_le
   return paths
 
 
-def is_tracer(x: Any) -> bool:
-  """True inside jax tracing (e.g. eval_shape of the initial state)."""
-  return isinstance(x, jax.core.Tracer)
-
-
 # ---------------------------------------------------------------------------------------------------
 # The task
 
