@@ -180,12 +180,15 @@ def test_pickers_lines_heatmap_hover_and_table(browser, tmp_path):
   def lines():
     return browser.find_elements(By.CSS_SELECTOR, "#lines line")
 
-  # First layer, mean of all heads: one line per nonzero (query, key) weight.
-  assert body.get_attribute("data-layer") == ENC0 and body.get_attribute("data-head") == "-1"
-  mean = _rounded(capture.weights[ENC0]).mean(0)
-  assert len(lines()) == np.count_nonzero(mean) == 36
+  # The page opens on the cross-attention (the alignment), mean of all heads.
+  assert body.get_attribute("data-layer") == CROSS and body.get_attribute("data-head") == "-1"
   select = Select(browser.find_element(By.ID, "layer-select"))
   assert [o.text.split()[0] for o in select.options] == [ENC0, ENC1, DEC_SELF, CROSS]
+  # The first layer through the picker: one line per nonzero (query, key) weight.
+  select.select_by_value(str(_layer_index(browser, ENC0)))
+  assert body.get_attribute("data-layer") == ENC0
+  mean = _rounded(capture.weights[ENC0]).mean(0)
+  assert len(lines()) == np.count_nonzero(mean) == 36
   groups = browser.find_elements(By.CSS_SELECTOR, "#layer-select optgroup")
   assert [g.get_attribute("label") for g in groups] == [
       "encoder self-attention", "decoder self-attention", "cross-attention"]

@@ -107,7 +107,10 @@ def page_data(capture, metrics: Sequence[Mapping[str, Any]] | None = None, title
   # Rows in the picker's layer order (stable: heads keep their order); unknown layers last.
   order = {layer["path"]: i for i, layer in enumerate(layers)}
   rows.sort(key=lambda r: order.get(r.get("layer", r.get("path")), len(order)))
-  return {"title": title, "tokens": tokens, "scale": scale, "layers": layers, "metrics": rows}
+  # The page opens on the first cross-attention layer (the alignment) when there is one.
+  initial = next((i for i, layer in enumerate(layers) if layer["kind"] == "cross"), 0)
+  return {"title": title, "tokens": tokens, "scale": scale, "layers": layers, "metrics": rows,
+          "initial_layer": initial}
 
 
 def _script_json(data: Any) -> str:
@@ -667,7 +670,7 @@ _SCRIPT = r"""
       else return;
       ev.preventDefault();
     });
-    select(0, -1);
+    select(DATA.initial_layer, -1);
   }
 
   window.attnView = {
