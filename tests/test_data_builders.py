@@ -7,6 +7,7 @@ import http.server
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 import threading
@@ -313,6 +314,21 @@ def test_download_failure_names_both_ways(http_root, tmp_path, monkeypatch):
   monkeypatch.setattr(cls, "SOURCE", dataclasses.replace(cls.SOURCE, url=f"{url}/SST-2.zip"))
   with pytest.raises(data.DatasetNotFoundError, match=r"download failed.*404.*--manual_dir"):
     data.get_dataset("sst2", "train", data_dir=tmp_path / "tfds")
+
+
+def test_unreachable_host_fails_at_once(tmp_path, monkeypatch):
+  # A port nobody listens on (bound, then closed): the builder says so without TFDS's retries.
+  with socket.socket() as probe:
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+  cls = tiny_shakespeare.TinyShakespeare
+  monkeypatch.delenv("ATTNLAB_DATA_DIR", raising=False)
+  monkeypatch.setattr(cls, "SOURCE",
+                      dataclasses.replace(cls.SOURCE, url=f"http://127.0.0.1:{port}/input.txt"))
+  # "cannot reach" comes from the connect check, before TFDS's downloader ("download failed").
+  with pytest.raises(data.DatasetNotFoundError,
+                     match=rf"cannot reach 127.0.0.1:{port} to download.*--manual_dir"):
+    data.get_dataset("tiny_shakespeare", "train", data_dir=tmp_path / "tfds")
 
 
 # The `attnlab data` command.

@@ -13,6 +13,8 @@ import dataclasses
 import os
 import pathlib
 import shutil
+import socket
+import urllib.parse
 import zipfile
 from typing import Any, Callable, ClassVar, Iterator, Mapping
 
@@ -76,6 +78,17 @@ def _missing_message(name: str, source: RawSource, looked: list[str], why: str =
   )
 
 
+def _unreachable(url: str, timeout: float = 10.0) -> str | None:
+  """Why `url`'s host cannot be reached (a TCP connect within `timeout` s), or None if it can."""
+  parts = urllib.parse.urlsplit(url)
+  port = parts.port or (443 if parts.scheme == "https" else 80)
+  try:
+    socket.create_connection((parts.hostname, port), timeout=timeout).close()
+  except OSError as e:
+    return f"cannot reach {parts.hostname}:{port} to download ({e.strerror or e}); offline?"
+  return None
+
+
 def _complete(folder: pathlib.Path, files: tuple[str, ...]) -> dict[str, pathlib.Path] | None:
   paths = {f: folder / f for f in files}
   return paths if all(p.is_file() for p in paths.values()) else None
@@ -116,6 +129,9 @@ def resolve_raw_files(
     looked.append(f"{DATA_DIR_ENV} not set")
   if not download or dl_manager is None:
     raise DatasetNotFoundError(_missing_message(name, source, looked, "; download disabled"))
+  if (unreachable := _unreachable(source.url)) is not None:
+    # TFDS retries a failing download for minutes: an offline user hears it at once instead.
+    raise DatasetNotFoundError(_missing_message(name, source, looked, f"; {unreachable}"))
   try:
     if source.is_archive:
       # TFDS's own extractor needs TensorFlow (tf.io.gfile): download with TFDS, unzip here.
