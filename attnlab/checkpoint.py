@@ -41,7 +41,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from attnlab import config_utils
-from attnlab.config_utils import UserError
+from attnlab import errors
+from attnlab.errors import UserError
 
 _LOG = logging.getLogger(__name__)
 
@@ -58,29 +59,12 @@ DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
 PERMISSION_ERRNOS = (errno.EACCES, errno.EPERM)
 
 
-class ConfigMismatchError(UserError):
-  """The workdir holds a run with a different config."""
-
-
-class CheckpointError(UserError):
-  """A checkpoint is missing, unreadable, or does not fit the model."""
-
-
-class CorruptCheckpointError(CheckpointError):
-  """A checkpoint's files cannot be read (a damaged or partial write)."""
-
-
-class CheckpointWriteError(OSError):
-  """A checkpoint could not be written (disk full, read-only directory); its partial directory
-  was removed, the earlier checkpoints are untouched. `errno` is set when the cause is known."""
-
-  def __init__(self, code: int | None, message: str):
-    super().__init__(message)
-    self.errno = code
-
-
-class WorkdirBusyError(UserError):
-  """Another process holds the lock of the workdir (it is training there)."""
+# The error classes (attnlab/errors.py) under the names this module always gave them.
+CheckpointError = errors.CheckpointError
+CheckpointWriteError = errors.CheckpointWriteError
+ConfigMismatchError = errors.ConfigMismatchError
+CorruptCheckpointError = errors.CorruptCheckpointError
+WorkdirBusyError = errors.WorkdirBusyError
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -36,12 +36,9 @@ import ml_collections
 ConfigDict = ml_collections.ConfigDict
 
 
-class UserError(ValueError):
-  """An error caused by the user's input; command-line tools print it as one line, no traceback."""
-
-
-class ConfigError(UserError):
-  """A config key, value or file that cannot be used."""
+# The error classes live in attnlab/errors.py; these names stay importable from here.
+from attnlab.errors import ConfigError  # pylint: disable=g-bad-import-order
+from attnlab.errors import UserError  # pylint: disable=g-bad-import-order
 
 
 # Applied by `finalize` when runlocal=True, before the config file's own runlocal overrides.

@@ -20,6 +20,7 @@ from absl import flags
 
 from attnlab import checkpoint
 from attnlab import config_utils
+from attnlab import errors
 from attnlab import main as main_lib
 
 
@@ -34,13 +35,7 @@ def _define_flags() -> flags.FlagValues:
   return flag_values
 
 
-class DamagedCheckpoints(RuntimeError):
-  """Some checkpoints of the run are damaged; `report` is the full text, the message one line."""
-  exit_code = 1
-
-  def __init__(self, message: str, report: str):
-    super().__init__(message)
-    self.report = report
+DamagedCheckpoints = errors.DamagedCheckpoints
 
 
 def check_checkpoints(workdir: pathlib.Path, config, steps: list[int],

@@ -24,7 +24,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from attnlab import config_utils
-from attnlab.config_utils import UserError
+from attnlab.errors import RunStopped
+from attnlab.errors import UserError
 
 USAGE_ERROR = 2
 # Exit status of a tool stopped by a file it could not write or read (disk full, read-only, ...).
@@ -141,7 +142,6 @@ def run_tool(prog: str, body: Callable[[], int | None]) -> int:
     print(f"{prog}: error: {verb}{where} ({os.strerror(e.errno)})", file=sys.stderr)
     return IO_ERROR
   except Exception as e:
-    from attnlab.train import RunStopped  # pylint: disable=g-import-not-at-top  (imports JAX)
     if not isinstance(e, RunStopped):
       raise
     print(f"{prog}: {e}", file=sys.stderr)

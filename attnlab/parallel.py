@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from attnlab.config_utils import ConfigError
+from attnlab.errors import ConfigError
 
 _LOG = logging.getLogger(__name__)
 

@@ -46,6 +46,7 @@ import optax
 
 from attnlab import checkpoint
 from attnlab import config_utils
+from attnlab import errors
 from attnlab import parallel
 from attnlab import tasks
 
@@ -66,27 +67,11 @@ class TrainState:
   opt_state: Any
 
 
-class RunStopped(RuntimeError):
-  """Training stopped early; the command-line tools print the message and exit with exit_code."""
-  exit_code = 1
-
-
-class NonFiniteLossError(RunStopped):
-  """The loss became NaN or Inf; nothing was saved after the last good checkpoint."""
-
-
-class WriteFailed(RunStopped):
-  """A file of the run could not be written (disk full, read-only workdir); the checkpoints before
-  it are intact and the same command resumes from the last of them once the disk takes writes."""
-
-
-class TrainingInterrupted(RunStopped):
-  """SIGTERM or SIGINT (Ctrl-C) arrived; a checkpoint was saved before stopping."""
-
-  def __init__(self, message: str, signum: int):
-    super().__init__(message)
-    self.signum = signum
-    self.exit_code = 128 + signum
+# How a run stops early (attnlab/errors.py), under the names this module always gave them.
+RunStopped = errors.RunStopped
+NonFiniteLossError = errors.NonFiniteLossError
+WriteFailed = errors.WriteFailed
+TrainingInterrupted = errors.TrainingInterrupted
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import numpy as np
 from absl import flags
 
 from attnlab import main as main_lib
-from attnlab.config_utils import UserError
+from attnlab.errors import UserError
 
 
 def _define_flags() -> flags.FlagValues:

@@ -44,7 +44,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from attnlab.config_utils import UserError
+from attnlab import errors
+from attnlab.errors import UserError
 from attnlab.data import hf_tokenizer
 from attnlab.interop import torch_pickle
 
@@ -60,8 +61,7 @@ ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_
                "gelu": "gelu", "relu": "relu"}
 
 
-class HFError(UserError):
-  """A checkpoint folder that cannot be imported (or a run that cannot be exported)."""
+HFError = errors.HFError
 
 
 # --------------------------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from attnlab import errors
+
 # torch storage class name -> NumPy dtype.
 STORAGE_DTYPES: dict[str, Any] = {
     "FloatStorage": np.float32,
@@ -34,8 +36,7 @@ STORAGE_DTYPES: dict[str, Any] = {
 }
 
 
-class TorchFileError(ValueError):
-  """A file that is not a readable PyTorch state dict."""
+TorchFileError = errors.TorchFileError
 
 
 class _StorageType:

@@ -343,7 +343,7 @@ def make_translation_model(model_config: Any, src_vocab_size: int, tgt_vocab_siz
   Raises ConfigError (a ValueError) naming the valid choices for an unknown cell, attention,
   score or window.
   """
-  from attnlab.config_utils import ConfigError  # pylint: disable=g-import-not-at-top
+  from attnlab.errors import ConfigError  # pylint: disable=g-import-not-at-top
   for key, valid in (("cell", CELLS), ("attention", ATTENTIONS), ("window", WINDOWS),
                      ("score", tuple(attn_scores.SCORE_FNS))):
     if model_config[key] not in valid:

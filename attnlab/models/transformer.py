@@ -336,7 +336,7 @@ def make_translation_model(model_config: Any, src_vocab_size: int, tgt_vocab_siz
   Fields left at 0 take their value from `model.size`; `model.max_len` 0 means
   max(64, 2 * max_src_len + 2). Raises ConfigError (a ValueError) naming the valid choices.
   """
-  from attnlab.config_utils import ConfigError  # pylint: disable=g-import-not-at-top
+  from attnlab.errors import ConfigError  # pylint: disable=g-import-not-at-top
   try:
     sizes = size_config(model_config.size)
   except ValueError as e:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import ml_collections
 
-from attnlab.config_utils import UserError
+from attnlab.errors import UserError
 from attnlab.tasks.base import BatchIterator
 from attnlab.tasks.base import IndexedBatches
 from attnlab.tasks.base import Task

@@ -33,7 +33,7 @@ import numpy as np
 import optax
 
 from attnlab import data as data_lib
-from attnlab.config_utils import ConfigError
+from attnlab.errors import ConfigError
 from attnlab.data import hf_tokenizer
 from attnlab.data import tokenizers as tok_lib
 from attnlab.models import gpt as gpt_lib

@@ -29,7 +29,7 @@ import ml_collections
 import numpy as np
 
 from attnlab import data as data_lib
-from attnlab.config_utils import ConfigError
+from attnlab.errors import ConfigError
 from attnlab.models import bert
 from attnlab.tasks import masked_lm
 from attnlab.tasks import register_task

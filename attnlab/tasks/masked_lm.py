@@ -46,7 +46,7 @@ import numpy as np
 import optax
 
 from attnlab import data as data_lib
-from attnlab.config_utils import ConfigError
+from attnlab.errors import ConfigError
 from attnlab.data import hf_tokenizer
 from attnlab.data import tokenizers
 from attnlab.models import bert

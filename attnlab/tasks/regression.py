@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnlab.attention import pooling
-from attnlab.config_utils import ConfigError
+from attnlab.errors import ConfigError
 from attnlab.tasks import register_task
 from attnlab.tasks.base import IndexedBatches
 from attnlab.tasks.base import Task

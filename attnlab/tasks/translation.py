@@ -45,7 +45,7 @@ import sacrebleu
 from attnlab import data as data_lib
 from attnlab import decoding
 from attnlab.attention import core as attn_core
-from attnlab.config_utils import ConfigError
+from attnlab.errors import ConfigError
 from attnlab.data import pipeline
 from attnlab.data import tokenizers
 from attnlab.tasks import register_task
