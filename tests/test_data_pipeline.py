@@ -122,15 +122,21 @@ def test_filter_and_truncate():
     np.testing.assert_array_equal(b["source"][r, :b["source_length"][r]], ex["source"][:5])
 
 
-def test_lm_windows_and_float_fields():
-  ids = np.arange(100, 125)
-  windows = pipeline.LMWindows(ids, block_size=8)
-  assert len(windows) == 3  # Starts 0, 8, 16; each needs 9 ids.
-  np.testing.assert_array_equal(windows[2]["inputs"], np.arange(116, 124))
-  np.testing.assert_array_equal(windows[2]["targets"], np.arange(117, 125))
-  b = next(pipeline.Batcher(windows, 3, shuffle=False))
-  assert b["inputs"].shape == (3, 8) and b["inputs"].dtype == np.int32
-  np.testing.assert_array_equal(b["targets"][:, :-1], b["inputs"][:, 1:])
+def test_permuted_batches_walk_a_fresh_permutation_per_epoch_and_resume():
+  arrays = {"x": np.arange(10) * 10, "w": np.ones(10, np.float32)}
+  batches = pipeline.permuted_batches(arrays, 4, seed=3)
+  seen = [next(batches) for _ in range(5)]  # 20 rows: two epochs
+  assert all(b["x"].shape == (4,) and b["w"].dtype == np.float32 for b in seen)
+  rows = np.concatenate([b["x"] for b in seen]) // 10
+  for epoch in range(2):
+    np.testing.assert_array_equal(rows[10 * epoch:10 * (epoch + 1)],
+                                  pipeline.rng_for(3, epoch).permutation(10))
+  resumed = pipeline.permuted_batches(arrays, 4, seed=3)
+  resumed.set_state({"index": 3})
+  np.testing.assert_array_equal(next(resumed)["x"], seen[3]["x"])
+
+
+def test_float_fields():
   reg = [{"x": [], "y": 2.0}, {"x": [0.5, 1.5], "y": -1.0}]
   r = next(pipeline.Batcher(reg, 2, shuffle=False))
   assert r["x"].dtype == np.float32 and r["y"].dtype == np.float32
@@ -166,5 +172,3 @@ def test_errors():
     pipeline.Batcher([{"a": [1]}, {"b": [1]}], 1)
   with pytest.raises(DataError, match="lacks"):
     pipeline.Batcher(exs, 2).set_state({"epoch": 0})
-  with pytest.raises(DataError, match="too few for one window"):
-    pipeline.LMWindows([1, 2, 3], block_size=3)

@@ -204,14 +204,14 @@ def test_addition_exact_match_counts_only_correct_answers(tmp_path):
   # A "model" that predicts the targets exactly: logits one-hot on the targets.
   one_hot = jax.nn.one_hot(batch["targets"], len(task.tokenizer)) * 10.0
   task.model = type("Oracle", (), {"apply": lambda self, v, x: one_hot})()
-  sums = task._eval_sums(None, batch)
-  assert float(sums["exact"]) == float(sums["answers"]) == 4
+  exact, answers = task.metric_sums(None, batch)["exact_match"]
+  assert float(exact) == float(answers) == 4
   wrong = batch["targets"].copy()
   row, col = 1, int(np.flatnonzero(batch["answer_mask"][1])[0])
   wrong[row, col] = (wrong[row, col] + 1) % len(task.tokenizer)
   one_hot = jax.nn.one_hot(wrong, len(task.tokenizer)) * 10.0
   task.model = type("Oracle", (), {"apply": lambda self, v, x: one_hot})()
-  assert float(task._eval_sums(None, batch)["exact"]) == 3
+  assert float(task.metric_sums(None, batch)["exact_match"][0]) == 3
   text = task.tokenizer.decode(batch["inputs"][0].tolist())
   assert "+" in text and "=" in text
 

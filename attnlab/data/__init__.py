@@ -54,7 +54,8 @@ texts, **options)` reuses the saved one on resume.
 
 Batching (`attnlab.data.pipeline`)
 ----------------------------------
-`encode_examples(examples, {field: fn})`, `LMWindows(ids, block_size)` for causal LM windows,
+`encode_examples(examples, {field: fn})`; `permuted_batches(arrays, batch_size, seed)` (in-memory
+arrays in a fresh permutation per epoch, resumable from the batch index: `IndexedBatches`);
 `Batcher(examples, batch_size, seed=0, shuffle=True, num_epochs=None, drop_remainder=True,
 pad_to=None, buckets=None, max_length=None, length_policy="filter")` yielding dicts of numpy
 arrays: sequence field `f` -> `f` int32 [batch, length], `f_mask` bool [batch, length],

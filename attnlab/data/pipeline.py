@@ -26,7 +26,6 @@ implementation does both, needs no worker processes (2 CPU cores) and keeps the 
 
 from __future__ import annotations
 
-import collections.abc
 import numbers
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -63,36 +62,59 @@ def encode_examples(examples: Iterable[Mapping[str, Any]],
   return out
 
 
-class LMWindows(collections.abc.Sequence):
-  """Language-model windows over one long id sequence.
+def rng_for(seed: int, *keys: int) -> np.random.Generator:
+  """A NumPy generator determined by (seed, *keys), for host-side data order and sampling."""
+  return np.random.default_rng([seed, *keys])
 
-  Window i starts at `i * stride`: {"inputs": ids[s:s+block_size], "targets": ids[s+1:s+1+
-  block_size]} (int32 arrays), as many as fit.
+
+class IndexedBatches:
+  """A resumable iterator over `batch_fn(0), batch_fn(1), ...`; its state is the next index.
+
+  For data that can be produced from the batch index alone (synthetic tasks, or a permutation of
+  an in-memory dataset seeded by (seed, epoch)): resuming is exact by construction.
   """
 
-  def __init__(self, ids: Sequence[int] | np.ndarray, block_size: int, stride: int | None = None):
-    self._ids = np.asarray(ids, dtype=np.int32).reshape(-1)
-    self.block_size = int(block_size)
-    self.stride = int(stride or block_size)
-    if self.block_size < 1 or self.stride < 1:
-      raise DataError(f"block_size and stride must be >= 1, got {block_size}, {stride}")
-    if len(self._ids) < self.block_size + 1:
-      raise DataError(f"{len(self._ids)} ids are too few for one window of block_size "
-                      f"{self.block_size} (+1 target); use a smaller block_size or more text")
-    self._len = (len(self._ids) - 1 - self.block_size) // self.stride + 1
+  def __init__(self, batch_fn: Callable[[int], Any], start: int = 0):
+    self._batch_fn = batch_fn
+    self._index = start
 
-  def __len__(self) -> int:
-    return self._len
+  def __iter__(self) -> IndexedBatches:
+    return self
 
-  def __getitem__(self, i):  # int -> dict; slice -> list[dict]
-    if isinstance(i, slice):
-      return [self[j] for j in range(*i.indices(len(self)))]
-    j = int(i) + self._len if int(i) < 0 else int(i)
-    if not 0 <= j < self._len:
-      raise IndexError(f"window {i} out of range for {self._len} windows")
-    s = j * self.stride
-    return {"inputs": self._ids[s:s + self.block_size],  # [block_size]
-            "targets": self._ids[s + 1:s + 1 + self.block_size]}  # [block_size]
+  def __next__(self) -> Any:
+    batch = self._batch_fn(self._index)
+    self._index += 1
+    return batch
+
+  def get_state(self) -> dict[str, Any]:
+    return {"index": self._index}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    if "index" not in state:
+      raise ValueError(f"IndexedBatches state must be {{'index': int}}, got {state!r}")
+    self._index = int(state["index"])
+
+
+def permuted_rows(index: int, batch_size: int, num_rows: int, seed: int) -> np.ndarray:
+  """int64 `[batch_size]` rows of batch `index` when every epoch walks a fresh permutation of the
+  `num_rows` rows (drawn from `rng_for(seed, epoch)`); a batch may span two epochs."""
+  rows: list[int] = []
+  position = index * batch_size
+  while len(rows) < batch_size:
+    epoch, offset = divmod(position + len(rows), num_rows)
+    perm = rng_for(seed, epoch).permutation(num_rows)
+    rows.extend(perm[offset:offset + batch_size - len(rows)])
+  return np.asarray(rows)
+
+
+def permuted_batches(arrays: Mapping[str, np.ndarray], batch_size: int,
+                     seed: int) -> IndexedBatches:
+  """Batches `{name: array[rows]}` of in-memory arrays (one row per example) in the epoch
+  permutations of `permuted_rows`: resumable from the batch index alone."""
+  num_rows = len(next(iter(arrays.values())))
+  return IndexedBatches(lambda index: {
+      name: value[permuted_rows(index, batch_size, num_rows, seed)]
+      for name, value in arrays.items()})
 
 
 def _kind(value: Any) -> str:

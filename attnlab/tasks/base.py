@@ -10,7 +10,10 @@ owns everything else: optimizer, jit, checkpoints, metrics files, resume, signal
       def load_pretrained(self, params)     # optional: params with pretrained weights put in
       def train_iterator(self) -> BatchIterator
       def loss_fn(self, params, batch, rng) -> (loss, metrics)
-      def evaluate(self, params) -> {name: float}        # optional (default: eval_batches below)
+      def eval_batches(self) -> Iterable[batch]            # optional: held-out batches
+      def metric_sums(self, params, batch, rng=None)      # optional: {name: (sum, denominator)}
+      def finish_metrics(self, metrics) -> metrics        # optional: derived metrics (perplexity)
+      def evaluate(self, params) -> {name: float}        # optional (default: the loop below)
       def write_plots(self, params, workdir) -> None      # optional
 
 Contract the trainer relies on:
@@ -28,7 +31,12 @@ Contract the trainer relies on:
   planned families (RNN seq2seq, Transformer, BERT, GPT) keeps batch statistics; attention weights
   are `sow`n into the "intermediates" collection, read by `attnlab.analysis.attention_maps`.
 - `evaluate` runs on the host between train steps and may decode, compute BLEU, etc. The default
-  averages the metrics of `loss_fn(params, batch, None)` over `eval_batches()` with a jitted step.
+  (`mean_metrics`) owns the jit, the loop over `eval_batches()`, the padding of a short last
+  batch (with zero rows, to the first batch's size: one compilation) and the division: it adds
+  up `metric_sums(params, batch)` = {name: (sum over the batch, denominator)} and reports
+  sum / max(denominator, 1) per name, then `finish_metrics`. A task's `metric_sums` must give
+  zero rows zero weight (their weight or mask field is 0). Without one, each `loss_fn` metric
+  counts once per batch (the mean over batches).
 - `model` (a Flax module, or None) is what `attnlab.analysis.load_run` hands back for analysis;
   `model.apply({"params": params}, ...)` must run the forward pass.
 """
@@ -41,8 +49,14 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
+
+# Resumable batches from an index, and the (seed, keys) generators: in data/pipeline.py, and
+# importable from here.
+from attnlab.data.pipeline import IndexedBatches  # pylint: disable=unused-import
+from attnlab.data.pipeline import rng_for  # pylint: disable=unused-import
 
 Params = Any  # a pytree of arrays
 Batch = Any  # a pytree of arrays
@@ -68,34 +82,6 @@ class BatchIterator(Protocol):
     ...
 
 
-class IndexedBatches:
-  """A BatchIterator over `batch_fn(0), batch_fn(1), ...`; its state is the next index.
-
-  For data that can be produced from the batch index alone (synthetic tasks, or a permutation of
-  an in-memory dataset seeded by (seed, epoch)): resuming is exact by construction.
-  """
-
-  def __init__(self, batch_fn: Callable[[int], Batch], start: int = 0):
-    self._batch_fn = batch_fn
-    self._index = start
-
-  def __iter__(self) -> IndexedBatches:
-    return self
-
-  def __next__(self) -> Batch:
-    batch = self._batch_fn(self._index)
-    self._index += 1
-    return batch
-
-  def get_state(self) -> dict[str, Any]:
-    return {"index": self._index}
-
-  def set_state(self, state: dict[str, Any]) -> None:
-    if "index" not in state:
-      raise ValueError(f"IndexedBatches state must be {{'index': int}}, got {state!r}")
-    self._index = int(state["index"])
-
-
 class Task(abc.ABC):
   """One objective: model + data + loss + evaluation. See the module docstring for the contract."""
 
@@ -106,7 +92,7 @@ class Task(abc.ABC):
     self.config = config
     # The Flax module for analysis (or None for tasks without one).
     self.model = None
-    self._jit_eval_step = None
+    self._jit_metric_sums = None
 
   @abc.abstractmethod
   def init(self, rng: jax.Array) -> Params:
@@ -130,26 +116,55 @@ class Task(abc.ABC):
     """Batches for the default `evaluate` (none by default)."""
     return ()
 
+  def metric_sums(self, params: Params, batch: Batch,
+                  rng: jax.Array | None = None) -> dict[str, tuple[Any, Any]]:
+    """{name: (sum over the batch's examples, its denominator)} (module docstring); rows of
+    zeros must count nothing. Default: each `loss_fn` metric once per batch."""
+    loss, metrics = self.loss_fn(params, batch, rng)
+    return {name: (value, 1.0) for name, value in {**metrics, "loss": loss}.items()}
+
+  def finish_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+    """The evaluation metrics from the ratios of `metric_sums` (add derived ones here)."""
+    return metrics
+
+  def mean_metrics(self, params: Params, batches: Iterable[Batch]) -> dict[str, float]:
+    """sum / max(denominator, 1) of `metric_sums` over `batches` (a short last batch is padded
+    with zero rows to the first one's size), under one jit-compiled step."""
+    if self._jit_metric_sums is None:
+      self._jit_metric_sums = jax.jit(lambda p, b: self.metric_sums(p, b))
+    totals: dict[str, list[float]] = {}
+    size = None
+    for batch in batches:
+      size = size or _num_rows(batch)
+      sums = jax.device_get(self._jit_metric_sums(params, pad_rows(batch, size)))
+      for name, (value, denominator) in sums.items():
+        total = totals.setdefault(name, [0.0, 0.0])
+        total[0] += float(value)
+        total[1] += float(denominator)
+    return {name: value / max(denominator, 1.0) for name, (value, denominator) in totals.items()}
+
   def evaluate(self, params: Params) -> dict[str, float]:
-    """Metrics on held-out data: the mean of `loss_fn(params, batch, None)` over eval_batches."""
-    if self._jit_eval_step is None:
-      def eval_step(params, batch):
-        loss, metrics = self.loss_fn(params, batch, None)
-        return {**metrics, "loss": loss}
-      self._jit_eval_step = jax.jit(eval_step)
-    totals: dict[str, float] = {}
-    count = 0
-    for batch in self.eval_batches():
-      metrics = jax.device_get(self._jit_eval_step(params, batch))
-      for key, value in metrics.items():
-        totals[key] = totals.get(key, 0.0) + float(value)
-      count += 1
-    return {key: value / count for key, value in totals.items()}
+    """Metrics on held-out data: `finish_metrics(mean_metrics(params, eval_batches()))`."""
+    return self.finish_metrics(self.mean_metrics(params, self.eval_batches()))
 
   def write_plots(self, params: Params, workdir: pathlib.Path) -> None:
     """Writes the task's figures (PNG) into `workdir` after training; nothing by default."""
 
 
-def rng_for(seed: int, *keys: int) -> np.random.Generator:
-  """A NumPy generator determined by (seed, *keys), for host-side data order and sampling."""
-  return np.random.default_rng([seed, *keys])
+def ratios(sums: dict[str, tuple[Any, Any]]) -> dict[str, jax.Array]:
+  """{name: sum / max(denominator, 1)} of one `metric_sums` result (inside jit: loss_fn)."""
+  return {name: value / jnp.maximum(denominator, 1.0) for name, (value, denominator) in sums.items()}
+
+
+def _num_rows(batch: Batch) -> int:
+  return len(jax.tree.leaves(batch)[0])
+
+
+def pad_rows(batch: Batch, size: int) -> Batch:
+  """`batch` with zero rows appended to every leaf so that it has `size` rows."""
+  pad = size - _num_rows(batch)
+  if pad <= 0:
+    return batch
+  return jax.tree.map(
+      lambda x: np.concatenate([np.asarray(x), np.zeros((pad,) + np.shape(x)[1:],
+                                                        np.asarray(x).dtype)]), batch)

@@ -33,14 +33,15 @@ import numpy as np
 import optax
 
 from attnlab import data as data_lib
-from attnlab.errors import ConfigError
 from attnlab.data import hf_tokenizer
+from attnlab.data import pipeline
 from attnlab.data import tokenizers as tok_lib
+from attnlab.data.pipeline import IndexedBatches
+from attnlab.data.pipeline import rng_for
+from attnlab.errors import ConfigError
 from attnlab.models import gpt as gpt_lib
 from attnlab.tasks import register_task
-from attnlab.tasks.base import IndexedBatches
 from attnlab.tasks.base import Task
-from attnlab.tasks.base import rng_for
 
 # Datasets this task trains on.
 DATASETS = ("tiny_shakespeare", "addition")
@@ -125,7 +126,6 @@ class CausalLMTask(Task):
     if self.seq_len > self.block_size:
       raise ConfigError(f"addition texts need {self.seq_len} positions but model.block_size is "
                         f"{self.block_size}; lower data.max_digits or raise model.block_size")
-    self._eval_fn = None
 
   # ---------------------------------------------------------------------------- data
 
@@ -210,21 +210,12 @@ class CausalLMTask(Task):
         return {"inputs": ids[pos], "targets": ids[pos + 1]}
       return IndexedBatches(batch_fn)
 
+    # A fresh permutation of the training sums per epoch.
     arrays = {k: v for k, v in self.addition_train.items() if k != "answer_mask"}
-    n = len(arrays["inputs"])
-
-    def addition_batch(index: int) -> dict[str, np.ndarray]:
-      # A fresh permutation of the training sums per epoch.
-      idx, position = [], index * size
-      while len(idx) < size:
-        epoch, offset = divmod(position + len(idx), n)
-        perm = rng_for(seed, epoch).permutation(n)
-        idx.extend(perm[offset:offset + size - len(idx)])
-      return {k: v[np.asarray(idx)] for k, v in arrays.items()}
-    return IndexedBatches(addition_batch)
+    return pipeline.permuted_batches(arrays, size, seed)
 
   def eval_batches(self) -> list[dict[str, np.ndarray]]:
-    """Validation batches with per-position `weights` (0 on padding rows/positions)."""
+    """Validation batches with per-position `weights` (0 on padding positions)."""
     size = self.config.data.eval_batch_size
     self._text_ids()
     if self.seq_len == 0:
@@ -239,16 +230,8 @@ class CausalLMTask(Task):
                 "answer_mask": np.zeros((count, block), bool)}
     else:
       arrays = self.addition_val
-    n = len(arrays["inputs"])
-    batches = []
-    for lo in range(0, n, size):
-      batch = {k: v[lo:lo + size] for k, v in arrays.items()}
-      pad = size - len(batch["inputs"])
-      if pad:
-        batch = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)])
-                 for k, v in batch.items()}
-      batches.append(batch)
-    return batches
+    return [{k: v[lo:lo + size] for k, v in arrays.items()}
+            for lo in range(0, len(arrays["inputs"]), size)]
 
   # ---------------------------------------------------------------------------- model
 
@@ -265,7 +248,9 @@ class CausalLMTask(Task):
     loss, _ = _sequence_loss(logits, batch["targets"], batch.get("weights"))
     return loss, {"perplexity": jnp.exp(loss)}
 
-  def _eval_sums(self, params, batch) -> dict[str, jax.Array]:
+  def metric_sums(self, params, batch, rng=None) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """Token-weighted loss and accuracy (+ exact_match per answer for addition)."""
+    del rng  # evaluation only (training uses loss_fn)
     logits = self.model.apply({"params": params}, batch["inputs"])  # [batch, len, vocab]
     weights = batch["weights"]  # [batch, len]
     _, losses = _sequence_loss(logits, batch["targets"], weights)
@@ -273,24 +258,16 @@ class CausalLMTask(Task):
     answer = batch["answer_mask"]  # [batch, len]
     has_answer = jnp.any(answer, axis=-1)  # [batch]
     exact = jnp.all(correct | ~answer, axis=-1) & has_answer  # [batch]
-    return {"loss": jnp.sum(losses * weights), "tokens": jnp.sum(weights),
-            "correct": jnp.sum(correct * weights), "exact": jnp.sum(exact),
-            "answers": jnp.sum(has_answer)}
-
-  def evaluate(self, params) -> dict[str, float]:
-    """Token-weighted validation loss, perplexity, token accuracy (+ exact_match for addition)."""
-    if self._eval_fn is None:
-      self._eval_fn = jax.jit(self._eval_sums)
-    totals: dict[str, float] = {}
-    for batch in self.eval_batches():
-      for k, v in jax.device_get(self._eval_fn(params, batch)).items():
-        totals[k] = totals.get(k, 0.0) + float(v)
-    loss = totals["loss"] / max(totals["tokens"], 1.0)
-    metrics = {"loss": loss, "perplexity": float(np.exp(loss)),
-               "token_accuracy": totals["correct"] / max(totals["tokens"], 1.0)}
+    tokens = jnp.sum(weights)
+    sums = {"loss": (jnp.sum(losses * weights), tokens),
+            "token_accuracy": (jnp.sum(correct * weights), tokens)}
     if self.seq_len:
-      metrics["exact_match"] = totals["exact"] / max(totals["answers"], 1.0)
-    return metrics
+      sums["exact_match"] = (jnp.sum(exact), jnp.sum(has_answer))
+    return sums
+
+  def finish_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+    return {"loss": metrics["loss"], "perplexity": float(np.exp(metrics["loss"])),
+            **{k: v for k, v in metrics.items() if k != "loss"}}
 
   # ---------------------------------------------------------------------------- text
 

@@ -29,13 +29,13 @@ import ml_collections
 import numpy as np
 
 from attnlab import data as data_lib
+from attnlab.data import pipeline
 from attnlab.errors import ConfigError
 from attnlab.models import bert
 from attnlab.tasks import masked_lm
 from attnlab.tasks import register_task
-from attnlab.tasks.base import IndexedBatches
 from attnlab.tasks.base import Task
-from attnlab.tasks.base import rng_for
+from attnlab.tasks.base import ratios
 
 _LOG = logging.getLogger(__name__)
 
@@ -92,7 +92,6 @@ class ClassificationTask(Task):
                                             **masked_lm.model_kwargs(config, self.vocab_size))
     self._train: tuple[np.ndarray, np.ndarray] | None = None
     self._eval: list[dict[str, np.ndarray]] | None = None
-    self._jit_sums = None
 
   # ---- data
   def _split(self, split: str, limit: int) -> tuple[np.ndarray, np.ndarray]:
@@ -101,38 +100,23 @@ class ClassificationTask(Task):
                                     **masked_lm._data_kwargs(data))  # pylint: disable=protected-access
     return encode_sst2(self.tokenizer, examples, data.max_len)
 
-  def train_iterator(self) -> IndexedBatches:
+  def train_iterator(self) -> pipeline.IndexedBatches:
     if self._train is None:
       self._train = self._split("train", self.config.data.max_train_examples)
     ids, labels = self._train
-    n, size, seed = len(labels), self.config.batch_size, self.config.seed
-
-    def batch_fn(index: int) -> dict[str, np.ndarray]:
-      rows: list[int] = []
-      position = index * size
-      while len(rows) < size:
-        epoch, offset = divmod(position + len(rows), n)
-        perm = rng_for(seed, epoch).permutation(n)
-        rows.extend(perm[offset:offset + size - len(rows)])
-      rows_arr = np.asarray(rows)
-      return {"tokens": ids[rows_arr], "labels": labels[rows_arr],
-              "weights": np.ones((size,), np.float32)}
-    return IndexedBatches(batch_fn)
+    return pipeline.permuted_batches(
+        {"tokens": ids, "labels": labels, "weights": np.ones((len(labels),), np.float32)},
+        self.config.batch_size, self.config.seed)
 
   def eval_batches(self) -> list[dict[str, np.ndarray]]:
-    """The validation split in fixed-size batches (the last one padded, weight 0)."""
+    """The validation split in batches of data.eval_batch_size (weights 1)."""
     if self._eval is None:
       data = self.config.data
       ids, labels = self._split("validation", data.max_eval_examples)
-      size, batches = data.eval_batch_size, []
-      for start in range(0, len(labels), size):
-        n = min(size, len(labels) - start)
-        pad = size - n
-        batches.append({
-            "tokens": np.pad(ids[start:start + n], ((0, pad), (0, 0))),
-            "labels": np.pad(labels[start:start + n], (0, pad)),
-            "weights": np.pad(np.ones((n,), np.float32), (0, pad))})
-      self._eval = batches
+      size = data.eval_batch_size
+      self._eval = [{"tokens": ids[i:i + size], "labels": labels[i:i + size],
+                     "weights": np.ones((len(labels[i:i + size]),), np.float32)}
+                    for i in range(0, len(labels), size)]
     return self._eval
 
   # ---- parameters
@@ -157,31 +141,18 @@ class ClassificationTask(Task):
     _LOG.info("encoder initialised from %s (step %d)", run.workdir, run.step)
     return bert.transfer_encoder(run.params, params)
 
-  # ---- loss
-  def _sums(self, params, batch, rng):
+  # ---- loss (evaluation: Task.evaluate over every validation sentence)
+  def metric_sums(self, params, batch, rng=None):
     deterministic = rng is None
     logits = self.model.apply({"params": params}, batch["tokens"], deterministic=deterministic,
                               rngs=None if deterministic else {"dropout": rng})  # [b, classes]
     loss, correct, count = masked_lm.weighted_cross_entropy(logits, batch["labels"],
                                                             batch["weights"])
-    return {"loss": loss, "correct": correct, "count": count}
+    return {"loss": (loss, count), "accuracy": (correct, count)}
 
   def loss_fn(self, params, batch, rng):
-    sums = self._sums(params, batch, rng)
-    n = jnp.maximum(sums["count"], 1.0)
-    loss = sums["loss"] / n
-    return loss, {"accuracy": sums["correct"] / n}
-
-  def evaluate(self, params) -> dict[str, float]:
-    """Loss and accuracy over every validation sentence."""
-    if self._jit_sums is None:
-      self._jit_sums = jax.jit(lambda p, b: self._sums(p, b, None))
-    totals = {"loss": 0.0, "correct": 0.0, "count": 0.0}
-    for batch in self.eval_batches():
-      for key, value in jax.device_get(self._jit_sums(params, batch)).items():
-        totals[key] += float(value)
-    n = max(totals["count"], 1.0)
-    return {"loss": totals["loss"] / n, "accuracy": totals["correct"] / n}
+    metrics = ratios(self.metric_sums(params, batch, rng))
+    return metrics["loss"], {"accuracy": metrics["accuracy"]}
 
   def write_plots(self, params, workdir: pathlib.Path) -> None:
     def apply_fn(tokens):

@@ -53,6 +53,7 @@ from attnlab.models import bert
 from attnlab.tasks import register_task
 from attnlab.tasks.base import IndexedBatches
 from attnlab.tasks.base import Task
+from attnlab.tasks.base import ratios
 from attnlab.tasks.base import rng_for
 
 
@@ -484,7 +485,6 @@ class MaskedLMTask(Task):
       raise ConfigError("data.single_fraction leaves no next-sentence pair in a batch; lower it")
     self._train_data: PretrainingData | None = None
     self._eval_batches: list[dict[str, np.ndarray]] | None = None
-    self._jit_sums = None
 
   # ---- data
   def _encode_docs(self, documents):
@@ -529,8 +529,8 @@ class MaskedLMTask(Task):
       self._eval_batches = [stack_examples(examples[i:i + size]) for i in range(0, n, size)]
     return self._eval_batches
 
-  # ---- loss
-  def _sums(self, params, batch, rng):
+  # ---- loss (evaluation: Task.evaluate, weighted by the prediction counts, not by batch)
+  def metric_sums(self, params, batch, rng=None):
     deterministic = rng is None
     mlm_logits, nsp_logits = self.model.apply(
         {"params": params}, batch["tokens"], batch["segments"], batch["valid"],
@@ -538,31 +538,15 @@ class MaskedLMTask(Task):
         rngs=None if deterministic else {"dropout": rng})  # [b, P, vocab], [b, 2]
     mlm = weighted_cross_entropy(mlm_logits, batch["mlm_labels"], batch["mlm_weights"])
     nsp = weighted_cross_entropy(nsp_logits, batch["is_next"], batch["nsp_weight"])
-    return {"mlm_loss": mlm[0], "mlm_correct": mlm[1], "mlm_count": mlm[2],
-            "nsp_loss": nsp[0], "nsp_correct": nsp[1], "nsp_count": nsp[2]}
-
-  @staticmethod
-  def _ratios(sums):
-    mlm_n = jnp.maximum(sums["mlm_count"], 1.0)
-    nsp_n = jnp.maximum(sums["nsp_count"], 1.0)
-    return {"mlm_loss": sums["mlm_loss"] / mlm_n, "mlm_accuracy": sums["mlm_correct"] / mlm_n,
-            "nsp_loss": sums["nsp_loss"] / nsp_n, "nsp_accuracy": sums["nsp_correct"] / nsp_n}
+    return {"mlm_loss": (mlm[0], mlm[2]), "mlm_accuracy": (mlm[1], mlm[2]),
+            "nsp_loss": (nsp[0], nsp[2]), "nsp_accuracy": (nsp[1], nsp[2])}
 
   def loss_fn(self, params, batch, rng):
-    metrics = self._ratios(self._sums(params, batch, rng))
+    metrics = ratios(self.metric_sums(params, batch, rng))
     return metrics["mlm_loss"] + metrics["nsp_loss"], metrics
 
-  def evaluate(self, params) -> dict[str, float]:
-    """MLM and NSP metrics over all held-out predictions (weighted by counts, not by batch)."""
-    if self._jit_sums is None:
-      self._jit_sums = jax.jit(lambda p, b: self._sums(p, b, None))
-    totals: dict[str, float] = {}
-    for batch in self.eval_batches():
-      for key, value in jax.device_get(self._jit_sums(params, batch)).items():
-        totals[key] = totals.get(key, 0.0) + float(value)
-    metrics = {k: float(v) for k, v in self._ratios(totals).items()}
-    metrics["loss"] = metrics["mlm_loss"] + metrics["nsp_loss"]
-    return metrics
+  def finish_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+    return {**metrics, "loss": metrics["mlm_loss"] + metrics["nsp_loss"]}
 
   def write_plots(self, params, workdir: pathlib.Path) -> None:
     def apply_fn(tokens):

@@ -22,11 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnlab.attention import pooling
+from attnlab.data import pipeline
 from attnlab.errors import ConfigError
 from attnlab.tasks import register_task
-from attnlab.tasks.base import IndexedBatches
 from attnlab.tasks.base import Task
-from attnlab.tasks.base import rng_for
 
 KERNELS = ("average", "gaussian", "learned")
 
@@ -106,21 +105,11 @@ class RegressionTask(Task):
     variables = self.model.init(rng, self._x[:1], self._x, self._y)
     return variables.get("params", {})
 
-  def train_iterator(self) -> IndexedBatches:
+  def train_iterator(self) -> pipeline.IndexedBatches:
+    # Batches of training-point indices {"idx": int32 [batch]}, a fresh permutation per epoch.
     n = len(self.data.x_train)
-    size = min(self.config.batch_size, n)
-    seed = self.config.seed
-
-    def batch_fn(index: int) -> dict[str, np.ndarray]:
-      # Walk through a fresh permutation of the training points per epoch.
-      idx: list[int] = []
-      position = index * size
-      while len(idx) < size:
-        epoch, offset = divmod(position + len(idx), n)
-        perm = rng_for(seed, epoch).permutation(n)
-        idx.extend(perm[offset:offset + size - len(idx)])
-      return {"idx": np.asarray(idx, np.int32)}  # [batch]
-    return IndexedBatches(batch_fn)
+    return pipeline.permuted_batches({"idx": np.arange(n, dtype=np.int32)},
+                                     min(self.config.batch_size, n), self.config.seed)
 
   def loss_fn(self, params, batch, rng):
     del rng  # deterministic model

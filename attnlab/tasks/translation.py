@@ -116,7 +116,6 @@ class TranslationTask(Task):
     self.model = _build_model(config.model, len(self.src_tok), len(self.tgt_tok),
                               self.src_width)
     self._decode_fns: dict[tuple[int, int], Any] = {}
-    self._eval_step = None
 
   # ----------------------------------------------------------------------------------- data
 
@@ -247,6 +246,12 @@ class TranslationTask(Task):
       loss = loss + weight * rl
     return loss, metrics
 
+  def metric_sums(self, params, batch, rng=None):
+    """The teacher-forced metrics of `loss_fn`, each weighted by the batch's real examples."""
+    loss, metrics = self.loss_fn(params, batch, rng)
+    rows = jnp.sum(batch["example_mask"])
+    return {name: (value * rows, rows) for name, value in {**metrics, "loss": loss}.items()}
+
   # ----------------------------------------------------------------------------------- decoding
 
   def _decoder(self, beam_size: int, max_len: int):
@@ -360,23 +365,9 @@ class TranslationTask(Task):
     examples = self.splits[split]
     batch_keys = ("source", "source_length", "source_mask", "target", "target_mask",
                   "target_length", "example_mask")
-    if self._eval_step is None:
-      self._eval_step = jax.jit(lambda p, b: self.loss_fn(p, b, None))
     size = self.config.data.eval_batch_size
-    sums: dict[str, float] = {}
-    count = 0
-    for start in range(0, len(examples), size):
-      batch = {k: arrays[k][start:start + size] for k in batch_keys}
-      n = int(batch["example_mask"].sum())
-      if len(batch["source"]) < size:  # pad the last batch to the compiled shape
-        pad = size - len(batch["source"])
-        batch = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)])
-                 for k, v in batch.items()}
-      loss, metrics = jax.device_get(self._eval_step(params, batch))
-      for key, value in {**metrics, "loss": loss}.items():
-        sums[key] = sums.get(key, 0.0) + float(value) * n
-      count += n
-    result = {k: v / max(count, 1) for k, v in sums.items()}
+    result = self.mean_metrics(params, [{k: arrays[k][start:start + size] for k in batch_keys}
+                                        for start in range(0, len(examples), size)])
 
     n = len(examples)
     tokens, _ = self.decode_arrays(params, arrays["source"][:n], arrays["source_length"][:n],
