@@ -99,6 +99,16 @@ CASES = {
     "dense_per_head": ((2, 3), 19, 17, 8, 8, True, "dense", dict(block_q=8, block_k=8,
                                                                  head_group=3)),
     "defaults_causal": ((2, 2), 24, 24, 16, 16, True, "padding", dict()),
+    # row chunks with their own tile loops (run concurrently on XLA:CPU's thread pool)
+    "parallel_dense_per_head": ((2, 3), 19, 17, 8, 8, True, "dense", dict(
+        block_q=8, block_k=8, head_group=3, parallel=2)),
+    "parallel_padding": ((4, 2), 21, 26, 8, 5, False, "padding", dict(
+        block_q=8, block_k=8, head_group=1, parallel=4)),
+    "parallel_ragged_causal": ((2, 3), 35, 35, 8, 6, True, None, dict(
+        block_q=8, block_k=16, head_group=2, parallel=3)),
+    "parallel_not_divisor": ((5,), 20, 20, 8, 8, True, "query_padding", dict(
+        block_q=8, block_k=8, parallel=2)),
+    "no_parallel": ((2, 2), 24, 24, 16, 16, True, "padding", dict(parallel=1)),
 }
 
 
@@ -255,6 +265,7 @@ def test_empty_lengths():
     (dict(block_q=0), "block_q must be a positive int"),
     (dict(block_k=2.5), "block_k must be a positive int"),
     (dict(head_group=-1), "head_group must be a positive int"),
+    (dict(parallel=0), "parallel must be a positive int"),
 ])
 def test_bad_input_raises_clear_error(kwargs, match):
   args = dict(q=np.ones((2, 3, 4)), k=np.ones((2, 5, 4)), v=np.ones((2, 5, 4)))

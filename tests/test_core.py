@@ -238,12 +238,31 @@ def test_choose_implementation():
   with pytest.raises(ValueError) as err:
     choose("dot", True, "flash")
   assert str(err.value) == ("unknown implementation 'flash'; valid implementations: auto, "
-                            "reference, xla, blocked")
+                            "reference, xla, blocked, cudnn")
   with pytest.raises(ValueError, match="'xla' supports only the scores dot, scaled_dot; "
                                        "got 'additive'"):
     choose("additive", False, "xla")
   with pytest.raises(ValueError, match="'blocked' supports only .* got 'a callable'"):
     choose(scores.dot, False, "blocked")
+
+
+def test_auto_choice_table_per_backend_and_shape():
+  def choose(backend, q_len=1024, k_len=1024, dtype=jnp.float32, head_dim=64, has_mask=False):
+    return core.choose_implementation("scaled_dot", False, backend=backend, q_len=q_len,
+                                      k_len=k_len, dtype=dtype, head_dim=head_dim,
+                                      has_mask=has_mask, blocked_available=True)
+  assert choose("cpu") == "blocked"
+  assert choose("cpu", 256, 256) == "blocked"
+  assert choose("cpu", 64, 64) == "reference"  # nano GPT: one tile, the reference is as fast
+  assert choose("cpu", 1, 4096) == "reference"  # one decoding step
+  assert choose("gpu", dtype=jnp.bfloat16) == "cudnn"
+  assert choose("gpu", dtype=jnp.float16, head_dim=128) == "cudnn"
+  assert choose("gpu") == "xla"  # float32
+  assert choose("gpu", dtype=jnp.bfloat16, head_dim=36) == "xla"
+  assert choose("gpu", dtype=jnp.bfloat16, head_dim=256) == "xla"
+  assert choose("gpu", dtype=jnp.bfloat16, has_mask=True) == "xla"
+  assert choose("tpu") == "xla"
+  assert core.choose_implementation("scaled_dot", True, backend="gpu") == "reference"
 
 
 def test_blocked_is_called_lazily_with_scale_mask_and_causal(monkeypatch, qkv):

@@ -16,6 +16,12 @@ Everything is pure JAX (`lax.fori_loop`, `lax.map`, `dot_general`), so the same 
 for CPU, GPU and TPU; the default tile sizes are tuned for XLA:CPU (see
 experiments/benchmarks/README.md).
 
+Both cores: XLA:CPU runs the body of a loop op by op, and tile-sized matmuls are not split over
+threads, so one loop keeps one core busy. The flattened (batch * heads) rows are therefore cut
+into `parallel` independent chunks (default: the number of CPU cores, on the CPU backend), each
+with its own tile loops; XLA's thunk executor runs independent loops concurrently on its thread
+pool. Forward and backward are chunked alike.
+
 Causal alignment follows `masks.causal_mask(offset=None)` and `core.attend`: query i may see
 key j iff j <= i + max(k_len - q_len, 0), i.e. the queries are the last positions when
 k_len > q_len (KV-cache decoding) and start at key 0 otherwise (q_len == k_len in the common
@@ -27,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from typing import Any
 
 import jax
@@ -64,6 +71,8 @@ class _Tiling:
   block_k: int
   # rows of the flattened leading dims handled per step (divides their product)
   head_group: int
+  # independent row chunks (each with its own tile loops; XLA runs them concurrently)
+  chunks: int
   # whether the look-ahead mask applies
   causal: bool
   # key j visible to query i iff j <= i + causal_offset (when causal)
@@ -311,7 +320,24 @@ def _backward_group(t: _Tiling, q: Array, k: Array, v: Array, mask: Array | None
 
 
 def _map_groups(t: _Tiling, fn, arrays: tuple[Array, ...], mask: Array | None):
-  """Applies fn(*arrays, mask) to consecutive head groups of the flattened leading axis."""
+  """Applies fn(*arrays, mask) to consecutive head groups of the flattened leading axis.
+
+  The rows are cut into t.chunks independent chunks (separate loops, run concurrently by
+  XLA:CPU's thunk executor), each mapped over its head groups.
+  """
+  rows = arrays[0].shape[0]
+  if t.chunks > 1:
+    c = rows // t.chunks
+    split_mask = mask is not None and t.mask_rows
+    outs = [_map_chunk(t, fn, tuple(a[i * c:(i + 1) * c] for a in arrays),
+                       mask[i * c:(i + 1) * c] if split_mask else mask)
+            for i in range(t.chunks)]
+    return tuple(jnp.concatenate(parts, axis=0) for parts in zip(*outs))
+  return _map_chunk(t, fn, arrays, mask)
+
+
+def _map_chunk(t: _Tiling, fn, arrays: tuple[Array, ...], mask: Array | None):
+  """fn over the consecutive head groups of one chunk of rows (a lax.map when more than one)."""
   rows = arrays[0].shape[0]
   n = rows // t.head_group
   if n == 1:
@@ -358,6 +384,13 @@ def _check_block(name: str, value: Any) -> int:
   return value
 
 
+def default_parallel(rows: int) -> int:
+  """Row chunks by default: the CPU core count on the CPU backend (a divisor of rows), else 1."""
+  if jax.default_backend() != "cpu":
+    return 1
+  return _group_size(rows, os.cpu_count() or 1)
+
+
 def _group_size(rows: int, target: int) -> int:
   """Largest divisor of `rows` that is <= target."""
   return next(g for g in range(max(1, min(rows, target)), 0, -1) if rows % g == 0)
@@ -366,7 +399,7 @@ def _group_size(rows: int, target: int) -> int:
 def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = None,
                       mask: Any = None, causal: bool = False, block_q: int | None = None,
                       block_k: int | None = None, head_group: int | None = None,
-                      skip_empty_tiles: bool = True) -> Array:
+                      skip_empty_tiles: bool = True, parallel: int | None = None) -> Array:
   """softmax(scale · q kᵀ, masked) v, computed tile by tile (flash-style).
 
   Args:
@@ -385,6 +418,9 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
       the number of rows.
     skip_empty_tiles: bound the tile loops by the first and last tile that the user mask
       leaves visible (False visits every tile; the result is the same).
+    parallel: independent chunks of the flattened rows, each with its own tile loops (XLA:CPU
+      runs them concurrently); None = `default_parallel` (the CPU core count on CPU, 1
+      elsewhere); rounded down to a divisor of the number of rows.
 
   Returns:
     context `[..., q_len, d_v]` in the inputs' dtype. A query with no visible key gets a zero
@@ -431,9 +467,15 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
   block_q, block_k = _fit_block(q_len, block_q), _fit_block(k_len, block_k)
   if head_group is None:
     head_group = max(1, DEFAULT_TILE_ELEMENTS // (block_q * block_k))
+  if parallel is None:
+    chunks = default_parallel(rows)
+  else:
+    if not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1:
+      raise ValueError(f"parallel must be a positive int (row chunks); got {parallel!r}")
+    chunks = _group_size(rows, parallel)
   t = _Tiling(
       q_len=q_len, k_len=k_len, block_q=block_q, block_k=block_k,
-      head_group=_group_size(rows, head_group),
+      head_group=_group_size(rows // chunks, head_group), chunks=chunks,
       causal=bool(causal), causal_offset=max(k_len - q_len, 0), has_mask=mask is not None,
       mask_rows=mask is not None and math.prod(mask.shape[:-2]) > 1,
       mask_q=mask is not None and mask.shape[-2] > 1,

@@ -20,9 +20,13 @@ from attnlab.attention import scores as scores_lib
 Array = jax.Array
 
 # implementation names accepted by attend(); "auto" picks one of the others
-IMPLEMENTATIONS: tuple[str, ...] = ("auto", "reference", "xla", "blocked")
-# scores the fused implementations (xla, blocked) can compute
+IMPLEMENTATIONS: tuple[str, ...] = ("auto", "reference", "xla", "blocked", "cudnn")
+# scores the fused implementations (xla, blocked, cudnn) can compute
 FAST_SCORES: tuple[str, ...] = ("dot", "scaled_dot")
+# auto on CPU: the blocked kernel from this many score entries per head (q_len * k_len) up,
+# the reference path below it (one tile: same work, fewer loops; measured in
+# experiments/benchmarks/README.md)
+AUTO_BLOCKED_MIN_SCORES = 256 * 256
 
 
 # ----------------------------------------------------------------------------- softmax
@@ -122,18 +126,31 @@ def _blocked_available() -> bool:
 
 def choose_implementation(score: str | Callable, return_weights: bool,
                           implementation: str = "auto", *,
-                          blocked_available: bool | None = None) -> str:
-  """Resolves `implementation` to "reference", "xla" or "blocked".
+                          blocked_available: bool | None = None,
+                          q_len: int | None = None, k_len: int | None = None,
+                          backend: str | None = None, dtype: Any = None,
+                          head_dim: int | None = None, has_mask: bool = False) -> str:
+  """Resolves `implementation` to "reference", "xla", "blocked" or "cudnn".
 
-  auto: reference when weights are wanted or the score is not dot/scaled_dot; otherwise
-  blocked when `attnlab.attention.blocked` imports, else reference. `blocked_available`
-  overrides that import probe (for tests).
+  auto picks per backend and shape (attend passes the shape; without it the CPU row with a
+  large shape applies):
+
+  | case | auto picks |
+  | --- | --- |
+  | weights wanted, or a score other than dot/scaled_dot | reference |
+  | GPU, float16/bfloat16, head_dim <= 128 and a multiple of 8, no mask | cudnn (jax.nn.dot_product_attention(implementation="cudnn")) |
+  | GPU otherwise, TPU | xla (jax.nn.dot_product_attention(implementation="xla")) |
+  | CPU, q_len * k_len < AUTO_BLOCKED_MIN_SCORES (256 x 256; e.g. nano GPT's 64, decoding) | reference |
+  | CPU, larger | blocked (attnlab.attention.blocked), else reference if it does not import |
+
+  `backend` defaults to jax.default_backend(); `blocked_available` overrides the import probe
+  of the blocked module (for tests).
   """
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"unknown implementation {implementation!r}; valid implementations: "
                      f"{', '.join(IMPLEMENTATIONS)}")
   fast_ok = isinstance(score, str) and score in FAST_SCORES
-  if implementation in ("xla", "blocked"):
+  if implementation in ("xla", "blocked", "cudnn"):
     if not fast_ok:
       got = score if isinstance(score, str) else "a callable"
       raise ValueError(f"implementation {implementation!r} supports only the scores "
@@ -142,12 +159,21 @@ def choose_implementation(score: str | Callable, return_weights: bool,
     return implementation
   if implementation == "reference" or return_weights or not fast_ok:
     return "reference"
+  backend = jax.default_backend() if backend is None else backend
+  if backend in ("gpu", "cuda", "rocm"):
+    half = dtype is not None and jnp.dtype(dtype) in (jnp.float16, jnp.bfloat16)
+    head_ok = head_dim is not None and head_dim <= 128 and head_dim % 8 == 0
+    return "cudnn" if backend != "rocm" and half and head_ok and not has_mask else "xla"
+  if backend == "tpu":
+    return "xla"
+  if q_len is not None and k_len is not None and q_len * k_len < AUTO_BLOCKED_MIN_SCORES:
+    return "reference"
   available = _blocked_available() if blocked_available is None else blocked_available
   return "blocked" if available else "reference"
 
 
 def _xla_attention(q: Array, k: Array, v: Array, *, scale: float, mask: Array | None,
-                   causal: bool) -> Array:
+                   causal: bool, implementation: str = "xla") -> Array:
   """jax.nn.dot_product_attention on `[..., len, d]` inputs.
 
   The last leading dim becomes the heads axis N of its [B, T, N, H] layout, the others are
@@ -178,7 +204,7 @@ def _xla_attention(q: Array, k: Array, v: Array, *, scale: float, mask: Array | 
     mask4 = jnp.broadcast_to(mask, lead + (q_len, k_len)).reshape(b, n, q_len, k_len)
   out = jax.nn.dot_product_attention(
       to_btnh(prep(q)), to_btnh(prep(k)), to_btnh(prep(v)), mask=mask4, scale=scale,
-      is_causal=causal, implementation="xla")  # [B, T, N, H]
+      is_causal=causal, implementation=implementation)  # [B, T, N, H]
   out = jnp.swapaxes(out, 1, 2).reshape(lead + (q_len, d))  # [..., q_len, d]
   return out[..., :d_v]  # [..., q_len, d_v]
 
@@ -201,8 +227,9 @@ def attend(q: Array, k: Array, v: Array, *, score: str | Callable = "scaled_dot"
     causal: AND in the look-ahead mask, queries aligned to the end of the keys
       (key j visible to query i iff j <= i + max(k_len - q_len, 0)).
     implementation: "reference" (score -> masked_softmax -> weights @ v), "xla"
-      (jax.nn.dot_product_attention), "blocked" (attnlab.attention.blocked), or "auto"
-      (see choose_implementation). Only the reference path returns weights.
+      (jax.nn.dot_product_attention), "blocked" (attnlab.attention.blocked), "cudnn"
+      (jax.nn.dot_product_attention's cuDNN kernel, GPU only), or "auto" (per backend and
+      shape, see choose_implementation). Only the reference path returns weights.
     return_weights: whether weights are wanted (also steers "auto").
 
   Returns:
@@ -213,8 +240,10 @@ def attend(q: Array, k: Array, v: Array, *, score: str | Callable = "scaled_dot"
   lead = _check_qkv(q, k, v)
   if isinstance(score, str):
     scores_lib.get_score_fn(score)
-  impl = choose_implementation(score, return_weights, implementation)
   q_len, k_len = q.shape[-2], k.shape[-2]
+  impl = choose_implementation(score, return_weights, implementation, q_len=q_len, k_len=k_len,
+                               dtype=jnp.result_type(q, k, v), head_dim=q.shape[-1],
+                               has_mask=mask is not None or (causal and q_len != k_len))
 
   if impl == "reference":
     logits = _score_logits(q, k, score, params)  # [..., q_len, k_len]
@@ -234,8 +263,9 @@ def attend(q: Array, k: Array, v: Array, *, score: str | Callable = "scaled_dot"
   # otherwise); else the end-aligned causal mask is folded into the mask.
   flag_causal = causal and (impl == "blocked" or q_len == k_len)
   full_mask = _attention_mask(mask, causal and not flag_causal, logits_shape)
-  if impl == "xla":
-    context = _xla_attention(q, k, v, scale=scale, mask=full_mask, causal=flag_causal)
+  if impl in ("xla", "cudnn"):
+    context = _xla_attention(q, k, v, scale=scale, mask=full_mask, causal=flag_causal,
+                             implementation=impl)
   else:
     blocked = importlib.import_module("attnlab.attention.blocked")
     all_lead = tuple(jnp.broadcast_shapes(lead, v.shape[:-2]))

@@ -70,7 +70,7 @@ def check_score_and_implementation(score: str, implementation: str) -> None:
   if implementation not in core.IMPLEMENTATIONS:
     raise ValueError(f"unknown attention implementation {implementation!r}; valid "
                      f"implementations: {', '.join(core.IMPLEMENTATIONS)}")
-  if implementation in ("xla", "blocked") and score not in core.FAST_SCORES:
+  if implementation in ("xla", "blocked", "cudnn") and score not in core.FAST_SCORES:
     raise ValueError(f"implementation {implementation!r} supports only the scores "
                      f"{', '.join(core.FAST_SCORES)}, not {score!r}; use implementation='auto' "
                      "or 'reference'")

@@ -3,7 +3,10 @@
 Times softmax attention (scaled_dot score) forward and forward+backward, with and without a
 causal mask, for
   reference   attnlab `attend(implementation="reference")` (einsum + masked softmax)
-  blocked     attnlab `attend(implementation="blocked")` (attnlab.attention.blocked)
+  blocked     attnlab `attend(implementation="blocked")` (attnlab.attention.blocked; its rows
+              cut into one independent chunk per CPU core, which XLA:CPU runs concurrently)
+  blocked-1chunk  the same kernel with `parallel=1` (one chunk: one core), to show what the
+              chunking buys
   jax.nn.dpa  `jax.nn.dot_product_attention` (its XLA implementation)
   torch       `torch.nn.functional.scaled_dot_product_attention` (CPU, when torch imports:
               `pip install -e '.[torch]'`)
@@ -45,7 +48,9 @@ try:  # torch is optional: the [torch] extra
 except ImportError:  # pragma: no cover - depends on the environment
   torch = None
 
-IMPLS = ("reference", "blocked", "jax.nn.dpa", "torch")
+IMPLS = ("reference", "blocked", "blocked-1chunk", "jax.nn.dpa", "torch")
+# GFLOP/s of a large float32 matmul on the 2-core development CPU (issue #14; FMA peak ~233)
+MATMUL_CEILING_GFLOPS = 215.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  help="lengths for the peak-memory table ('' to skip it)")
   p.add_argument("--torch-threads", type=int, default=0,
                  help="torch.set_num_threads (0 = torch's default, one per core)")
+  p.add_argument("--ceiling", type=float, default=MATMUL_CEILING_GFLOPS,
+                 help="matmul GFLOP/s ceiling of the machine, for blocked's %% column")
   p.add_argument("--quick", action="store_true",
                  help="smoke run: S=128,256, B=2, 2 reps, memory at 256,512")
   args = p.parse_args(argv)
@@ -104,6 +111,10 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def _attnlab_fn(impl: str, causal: bool) -> Callable:
+  if impl == "blocked-1chunk":
+    from attnlab.attention import blocked  # pylint: disable=g-import-not-at-top
+    return lambda q, k, v: blocked.blocked_attention(q, k, v, causal=causal, parallel=1)
+
   def f(q, k, v):  # [B, H, S, D] each
     return core.attend(q, k, v, score="scaled_dot", causal=causal, implementation=impl,
                        return_weights=False)[0]
@@ -152,7 +163,7 @@ def make_inputs(b: int, h: int, s: int, d: int, seed: int = 0) -> dict[str, tupl
   q, k, v, do = (rng.standard_normal((b, h, s, d), dtype=np.float32) for _ in range(4))
   bhsd = tuple(jnp.asarray(x) for x in (q, k, v, do))  # [B, H, S, D]
   bshd = tuple(jnp.asarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v, do))  # [B, S, H, D]
-  out = {"reference": bhsd, "blocked": bhsd, "jax.nn.dpa": bshd}
+  out = {"reference": bhsd, "blocked": bhsd, "blocked-1chunk": bhsd, "jax.nn.dpa": bshd}
   if torch is not None:
     out["torch"] = tuple(torch.from_numpy(x.copy()).requires_grad_(i < 3)
                          for i, x in enumerate((q, k, v, do)))
@@ -222,7 +233,9 @@ def speed_tables(args: argparse.Namespace) -> tuple[str, str]:
   header = ["S", "causal", "pass"] + [f"{i} ms (GFLOP/s)" for i in args.impls]
   cpu_header = ["S", "causal", "pass"] + [f"{i} CPU ms (GFLOP/CPU-s)" for i in args.impls]
   if "blocked" in args.impls:
-    header += [f"blocked speed-up vs {i}" for i in args.impls if i in ("jax.nn.dpa", "torch")]
+    header += [f"blocked speed-up vs {i}" for i in args.impls
+               if i in ("blocked-1chunk", "jax.nn.dpa", "torch")]
+    header += [f"blocked % of {args.ceiling:.0f} GFLOP/s"]
   rows, cpu_rows = [], []
   for s in args.seq:
     inputs = make_inputs(b, h, s, d)
@@ -240,7 +253,8 @@ def speed_tables(args: argparse.Namespace) -> tuple[str, str]:
         row = row + [f"{best[i] * 1e3:.1f} ({flops / best[i] / 1e9:.0f})" for i in args.impls]
         if "blocked" in args.impls:
           row += [f"{best[i] / best['blocked']:.2f}x" for i in args.impls
-                  if i in ("jax.nn.dpa", "torch")]
+                  if i in ("blocked-1chunk", "jax.nn.dpa", "torch")]
+          row += [f"{100 * flops / best['blocked'] / 1e9 / args.ceiling:.0f}%"]
         rows.append(row)
         print("  measured", " ".join(row), flush=True)
   return _fmt_table(header, rows), _fmt_table(cpu_header, cpu_rows)

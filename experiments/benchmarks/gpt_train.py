@@ -193,11 +193,73 @@ def attnlab_trainer(args):
       loss = step(batch)
     jax.block_until_ready(loss)
 
+  def hlo_text() -> str:
+    """The optimized HLO of the train step (maps profiled op names to model code)."""
+    return train_step.lower(state[0], batches[0], train_rng).compile().as_text()
+
+  run.hlo_text = hlo_text
   return config, task, run, batches
 
 
+# where-the-time-goes categories, in table order
+CATEGORIES = ("matmuls (dense layers, LM head)", "attention (score and context matmuls)",
+              "softmax (attention and loss)", "layer norm", "GELU", "rotary / positions",
+              "copies and transposes", "optimizer (AdamW, clip, schedule)", "other")
+
+
+def _categorize(kind: str, op_name: str, rank: int) -> str:
+  """Category of one XLA op from its fusion kind, its op_name metadata and its output rank."""
+  import re  # pylint: disable=g-import-not-at-top
+  path = op_name.split(";")[0]
+  if "jvp(" not in path:
+    return CATEGORIES[7]
+  if kind in ("copy", "wrapped_copy", "transpose_copy_fusion", "copy_bitcast_fusion",
+              "bitcast_copy_fusion") or path.endswith(("/cond", "/transpose")):
+    return CATEGORIES[6]
+  if re.search(r"/(ln_\d|ln_f|ln)/", path + "/"):
+    return CATEGORIES[3]
+  if "rotary" in path or "/embed/" in path + "/":
+    return CATEGORIES[5]
+  is_dot = path.endswith("dot_general") or kind == "dot" or "convolution" in kind
+  if "self_attention" in path and "/out/" not in path:
+    if is_dot:
+      return CATEGORIES[1] if rank >= 3 else CATEGORIES[0]
+    if "rope" in path or "rot" in path.rsplit("/", 1)[-1]:
+      return CATEGORIES[5]
+    return CATEGORIES[2]
+  if is_dot:
+    return CATEGORIES[0]
+  if "/mlp/" in path:
+    return CATEGORIES[4]
+  if re.search(r"jvp\(\)|take_along_axis|log_softmax|logsumexp", path):
+    return CATEGORIES[2]
+  return CATEGORIES[8]
+
+
+def categorize_ops(hlo_text: str, per_op: dict[str, float]) -> list[tuple[str, float]]:
+  """Sums per-op ms (keyed by HLO instruction name) into CATEGORIES using the optimized HLO."""
+  import re  # pylint: disable=g-import-not-at-top
+  info = {}
+  for line in hlo_text.splitlines():
+    m = re.match(r"\s*(?:ROOT )?%?([\w.-]+) = (\S+?)(?:\{[^}]*\})? .*?"
+                 r"metadata=\{op_name=\"([^\"]*)\"", line)
+    if m:
+      dims = re.search(r"\[([\d,]*)\]", m.group(2))
+      rank = len([d for d in dims.group(1).split(",") if d]) if dims else 0
+      info[m.group(1)] = (rank, m.group(3))
+  totals = dict.fromkeys(CATEGORIES, 0.0)
+  for name, ms in per_op.items():
+    rank, op_name = info.get(name, (0, ""))
+    kind = re.sub(r"\.\d+$", "", name)
+    totals[_categorize(kind, op_name, rank) if op_name else CATEGORIES[8]] += ms
+  return list(totals.items())
+
+
 def profile_steps(run, steps: int, directory: str) -> list[tuple[str, float]]:
-  """Runs `steps` steps under jax.profiler; returns (op kind, ms per step) sorted by time."""
+  """Runs `steps` steps under jax.profiler; returns (op kind, ms per step) sorted by time.
+
+  `profile_steps.per_op` holds the ms per step of every HLO instruction name afterwards.
+  """
   import collections  # pylint: disable=g-import-not-at-top
   import glob  # pylint: disable=g-import-not-at-top
   import gzip  # pylint: disable=g-import-not-at-top
@@ -211,11 +273,15 @@ def profile_steps(run, steps: int, directory: str) -> list[tuple[str, float]]:
                 key=os.path.getmtime)[-1]
   events = json.load(gzip.open(path))["traceEvents"]
   totals: collections.Counter = collections.Counter()
+  per_op: collections.Counter = collections.Counter()
   for e in events:
     name = e.get("name", "")
-    if e.get("ph") != "X" or name.startswith(("$", "Thunk", "Pjit", "Common", "end:")):
+    if e.get("ph") != "X" or name.startswith(("$", "Thunk", "Pjit", "Common", "end:", "Threadpool",
+                                              "Slinky", "while", "conditional", "call")):
       continue
     totals[re.sub(r"\.\d+$", "", name)] += e["dur"]
+    per_op[name] += e["dur"] / steps / 1e3
+  profile_steps.per_op = dict(per_op)
   return [(k, v / steps / 1e3) for k, v in totals.most_common()]
 
 
@@ -273,7 +339,8 @@ def _jax_worker(conn, args) -> None:
     elif cmd == "generate":
       conn.send(generation_speed(task, value, args.gen_repeats))
     elif cmd == "profile":
-      conn.send(profile_steps(run, args.steps, value))
+      rows = profile_steps(run, args.steps, value)
+      conn.send((rows, categorize_ops(run.hlo_text(), profile_steps.per_op)))
     else:
       conn.send(None)
       return
@@ -422,12 +489,20 @@ def main(argv=None) -> int:
 
   if args.profile:
     jax_conn.send(("profile", args.profile))
-    rows = jax_conn.recv()
+    rows, categories = jax_conn.recv()
     print(f"\nattnlab train step, time per XLA op kind (profile in {args.profile}):")
     total = sum(ms for _, ms in rows)
     for kind, ms in rows[:15]:
       print(f"  {ms:7.2f} ms  {100 * ms / total:5.1f}%  {kind}")
     print(f"  {total:7.2f} ms  total op time per step (ops on both cores summed)")
+    print(f"\nwhere the time goes ({args.position} positions; op time per step, from the "
+          "HLO op_name metadata of each profiled op):")
+    print("| part | ms/step | share |")
+    print("|---|---|---|")
+    cat_total = sum(ms for _, ms in categories)
+    for name, ms in categories:
+      print(f"| {name} | {ms:.2f} | {100 * ms / max(cat_total, 1e-9):.1f}% |")
+    print(f"| total op time | {cat_total:.2f} | 100% |")
   jax_conn.send(("stop", None))
   jax_conn.recv()
   for process, _ in workers.values():

@@ -1,0 +1,261 @@
+"""attnlab's nano GPT against the real nanoGPT on the CPU: ms per iteration and 2000-step wall time.
+
+nanoGPT is run, unmodified, from its export in ../shared/anchors/nanogpt (MIT licence; nothing of
+it is copied here): its files are copied into a scratch folder, its Tiny Shakespeare data is
+prepared offline from ../shared/data/tinyshakespeare/input.txt (its prepare.py minus the
+download), and its train.py runs with the documented CPU setting
+(`config/train_shakespeare_char.py --device=cpu --compile=False --block_size=64 --batch_size=12
+--n_layer=4 --n_head=4 --n_embd=128 --dropout=0.0`, see its README).
+
+attnlab's contenders are its nano GPT (configs/gpt.py, the same architecture and recipe) with a
+learned position table (`model.position=learned`: nanoGPT's architecture exactly) and with the
+default rotary positions. Each attnlab worker is this script started with --worker: it builds the
+real trainer (task, optimizer, train step, training-batch iterator) and times every step the way
+nanoGPT's loop times an iteration: fetch the batch, train step, and a host sync on the loss
+(nanoGPT's `loss.item()`), wall clock from one step to the next.
+
+Timing rounds: every contender is a fresh process per round, the order rotates from round to
+round, and each process runs the same number of iterations; the first --skip iterations of each
+(compilation, warm-up, nanoGPT's step-0 evaluation) are dropped and the median of the rest is the
+round's figure. The table reports the median over rounds and the ratio nanoGPT ms / attnlab ms
+(= attnlab's iterations per second over nanoGPT's; > 1 means attnlab is faster).
+
+Wall time (--wall_steps, default 2000): one full training run of each, as a user launches it,
+start of the process to its exit: nanoGPT's command above with --max_iters=2000 (evaluation every
+250 iterations on 20 train and 20 validation batches, as its README's command), and
+`attnlab train --config=configs/gpt.py:...` (evaluation every 250 steps on the whole validation
+text, checkpoints every 500 steps; its defaults). The final validation loss of each is printed
+beside its time (the two estimate it on different samples of the validation text).
+
+  python experiments/benchmarks/gpt_vs_nanogpt.py                          # 3 rounds x 300 iters + wall
+  python experiments/benchmarks/gpt_vs_nanogpt.py --rounds=5 --iters=400 --wall_steps=0
+  python experiments/benchmarks/gpt_vs_nanogpt.py --contenders=nanogpt,learned --rounds=3
+
+Needs torch and numpy for nanoGPT (`pip install -e '.[torch]'`, CPU build).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SHARED = REPO.parent / "shared"
+
+# nanoGPT's documented CPU setting (its README in ../shared/anchors/nanogpt)
+NANOGPT_ARGS = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False",
+                "--eval_iters=20", "--log_interval=1", "--block_size=64", "--batch_size=12",
+                "--n_layer=4", "--n_head=4", "--n_embd=128", "--lr_decay_iters=2000",
+                "--dropout=0.0"]
+ITER_LINE = re.compile(r"^iter (\d+): loss [-\d.naif]+, time ([\d.]+)ms")
+VAL_LINE = re.compile(r"^step (\d+): train loss ([\d.]+), val loss ([\d.]+)")
+
+
+# ----------------------------------------------------------------------------- nanoGPT
+
+
+def prepare_nanogpt(scratch: pathlib.Path, nanogpt_dir: pathlib.Path,
+                    data_dir: pathlib.Path) -> pathlib.Path:
+  """Copies nanoGPT into scratch/nanogpt and prepares its data offline; returns that folder."""
+  work = scratch / "nanogpt"
+  if (work / "data" / "shakespeare_char" / "train.bin").exists():
+    return work
+  shutil.copytree(nanogpt_dir, work, dirs_exist_ok=True)
+  char_dir = work / "data" / "shakespeare_char"
+  shutil.copy(data_dir / "tinyshakespeare" / "input.txt", char_dir / "input.txt")
+  source = (char_dir / "prepare.py").read_text()
+  (char_dir / "prepare_local.py").write_text(re.sub(r"(?m)^import requests\s*$", "", source))
+  subprocess.run([sys.executable, "prepare_local.py"], cwd=char_dir, check=True,
+                 stdout=subprocess.DEVNULL)
+  return work
+
+
+def run_nanogpt(work: pathlib.Path, iters: int, eval_interval: int, out_dir: pathlib.Path):
+  """Runs nanoGPT's train.py for `iters` iterations: (per-iter ms list, wall s, last val loss)."""
+  cmd = [sys.executable, "train.py", *NANOGPT_ARGS, f"--max_iters={iters}",
+         f"--eval_interval={eval_interval}", f"--out_dir={out_dir}"]
+  start = time.perf_counter()
+  proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True)
+  wall = time.perf_counter() - start
+  if proc.returncode:
+    raise RuntimeError(f"nanoGPT failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+  times, val = [], None
+  for line in proc.stdout.splitlines():
+    if m := ITER_LINE.match(line):
+      times.append(float(m.group(2)))
+    elif m := VAL_LINE.match(line):
+      val = float(m.group(3))
+  return times, wall, val
+
+
+# ----------------------------------------------------------------------------- attnlab
+
+
+def attnlab_arg(position: str, implementation: str, data_dir: pathlib.Path, steps: int) -> str:
+  return (f"size=nano,model.position={position},implementation={implementation},"
+          f"data.manual_dir={data_dir},num_train_steps={steps}")
+
+
+def worker(args) -> None:
+  """Times `args.iters` attnlab train steps like nanoGPT's loop; prints them as JSON."""
+  sys.path.insert(0, str(REPO))
+  import jax  # pylint: disable=g-import-not-at-top
+  from attnlab import config_utils, tasks, train  # pylint: disable=g-import-not-at-top
+
+  arg = attnlab_arg(args.position, args.implementation, pathlib.Path(args.data_dir), 2000)
+  config = config_utils.load_config_file(f"{REPO / 'configs' / 'gpt.py'}:{arg}")
+  task = tasks.build_task(config)
+  schedule = train.make_schedule(config.optimizer, config.num_train_steps)
+  tx = train.make_optimizer(config.optimizer, schedule)
+  init_rng, train_rng = train.run_keys(config.seed)
+  state = train.create_train_state(task, tx, init_rng)
+  train_step = train.make_train_step(task, tx, schedule)
+  iterator = task.train_iterator()
+  times = []
+  t0 = time.perf_counter()
+  for _ in range(args.iters):
+    batch = next(iterator)
+    state, metrics = train_step(state, batch, train_rng)
+    float(metrics["loss"])  # host sync, as nanoGPT's loss.item()
+    t1 = time.perf_counter()
+    times.append((t1 - t0) * 1e3)
+    t0 = t1
+  print("TIMES " + json.dumps(times), flush=True)
+  del jax
+
+
+def run_attnlab_worker(position: str, args) -> list[float]:
+  cmd = [sys.executable, __file__, "--worker", f"--position={position}",
+         f"--iters={args.iters}", f"--implementation={args.implementation}",
+         f"--data_dir={args.data_dir}"]
+  proc = subprocess.run(cmd, capture_output=True, text=True)
+  if proc.returncode:
+    raise RuntimeError(f"attnlab worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+  line = next(l for l in proc.stdout.splitlines() if l.startswith("TIMES "))
+  return json.loads(line[len("TIMES "):])
+
+
+def run_attnlab_training(position: str, args, workdir: pathlib.Path):
+  """`attnlab train` for wall_steps steps: (wall s, final validation loss)."""
+  arg = attnlab_arg(position, args.implementation, pathlib.Path(args.data_dir), args.wall_steps)
+  cmd = [sys.executable, "-m", "attnlab.cli", "train", f"--config=configs/gpt.py:{arg}",
+         f"--workdir={workdir}"]
+  env = dict(os.environ, TQDM_DISABLE="1")
+  start = time.perf_counter()
+  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
+  wall = time.perf_counter() - start
+  if proc.returncode:
+    raise RuntimeError(f"attnlab train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+  val = None
+  metrics = workdir / "metrics.jsonl"
+  if metrics.exists():
+    for line in metrics.read_text().splitlines():
+      rec = json.loads(line)
+      if rec.get("split") == "eval" and "loss" in rec:
+        val = float(rec["loss"])
+  return wall, val
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds")
+  parser.add_argument("--iters", type=int, default=300, help="iterations per process and round")
+  parser.add_argument("--skip", type=int, default=20,
+                      help="first iterations of each process left out of its median")
+  parser.add_argument("--contenders", default="nanogpt,learned,rotary",
+                      help="subset of nanogpt, learned (attnlab, learned positions), rotary "
+                      "(attnlab, default rotary positions)")
+  parser.add_argument("--wall_steps", type=int, default=2000,
+                      help="steps of the full-run wall-time comparison (0 skips it)")
+  parser.add_argument("--implementation", default="auto", help="attnlab attention implementation")
+  parser.add_argument("--nanogpt_dir", default=str(SHARED / "anchors" / "nanogpt"))
+  parser.add_argument("--data_dir", default=str(SHARED / "data"),
+                      help="folder with tinyshakespeare/input.txt")
+  parser.add_argument("--scratch", default="", help="scratch folder ('' = a fresh temp folder)")
+  parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  parser.add_argument("--position", default="learned", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.worker:
+    worker(args)
+    return 0
+
+  contenders = [c for c in args.contenders.split(",") if c]
+  unknown = set(contenders) - {"nanogpt", "learned", "rotary"}
+  if unknown:
+    parser.error(f"unknown contenders {sorted(unknown)}; valid: nanogpt, learned, rotary")
+  scratch = pathlib.Path(args.scratch or tempfile.mkdtemp(prefix="gpt_vs_nanogpt_"))
+  scratch.mkdir(parents=True, exist_ok=True)
+  import torch  # pylint: disable=g-import-not-at-top  (only its version and threads)
+  print(f"{os.cpu_count()} CPUs; torch {torch.__version__} ({torch.get_num_threads()} threads); "
+        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at start; "
+        f"scratch {scratch}")
+  work = prepare_nanogpt(scratch, pathlib.Path(args.nanogpt_dir), pathlib.Path(args.data_dir))
+  label = {"nanogpt": "nanoGPT (torch, nano CPU setting)",
+           "learned": "attnlab nano GPT, position=learned",
+           "rotary": "attnlab nano GPT, position=rotary (default)"}
+
+  per_round: dict[str, list[float]] = {c: [] for c in contenders}
+  for r in range(args.rounds):
+    order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
+    if r % 2:
+      order.reverse()
+    for c in order:
+      if c == "nanogpt":
+        times, _, _ = run_nanogpt(work, args.iters, 10**9, scratch / "out")
+      else:
+        times = run_attnlab_worker(c, args)
+      med = statistics.median(times[args.skip:])
+      per_round[c].append(med)
+      print(f"  round {r + 1}: {c:8s} {med:7.2f} ms/iter (median of {len(times) - args.skip}) "
+            f"load {os.getloadavg()[0]:.2f}", flush=True)
+
+  print(f"\nms per iteration: median over {args.rounds} alternating rounds of {args.iters} "
+        f"iterations (first {args.skip} of each dropped)")
+  print("| contender | ms/iter (rounds) | iters/s | nanoGPT ms / this ms |")
+  print("|---|---|---|---|")
+  base = statistics.median(per_round["nanogpt"]) if "nanogpt" in per_round else None
+  for c in contenders:
+    med = statistics.median(per_round[c])
+    rounds = ", ".join(f"{x:.1f}" for x in per_round[c])
+    ratio = f"**{base / med:.2f}x**" if base is not None and c != "nanogpt" else "1.00x"
+    if base is None:
+      ratio = "n/a"
+    print(f"| {label[c]} | {med:.1f} ({rounds}) | {1e3 / med:.1f} | {ratio} |")
+  if base is not None:
+    for c in contenders:
+      if c != "nanogpt":
+        rr = [n / a for n, a in zip(per_round["nanogpt"], per_round[c])]
+        print(f"per-round ratio nanoGPT/{c}: " + ", ".join(f"{x:.2f}" for x in rr))
+  if "learned" in per_round and "rotary" in per_round:
+    print(f"rotary / learned ms: {statistics.median(per_round['rotary']) / statistics.median(per_round['learned']):.3f}")
+  print(f"load average after timing rounds: {os.getloadavg()[0]:.2f}", flush=True)
+
+  if args.wall_steps:
+    print(f"\nwall time of one {args.wall_steps}-step training run (process start to exit):")
+    print("| contender | wall s | final val loss |")
+    print("|---|---|---|")
+    for c in contenders:
+      if c == "nanogpt":
+        _, wall, val = run_nanogpt(work, args.wall_steps, 250, scratch / "out_wall")
+      else:
+        wall, val = run_attnlab_training(c, args, scratch / f"attnlab_{c}_{time.time_ns()}")
+      val_s = f"{val:.4f}" if isinstance(val, float) else str(val)
+      print(f"| {label[c]} | {wall:.1f} | {val_s} |", flush=True)
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
