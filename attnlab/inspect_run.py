@@ -48,12 +48,9 @@ def check_checkpoints(workdir: pathlib.Path, config, steps: list[int],
       bad[step] = problem
   good = [step for step in steps if step not in bad]
   if verify and good:
-    from attnlab import tasks  # pylint: disable=g-import-not-at-top  (imports JAX)
-    from attnlab import train  # pylint: disable=g-import-not-at-top
-    task = tasks.build_task(config)
-    tx = train.make_optimizer(config.optimizer,
-                              train.make_schedule(config.optimizer, config.num_train_steps))
-    abstract = train.abstract_train_state(task, tx, train.run_keys(config.seed)[0])
+    from attnlab import state  # pylint: disable=g-import-not-at-top  (imports JAX)
+    from attnlab import tasks  # pylint: disable=g-import-not-at-top
+    abstract = state.restore_target(tasks.build_task(config))
     ckpt = checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR, read_only=True)
     try:
       for step in good:

@@ -13,6 +13,7 @@ Determinism: parameters come from `split(key(seed))[0]`; step t's dropout/sampli
 iterator, whose state is in every checkpoint. A resumed run therefore ends with the same
 parameters, bit for bit, as an uninterrupted one.
 
+The train state, its N >= 1 replicas and their keys, data and evaluation are in attnlab/state.py.
 Scale (attnlab/parallel.py): with several devices the state lives on a ("data", "fsdp") mesh from
 `config.mesh` and every batch is split over it; with one device nothing changes. With
 `config.num_seeds = N > 1`, N replicas (seeds seed, seed+1, ..., seed+N-1: each its own init key,
@@ -48,24 +49,26 @@ from attnlab import checkpoint
 from attnlab import config_utils
 from attnlab import errors
 from attnlab import parallel
+from attnlab import state as state_lib
 from attnlab import tasks
+# The state and its replicas (attnlab/state.py), under the names this module always gave them.
+from attnlab.state import ReplicaBatches  # pylint: disable=unused-import
+from attnlab.state import TrainState
+from attnlab.state import abstract_train_state
+from attnlab.state import create_replicas  # pylint: disable=unused-import
+from attnlab.state import create_train_state  # pylint: disable=unused-import
+from attnlab.state import decay_mask  # pylint: disable=unused-import
+from attnlab.state import evaluate
+from attnlab.state import make_optimizer
+from attnlab.state import make_schedule
+from attnlab.state import num_seeds_of  # pylint: disable=unused-import
+from attnlab.state import replica_iterators
+from attnlab.state import replica_keys
+from attnlab.state import replica_seeds
+from attnlab.state import run_keys
+from attnlab.state import state_shardings_for  # pylint: disable=unused-import
 
 _LOG = logging.getLogger(__name__)
-
-# How often each jitted function was traced (tests check: once per run, no recompiles per step).
-TRACE_COUNTS: collections.Counter = collections.Counter()
-
-
-@flax.struct.dataclass
-class TrainState:
-  """Everything a checkpoint holds besides the data-iterator position."""
-  # [] int32: number of updates applied so far.
-  step: jax.Array
-  # The task's parameters (a pytree of arrays).
-  params: Any
-  # The optax optimizer state.
-  opt_state: Any
-
 
 # How a run stops early (attnlab/errors.py), under the names this module always gave them.
 RunStopped = errors.RunStopped
@@ -73,113 +76,12 @@ NonFiniteLossError = errors.NonFiniteLossError
 WriteFailed = errors.WriteFailed
 TrainingInterrupted = errors.TrainingInterrupted
 
+# How often each jitted function was traced (tests check: once per run, no recompiles per step).
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
 
 # ---------------------------------------------------------------------------------------------------
 # Optimizer and state
-
-
-def make_schedule(opt: ml_collections.ConfigDict, num_train_steps: int) -> optax.Schedule:
-  """Linear warmup from 0 to learning_rate, then cosine, linear or constant."""
-  lr, warmup, end = opt.learning_rate, opt.warmup_steps, opt.end_learning_rate
-  decay_steps = max(num_train_steps - warmup, 1)
-  if opt.schedule == "cosine":
-    decay = optax.cosine_decay_schedule(lr, decay_steps, alpha=end / lr if lr else 0.0)
-  elif opt.schedule == "linear":
-    decay = optax.linear_schedule(lr, end, decay_steps)
-  elif opt.schedule == "constant":
-    decay = optax.constant_schedule(lr)
-  else:
-    raise config_utils.ConfigError(f"unknown optimizer.schedule {opt.schedule!r}; valid schedules: "
-                                   f"{', '.join(config_utils.SCHEDULES)}")
-  if warmup == 0:
-    return decay
-  return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), decay], [warmup])
-
-
-def decay_mask(decay: str) -> Callable[[Any], Any] | None:
-  """optax mask for `optimizer.decay`: None (every parameter) or a matrices-only predicate."""
-  if decay == "all":
-    return None
-  if decay == "matrices":
-    return lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
-  raise config_utils.ConfigError(f"unknown optimizer.decay {decay!r}; valid: "
-                                 f"{', '.join(config_utils.DECAYS)}")
-
-
-def make_optimizer(opt: ml_collections.ConfigDict,
-                   schedule: optax.Schedule) -> optax.GradientTransformation:
-  """adamw, adam or sgd on `schedule`, after global-norm clipping when opt.grad_clip > 0."""
-  if opt.name == "adamw":
-    tx = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay,
-                     mask=decay_mask(opt.get("decay", "all")))
-  elif opt.name == "adam":
-    tx = optax.adam(schedule, b1=opt.b1, b2=opt.b2)
-  elif opt.name == "sgd":
-    tx = optax.sgd(schedule, momentum=opt.momentum or None)
-  else:
-    raise config_utils.ConfigError(f"unknown optimizer.name {opt.name!r}; valid optimizers: "
-                                   f"{', '.join(config_utils.OPTIMIZERS)}")
-  if opt.grad_clip > 0:
-    tx = optax.chain(optax.clip_by_global_norm(opt.grad_clip), tx)
-  return tx
-
-
-def create_train_state(task: tasks.Task, tx: optax.GradientTransformation,
-                       rng: jax.Array) -> TrainState:
-  """Step 0: the task's initial parameters and a fresh optimizer state."""
-  params = task.init(rng)
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-
-
-def num_seeds_of(config: ml_collections.ConfigDict) -> int:
-  """`config.num_seeds` (1 for configs written before the field existed)."""
-  return int(config.get("num_seeds", 1) or 1)
-
-
-def replica_seeds(config: ml_collections.ConfigDict) -> list[int]:
-  """The seeds of a run's replicas: seed, seed+1, ..., seed+num_seeds-1."""
-  return [config.seed + i for i in range(num_seeds_of(config))]
-
-
-# vmap axes of a replicated TrainState: one shared step counter, params and optimizer state [N, ...].
-_REPLICA_AXES = TrainState(step=None, params=0, opt_state=0)
-
-
-def create_replicas(task: tasks.Task, tx: optax.GradientTransformation,
-                    rngs: jax.Array) -> TrainState:
-  """`create_train_state` for each key of `rngs` ([N] keys), stacked: params and optimizer state
-  get a leading [N] axis; the step counter stays one scalar, shared by the replicas."""
-  return jax.vmap(functools.partial(create_train_state, task, tx), out_axes=_REPLICA_AXES)(rngs)
-
-
-def abstract_train_state(task: tasks.Task, tx: optax.GradientTransformation, rng: jax.Array, *,
-                         mesh: jax.sharding.Mesh | None = None) -> TrainState:
-  """Shapes, dtypes and shardings of the initial state without computing it (restore target).
-
-  With `task.config.num_seeds = N > 1` the leaves have a leading [N] axis. Without a mesh the
-  arrays are placed on the first device; with one they follow `parallel.state_shardings`.
-  """
-  num_seeds = num_seeds_of(task.config)
-  if num_seeds > 1:
-    keys = jax.random.split(rng, num_seeds)  # [N] (only their shape matters here)
-    abstract = jax.eval_shape(functools.partial(create_replicas, task, tx), keys)
-  else:
-    abstract = jax.eval_shape(functools.partial(create_train_state, task, tx), rng)
-  if mesh is None:
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                        abstract)
-  shardings = state_shardings_for(task.config, abstract, mesh)
-  return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                      abstract, shardings)
-
-
-def state_shardings_for(config: ml_collections.ConfigDict, abstract: Any,
-                        mesh: jax.sharding.Mesh) -> Any:
-  """`parallel.state_shardings` of a (possibly replicated over seeds) train state under `config`."""
-  min_size = int(config.get("mesh", {}).get("fsdp_min_size", 1024))
-  return parallel.state_shardings(abstract, mesh, min_size=min_size,
-                                  replica_axes=1 if num_seeds_of(config) > 1 else 0)
 
 
 def make_train_step(task: tasks.Task, tx: optax.GradientTransformation, schedule: optax.Schedule,
@@ -206,7 +108,8 @@ def make_train_step(task: tasks.Task, tx: optax.GradientTransformation, schedule
     if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
       rng = jax.random.wrap_key_data(rng)  # raw key data, as placed on a multi-host mesh
     if num_seeds > 1:
-      return jax.vmap(one_step, in_axes=(_REPLICA_AXES, 0, 0), out_axes=(_REPLICA_AXES, 0))(
+      axes = state_lib.REPLICA_AXES
+      return jax.vmap(one_step, in_axes=(axes, 0, 0), out_axes=(axes, 0))(
           state, batch, rng)
     return one_step(state, batch, rng)
 
@@ -214,84 +117,6 @@ def make_train_step(task: tasks.Task, tx: optax.GradientTransformation, schedule
     return jax.jit(train_step, donate_argnums=0)
   return jax.jit(train_step, donate_argnums=0,
                  out_shardings=(state_shardings, parallel.replicated(mesh)))
-
-
-def run_keys(seed: int) -> tuple[jax.Array, jax.Array]:
-  """(init key, train key) of a run; step t uses fold_in(train key, t)."""
-  init_rng, train_rng = jax.random.split(jax.random.key(seed))
-  return init_rng, train_rng
-
-
-def replica_keys(config: ml_collections.ConfigDict) -> tuple[jax.Array, jax.Array]:
-  """(init key, train key) of `config.seed`, or with num_seeds > 1 both stacked over the replicas
-  ([N] keys, replica i's being `run_keys(seed + i)`)."""
-  seeds = replica_seeds(config)
-  if len(seeds) == 1:
-    return run_keys(seeds[0])
-  pairs = [run_keys(seed) for seed in seeds]
-  stack = lambda keys: jax.random.wrap_key_data(jnp.stack([jax.random.key_data(k) for k in keys]))
-  return stack([p[0] for p in pairs]), stack([p[1] for p in pairs])
-
-
-def replica_iterators(task: tasks.Task, seeds: list[int]) -> list[tasks.BatchIterator]:
-  """One training iterator per seed: the task's iterator as if `config.seed` were that seed.
-
-  The task object is shallow-copied with a config whose seed differs (the Task contract makes the
-  data order depend on `config.seed` only), so data and tokenizers are shared, not rebuilt.
-  """
-  iterators = []
-  for seed in seeds:
-    replica = copy.copy(task)
-    replica.config = copy.deepcopy(task.config)
-    replica.config.seed = seed
-    iterators.append(replica.train_iterator())
-  return iterators
-
-
-class ReplicaBatches:
-  """Stacks the batches of N replica iterators (every leaf gets a leading [N] axis); its state
-  is that of every replica's iterator."""
-
-  def __init__(self, iterators: list[tasks.BatchIterator]):
-    self._iterators = iterators
-
-  def __iter__(self) -> ReplicaBatches:
-    return self
-
-  def __next__(self) -> Any:
-    batches = [next(it) for it in self._iterators]
-    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *batches)
-
-  def get_state(self) -> dict[str, Any]:
-    return {"replicas": [it.get_state() for it in self._iterators]}
-
-  def set_state(self, state: dict[str, Any]) -> None:
-    states = state.get("replicas") if isinstance(state, dict) else None
-    if not isinstance(states, list) or len(states) != len(self._iterators):
-      raise checkpoint.CheckpointError(
-          f"the checkpoint's data-iterator state is not that of {len(self._iterators)} replicas "
-          f"(got {str(state)[:80]}); num_seeds changed since it was saved: use a new --workdir")
-    for it, st in zip(self._iterators, states):
-      it.set_state(st)
-
-
-class _PlacedBatches:
-  """A BatchIterator whose batches are placed on the mesh (split over its devices)."""
-
-  def __init__(self, inner: tasks.BatchIterator, mesh: jax.sharding.Mesh, replica_axes: int):
-    self._inner, self._mesh, self._replica_axes = inner, mesh, replica_axes
-
-  def __iter__(self) -> _PlacedBatches:
-    return self
-
-  def __next__(self) -> Any:
-    return parallel.shard_batch(next(self._inner), self._mesh, self._replica_axes)
-
-  def get_state(self) -> dict[str, Any]:
-    return self._inner.get_state()
-
-  def set_state(self, state: dict[str, Any]) -> None:
-    self._inner.set_state(state)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -359,31 +184,6 @@ class _MetricLogger:
       except OSError:
         if not quiet:
           raise
-
-
-def _mean_metrics(pending: list[tuple[int, dict]], num_seeds: int = 1
-                  ) -> tuple[dict[str, float], dict[str, list[float]] | None]:
-  """(metrics averaged over the steps (and replicas), per-replica averages or None)."""
-  values = parallel.to_host([m for _, m in pending])
-  if num_seeds == 1:
-    return {key: float(np.mean([v[key] for v in values])) for key in values[0]}, None
-  per_seed = {key: [float(x) for x in np.mean([np.asarray(v[key]) for v in values], axis=0)]
-              for key in values[0]}  # {name: [N]}
-  return {key: float(np.mean(vals)) for key, vals in per_seed.items()}, per_seed
-
-
-def evaluate(task: tasks.Task, params: Any, num_seeds: int = 1
-             ) -> tuple[dict[str, float], dict[str, list[float]] | None]:
-  """(task.evaluate metrics, None), or with num_seeds > 1 (means over replicas, {name: [N]}).
-
-  Several processes: the parameters are first gathered to every host, which evaluates alone.
-  """
-  params = parallel.to_local(params)
-  if num_seeds == 1:
-    return task.evaluate(params), None
-  results = [task.evaluate(jax.tree.map(lambda x, i=i: x[i], params)) for i in range(num_seeds)]
-  per_seed = {key: [float(r[key]) for r in results] for key in results[0]}
-  return {key: float(np.mean(vals)) for key, vals in per_seed.items()}, per_seed
 
 
 class _StopRequest:
@@ -496,7 +296,7 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
   shardings = None
   if mesh is not None:
     shardings = jax.tree.map(lambda x: x.sharding, abstract)
-    train_iter = _PlacedBatches(train_iter, mesh, 1 if num_seeds > 1 else 0)
+    train_iter = state_lib.PlacedBatches(train_iter, mesh, 1 if num_seeds > 1 else 0)
     # Raw key data, replicated on the mesh (a key array cannot cross processes as it is).
     train_rng = parallel.put_replicated(jax.random.key_data(train_rng), mesh)
 
@@ -505,13 +305,13 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
   try:
     restored = ckpt.restore_latest(abstract, quarantine=is_main)
     if restored is None:
-      state = _initial_state(task, tx, init_rng, num_seeds, mesh, shardings)
-      state = _with_pretrained(task, tx, state, num_seeds, mesh, shardings)
+      state = state_lib.initial_state(task, tx, init_rng, num_seeds, mesh, shardings)
+      state = state_lib.with_pretrained(task, tx, state, num_seeds, mesh, shardings)
     else:
       state, data_state = restored
       train_iter.set_state(data_state)
-      _LOG.info("resuming %s from checkpoint step %d", workdir, _step_of(state))
-    start = _step_of(state)
+      _LOG.info("resuming %s from checkpoint step %d", workdir, state_lib.step_of(state))
+    start = state_lib.step_of(state)
     if is_main:
       checkpoint.truncate_metrics(workdir, start)
     if start >= num_steps:
@@ -530,51 +330,6 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
     with _writing(workdir):
       task.write_plots(params, workdir)
   return state
-
-
-def _initial_state(task: tasks.Task, tx: optax.GradientTransformation, init_rng: jax.Array,
-                   num_seeds: int, mesh: jax.sharding.Mesh | None, shardings: Any) -> TrainState:
-  """Step 0 of every replica, created directly in its sharding on a mesh."""
-  if mesh is None:
-    if num_seeds == 1:
-      return create_train_state(task, tx, init_rng)
-    return create_replicas(task, tx, init_rng)
-
-  def create(key_data: jax.Array) -> TrainState:
-    keys = jax.random.wrap_key_data(key_data)
-    if num_seeds == 1:
-      return create_train_state(task, tx, keys)
-    return create_replicas(task, tx, keys)
-  key_data = parallel.put_replicated(jax.random.key_data(init_rng), mesh)
-  return jax.jit(create, out_shardings=shardings)(key_data)
-
-
-def _with_pretrained(task: tasks.Task, tx: optax.GradientTransformation, state: TrainState,
-                     num_seeds: int, mesh: jax.sharding.Mesh | None, shardings: Any) -> TrainState:
-  """Step 0 with the task's pretrained weights (`Task.load_pretrained`, called eagerly on every
-  replica's parameters) and the optimizer state rebuilt for them; `state` when it loads none."""
-  params = parallel.to_host(state.params)
-  if num_seeds == 1:
-    loaded = task.load_pretrained(params)
-  else:
-    replicas = [task.load_pretrained(jax.tree.map(lambda x, i=i: x[i], params))
-                for i in range(num_seeds)]
-    loaded = None if replicas[0] is None else jax.tree.map(
-        lambda *xs: np.stack([np.asarray(x) for x in xs]), *replicas)  # [N, ...] leaves
-  if loaded is None:
-    return state
-
-  def rebuild(params: Any) -> TrainState:
-    opt_state = tx.init(params) if num_seeds == 1 else jax.vmap(tx.init)(params)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
-  if mesh is None:
-    return jax.jit(rebuild)(loaded)
-  return jax.jit(rebuild, out_shardings=shardings)(parallel.put_replicated(loaded, mesh))
-
-
-def _step_of(state: TrainState) -> int:
-  """The step counter of a state (every replica has the same)."""
-  return int(np.asarray(parallel.to_host(state.step)).reshape(-1)[0])
 
 
 def _finish_complete_run(task: tasks.Task, state: TrainState, workdir: pathlib.Path,
@@ -612,7 +367,7 @@ def _check_finite(pending: list[tuple[int, dict]], ckpt: checkpoint.Checkpointer
 
 def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, train_rng,
                 seeds) -> TrainState:
-  num_steps, start, num_seeds = config.num_train_steps, _step_of(state), len(seeds)
+  num_steps, start, num_seeds = config.num_train_steps, state_lib.step_of(state), len(seeds)
   logger = _MetricLogger(workdir, start, seeds)
   pending: list[tuple[int, dict]] = []  # per-step metrics (on device) since the last log
   checked = 0  # pending[:checked] are known to have a finite loss
@@ -639,7 +394,7 @@ def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, trai
         checked = len(pending)
         if do_log:
           now = time.time()
-          summary, per_seed = _mean_metrics(pending, num_seeds)
+          summary, per_seed = state_lib.mean_metrics(pending, num_seeds)
           steps_per_sec = (step - last_log_step) / max(now - last_log_time, 1e-9)
           logger.write(step, "train", summary, per_seed, steps_per_sec=steps_per_sec)
           bar.set_postfix(loss=f"{summary['loss']:.4g}", refresh=False)

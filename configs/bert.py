@@ -29,16 +29,12 @@ import json
 import os
 
 from attnlab import config_utils
+from attnlab import models
 
 # Values of the `mode` arg -> task name.
 MODES = {"pretrain": "masked_lm", "finetune": "classification"}
-# Encoder sizes (kept in step with attnlab.models.bert.SIZES; the config file does not import
-# the model so that reading a config stays cheap).
-SIZES = {
-    "tiny": dict(num_layers=2, d_model=128, num_heads=2, mlp_dim=512),
-    "mini": dict(num_layers=4, d_model=256, num_heads=4, mlp_dim=1024),
-    "test": dict(num_layers=2, d_model=32, num_heads=2, mlp_dim=64),
-}
+# Encoder sizes (attnlab.models imports no JAX, so reading a config stays cheap).
+SIZES = models.SIZES["bert"]
 # Arg keys handled by this file rather than by config fields.
 SHORTCUTS = ("mode", "size", "score", "pretrained")
 # Fields that `pretrained=DIR` copies from DIR/config.json (when DIR's config has them).

@@ -83,7 +83,7 @@ def get_config(arg: str | None = None):
   config.optimizer.end_learning_rate = 1e-4
   config.optimizer.grad_clip = 1.0
 
-  # Module of attnlab.models that builds the model (make_translation_model): seq2seq = the RNN.
+  # Model family (attnlab.models.TRANSLATION_MODELS): seq2seq = the RNN, or transformer.
   config.model.name = "seq2seq"
   # Recurrent cell: gru or lstm.
   config.model.cell = "gru"

@@ -76,7 +76,7 @@ def get_config(arg: str | None = None):
   config.optimizer.end_learning_rate = 1e-5
   config.optimizer.grad_clip = 1.0
 
-  # Module of attnlab.models that builds the model (make_translation_model).
+  # Model family (attnlab.models.TRANSLATION_MODELS).
   config.model.name = "transformer"
   # Size preset (attnlab.models.transformer.SIZES: tiny, small, medium, base) for the fields at 0.
   config.model.size = "small"

@@ -297,7 +297,7 @@ def test_finetune_loads_pretrained_encoder_end_to_end(pretrain_run, data_args, t
   task = classification.ClassificationTask(config)
   pretrained = analysis.load_run(pretrain_run).params
   rng = jax.random.key(3)
-  loaded = task.load_pretrained(task.init(rng))
+  loaded = task.load_pretrained(task.init(rng), checkpoint.read_config(pretrain_run), pretrained)
   for a, b in zip(jax.tree.leaves(pretrained["encoder"]), jax.tree.leaves(loaded["encoder"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   tokens = jnp.zeros((1, config.data.max_len), jnp.int32)
@@ -318,7 +318,8 @@ def test_finetune_rejects_a_different_pretraining_model(pretrain_run, data_args,
   config.init_from = str(pretrain_run)
   task = classification.ClassificationTask(config)
   with pytest.raises(config_utils.ConfigError, match="model.num_layers: 2 .* 1 here"):
-    task.load_pretrained(task.init(jax.random.key(0)))
+    task.load_pretrained(task.init(jax.random.key(0)), checkpoint.read_config(pretrain_run),
+                         analysis.load_run(pretrain_run).params)
   with pytest.raises(config_utils.ConfigError, match="model.num_layers: 2 .* 1 here"):
     train.train_and_evaluate(config, tmp_path / "mismatch")
 

@@ -152,7 +152,8 @@ def test_finetuning_starts_from_the_imported_encoder(bert_run):
       f"{CONFIGS / 'bert.py'}:mode=finetune,runlocal=True,pretrained={bert_run.workdir}")
   assert config.init_from == str(bert_run.workdir)
   task = tasks.build_task(config)
-  params = task.init(jax.random.key(3))
+  # What the trainer does at step 0 of a run with init_from (attnlab.state.with_pretrained).
+  params = task.load_pretrained(task.init(jax.random.key(3)), bert_run.config, bert_run.params)
   got = jax.tree_util.tree_leaves_with_path(params["encoder"])
   want = dict(jax.tree_util.tree_leaves_with_path(bert_run.params["encoder"]))
   assert len(got) == len(want)

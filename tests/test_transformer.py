@@ -10,6 +10,7 @@ import pytest
 
 from attnlab import analysis
 from attnlab import config_utils
+from attnlab import decoding
 from attnlab import main as main_lib
 from attnlab.layers import MultiHeadAttention
 from attnlab.layers import project_kv
@@ -17,6 +18,19 @@ from attnlab.models import transformer as tf
 
 CONFIG = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "transformer.py")
 SRC_VOCAB, TGT_VOCAB, START, END = 11, 13, 1, 2
+
+
+def _greedy_decode(model, params, src, src_lengths, *, start_id: int, end_id: int, max_len: int,
+                   beam_size: int = 1, use_cache: bool = True) -> decoding.Decoded:
+  """Greedy (beam_size 1) or beam-search decoding of a padded source batch."""
+  decoding.check_decode_len(model, max_len)
+  state = tf.init_decode_state(model, params, src, src_lengths, use_cache=use_cache)
+  step_fn = tf.make_step_fn(model, params, use_cache=use_cache)
+  start = jnp.full((src.shape[0],), start_id, jnp.int32)
+  if beam_size <= 1:
+    return decoding.greedy(step_fn, state, start, max_len=max_len, end_id=end_id)
+  return decoding.beam_search(step_fn, state, start, beam_size=beam_size, max_len=max_len,
+                              end_id=end_id)
 
 
 def _config(arg: str):
@@ -77,7 +91,7 @@ def test_padded_source_positions_get_zero_weight(setup):
 
 def test_cached_decoding_equals_uncached(setup):
   model, params, src, src_len, _, _ = setup
-  run = jax.jit(lambda p, s, n, use_cache, beam: tf.greedy_decode(
+  run = jax.jit(lambda p, s, n, use_cache, beam: _greedy_decode(
       model, p, s, n, start_id=START, end_id=END, max_len=8, beam_size=beam, use_cache=use_cache),
       static_argnums=(3, 4))
   for beam in (1, 2):
@@ -88,10 +102,10 @@ def test_cached_decoding_equals_uncached(setup):
   assert cached.aux.shape == (2, 2, 8, 6)
   assert np.all(np.asarray(cached.aux)[0, ..., 4:] == 0.0)
   # max_len=10 cache positions: 10 steps fit, 11 would write past the cache and are refused.
-  assert tf.greedy_decode(model, params, src, src_len, start_id=START, end_id=END,
+  assert _greedy_decode(model, params, src, src_len, start_id=START, end_id=END,
                           max_len=10).tokens.shape == (2, 10)
   with pytest.raises(ValueError, match="cannot decode 11 tokens.*model.max_len=10"):
-    tf.greedy_decode(model, params, src, src_len, start_id=START, end_id=END, max_len=11)
+    _greedy_decode(model, params, src, src_len, start_id=START, end_id=END, max_len=11)
 
 
 def test_rotary_transformer_cached_decoding_equals_uncached():
@@ -107,7 +121,7 @@ def test_rotary_transformer_cached_decoding_equals_uncached():
   logits, _ = model.apply({"params": params}, src, src_len, tgt)
   swapped, _ = model.apply({"params": params}, src, src_len, tgt[:, [0, 2, 1, 3, 4]])
   assert np.abs(np.asarray(swapped[:, 3:]) - np.asarray(logits[:, 3:])).max() > 1e-4  # order counts
-  decode = lambda cache: tf.greedy_decode(model, params, src, src_len, start_id=START,
+  decode = lambda cache: _greedy_decode(model, params, src, src_len, start_id=START,
                                           end_id=END, max_len=8, use_cache=cache)
   cached, uncached = decode(True), decode(False)
   np.testing.assert_array_equal(cached.tokens, uncached.tokens)
@@ -181,7 +195,7 @@ def test_dates_runlocal_reload_and_translate(tmp_path):
   np.testing.assert_allclose(t.weights.sum(-1), 1.0, atol=1e-5)
   # The restored model translates like the uncached reference decoder.
   src = np.array([run.task.encode_source("9 october 1993")], np.int32)
-  ref = tf.greedy_decode(run.model, run.params, src, np.array([src.shape[1]], np.int32),
+  ref = _greedy_decode(run.model, run.params, src, np.array([src.shape[1]], np.int32),
                          start_id=run.task.tgt_tok.start_id, end_id=run.task.tgt_tok.end_id,
                          max_len=len(t.output_tokens), use_cache=False)
   assert [run.task.tgt_tok.id_to_token(int(i)) for i in ref.tokens[0]] == t.output_tokens

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -54,6 +53,7 @@ import numpy as np
 from attnlab.attention import core as attn_core
 from attnlab.attention import positional
 from attnlab.attention import scores as scores_lib
+from attnlab.layers import sown
 from attnlab.layers.attention import MultiHeadAttention
 from attnlab.layers.transformer import TransformerBlock
 
@@ -86,9 +86,7 @@ class _Prepared:
   lengths: dict[str, np.ndarray]  # side -> [batch]
 
 
-def natural_key(path: str) -> list[Any]:
-  """Sort key that orders "layer_2" before "layer_10"."""
-  return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path)]
+natural_key = sown.natural_key
 
 
 def _as_batch(x: Any, name: str, dtype=np.int32) -> np.ndarray:
@@ -353,27 +351,25 @@ def _collect(intermediates: Any, extras: bool) -> tuple[dict[str, np.ndarray],
                                                         dict[str, np.ndarray]]:
   """({path: weights [batch, heads, q, k]}, {"<path>/<name>": batched extra})."""
   weights, extra = {}, {}
-  flat = jax.tree_util.tree_flatten_with_path(
-      intermediates, is_leaf=lambda x: isinstance(x, tuple))[0]
-  for key_path, value in flat:
-    names = [str(getattr(p, "key", p)) for p in key_path]
-    path = "/".join(names[:-1]) or "."
-    value = value[-1] if isinstance(value, tuple) else value  # sow keeps every call's value
-    if names[-1] == "__call__":
+  for key, values in sown.sown_values(intermediates, None).items():
+    path, _, name = key.rpartition("/")
+    path = path or "."
+    value = values[-1]  # sow keeps every call's value
+    if name == "__call__":
       if extras:  # a block's output; the RNN Encoder returns (states, final carries)
         out = value[0] if isinstance(value, tuple) else value
         extra[f"{path}/output"] = np.asarray(out)
       continue
     value = np.asarray(value)
-    if names[-1] == "attention_weights":
+    if name == sown.ATTENTION_WEIGHTS:
       value = value.astype(np.float32)
       if value.ndim == 2:  # Nadaraya-Watson: [n_q, n_k]
         value = value[None, None]
       elif value.ndim == 3:  # RNN seq2seq: [batch, tgt_len, src_len], one head
         value = value[:, None]
       weights[path] = value
-    elif extras and names[-1] in EXTRA_NAMES[:-1]:
-      extra[f"{path}/{names[-1]}"] = value
+    elif extras and name in EXTRA_NAMES[:-1]:
+      extra[f"{path}/{name}"] = value
   order = lambda d: {k: d[k] for k in sorted(d, key=natural_key)}
   return order(weights), order(extra)
 

@@ -20,8 +20,9 @@ import jax
 import ml_collections
 
 from attnlab import checkpoint
+from attnlab import state as state_lib
 from attnlab import tasks
-from attnlab import train
+from attnlab.layers import sown
 from attnlab.checkpoint import read_metrics  # re-exported for analysis scripts
 
 __all__ = ["Run", "attention_maps", "load_run", "read_metrics"]
@@ -59,28 +60,9 @@ def load_run(workdir: str | os.PathLike, step: int | str = "latest",
     checkpoint.CheckpointError (a ValueError): no run there, no such step, no readable checkpoint,
       or a checkpoint that does not fit the model in config.json.
   """
-  workdir = pathlib.Path(workdir).absolute()
-  config = checkpoint.read_config(workdir)
-  task = tasks.build_task(config)
-  tx = train.make_optimizer(config.optimizer, train.make_schedule(config.optimizer,
-                                                                  config.num_train_steps))
-  abstract = train.abstract_train_state(task, tx, train.run_keys(config.seed)[0])
-  ckpt = checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR, read_only=True)
-  try:
-    if step == "latest":
-      restored = ckpt.restore_latest(abstract)
-      if restored is None:
-        raise checkpoint.CheckpointError(
-            f"no readable checkpoint in {ckpt.directory} (steps found: "
-            f"{', '.join(map(str, ckpt.steps())) or 'none'})")
-      state, _ = restored
-    elif isinstance(step, int) or (isinstance(step, str) and step.isdigit()):
-      state, _ = ckpt.restore(int(step), abstract)
-    else:
-      raise checkpoint.CheckpointError(f"step must be 'latest' or a step number, got {step!r}")
-  finally:
-    ckpt.close()
-  params, num_seeds = state.params, train.num_seeds_of(config)
+  restored = state_lib.restore(workdir, step)
+  config, task = restored.config, restored.task
+  params, num_seeds = restored.state.params, state_lib.num_seeds_of(config)
   if num_seeds == 1:
     replica = None
   elif replica is not None:
@@ -89,8 +71,8 @@ def load_run(workdir: str | os.PathLike, step: int | str = "latest",
           f"replica must be in 0..{num_seeds - 1} (the run trained num_seeds={num_seeds}), "
           f"got {replica}")
     params = jax.tree.map(lambda x: x[replica], params)
-  return Run(workdir=workdir, config=config, task=task, model=task.model, params=params,
-             step=int(state.step), replica=replica)
+  return Run(workdir=restored.workdir, config=config, task=task, model=task.model, params=params,
+             step=restored.step, replica=replica)
 
 
 def attention_maps(run: Run, *args: Any, **kwargs: Any) -> dict[str, jax.Array]:
@@ -102,12 +84,6 @@ def attention_maps(run: Run, *args: Any, **kwargs: Any) -> dict[str, jax.Array]:
   if run.model is None:
     raise ValueError(f"task {run.config.task!r} has no Flax model to run; use run.task instead")
   _, state = run.model.apply({"params": run.params}, *args, mutable=["intermediates"], **kwargs)
-  maps = {}
-  flat = jax.tree_util.tree_flatten_with_path(
-      state.get("intermediates", {}), is_leaf=lambda x: isinstance(x, tuple))[0]
-  for path, value in flat:
-    names = [str(getattr(p, "key", p)) for p in path]
-    if names and names[-1] == "attention_weights":
-      # sow keeps a tuple of every call's value; one call is the common case.
-      maps["/".join(names[:-1]) or "."] = value[0] if len(value) == 1 else value
-  return maps
+  # sow keeps a tuple of every call's value; one call is the common case.
+  return {path: values[0] if len(values) == 1 else values
+          for path, values in sown.sown_values(state.get("intermediates", {})).items()}

@@ -550,7 +550,7 @@ def import_checkpoint(folder: PathLike, workdir: PathLike, *, overwrite: bool = 
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
   from attnlab import tasks  # pylint: disable=g-import-not-at-top
-  from attnlab import train  # pylint: disable=g-import-not-at-top
+  from attnlab import state as state_lib  # pylint: disable=g-import-not-at-top
 
   folder = pathlib.Path(folder).absolute()
   workdir = pathlib.Path(workdir).absolute()
@@ -590,10 +590,10 @@ def import_checkpoint(folder: PathLike, workdir: PathLike, *, overwrite: bool = 
              for k in sorted(set(expected) | set(got)) if expected.get(k) != got.get(k)]
     raise HFError(f"the converted weights do not fit the attnlab model: {'; '.join(diffs[:3])}")
   params = jax.tree.map(jnp.asarray, params)
-  tx = train.make_optimizer(config.optimizer, train.make_schedule(config.optimizer,
-                                                                  config.num_train_steps))
-  state = train.TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                           opt_state=tx.init(params))
+  tx = state_lib.make_optimizer(config.optimizer, state_lib.make_schedule(config.optimizer,
+                                                                          config.num_train_steps))
+  state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                               opt_state=tx.init(params))
   checkpoint.write_config(workdir, config)
   ckpt = checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR)
   try:

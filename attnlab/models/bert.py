@@ -25,6 +25,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from attnlab import models as models_lib
+from attnlab.errors import ConfigError
 from attnlab.attention import masks as masks_lib
 from attnlab.layers import Dense
 from attnlab.layers import Embeddings
@@ -35,24 +37,15 @@ from attnlab.layers import get_activation
 
 Array = jax.Array
 
-# size name -> encoder hyperparameters.
-SIZES: dict[str, dict[str, int]] = {
-    # BERT-Tiny (Turc et al. 2019): 2 layers, 128 dims, 2 heads.
-    "tiny": dict(num_layers=2, d_model=128, num_heads=2, mlp_dim=512),
-    # BERT-Mini: 4 layers, 256 dims, 4 heads.
-    "mini": dict(num_layers=4, d_model=256, num_heads=4, mlp_dim=1024),
-    # For tests and runlocal: seconds on a CPU.
-    "test": dict(num_layers=2, d_model=32, num_heads=2, mlp_dim=64),
-}
+# size name -> encoder hyperparameters (attnlab.models.SIZES).
+SIZES: dict[str, dict[str, int]] = models_lib.SIZES["bert"]
 # Number of segment (token type) ids: sentence A = 0, sentence B = 1.
 NUM_SEGMENTS = 2
 
 
 def size_config(name: str) -> dict[str, int]:
   """The hyperparameters of size `name`; raises ValueError listing the valid sizes."""
-  if name not in SIZES:
-    raise ValueError(f"unknown BERT size {name!r}; valid sizes: {', '.join(SIZES)}")
-  return dict(SIZES[name])
+  return models_lib.size_config("bert", name)
 
 
 class BertHyperparameters(nn.Module):
@@ -232,6 +225,31 @@ def transfer_encoder(pretrained: Any, target: Any) -> Any:
   return out
 
 
-def count_params(params: Any) -> int:
-  """Number of scalars in a parameter pytree."""
-  return sum(int(x.size) for x in jax.tree.leaves(params))
+count_params = models_lib.count_params
+
+
+def config_kwargs(config: Any, vocab_size: int) -> dict[str, Any]:
+  """Encoder hyperparameters of `config.model` (checked) as keyword arguments of the BERT models."""
+  m = config.model
+  if config.data.max_len > m.max_len:
+    raise ConfigError(f"data.max_len={config.data.max_len} exceeds model.max_len={m.max_len} "
+                      "(rows of the position table); lower data.max_len or raise model.max_len")
+  if config.data.max_len < 8:
+    raise ConfigError(f"data.max_len must be >= 8, got {config.data.max_len}")
+  return dict(vocab_size=vocab_size, num_layers=m.num_layers, d_model=m.d_model,
+              num_heads=m.num_heads, mlp_dim=m.mlp_dim, max_len=m.max_len,
+              dropout_rate=m.dropout_rate, attention_dropout_rate=m.attention_dropout_rate,
+              score=m.score, implementation=m.implementation, activation=m.activation,
+              norm_position=m.norm_position,
+              # Written by attnlab import-hf; absent from older configs (BERT's values).
+              layer_norm_epsilon=m.get("layer_norm_epsilon", 1e-12),
+              type_vocab_size=m.get("type_vocab_size", NUM_SEGMENTS))
+
+
+def from_config(config: Any, vocab_size: int, num_classes: int = 0) -> BertHyperparameters:
+  """BertForPretraining of the full `config` (model and data.max_len), or with `num_classes` > 0
+  BertForClassification."""
+  kwargs = config_kwargs(config, vocab_size)
+  if num_classes:
+    return BertForClassification(num_classes=num_classes, **kwargs)
+  return BertForPretraining(**kwargs)

@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from attnlab import decoding
+from attnlab import models as models_lib
+from attnlab.errors import ConfigError
 from attnlab.layers import Embeddings
 from attnlab.layers import LayerNorm
 from attnlab.layers import TransformerBlock
@@ -39,22 +41,12 @@ from attnlab.layers import check_score_and_implementation
 
 Array = jax.Array
 
-# size name -> (num_layers, num_heads, d_model, block_size).
-SIZES: dict[str, dict[str, int]] = {
-    # nanoGPT's CPU setting for Shakespeare characters.
-    "nano": dict(num_layers=4, num_heads=4, d_model=128, block_size=64),
-    # nanoGPT's shakespeare_char setting.
-    "small": dict(num_layers=6, num_heads=6, d_model=384, block_size=256),
-    # For tests and runlocal: seconds on a CPU.
-    "tiny": dict(num_layers=2, num_heads=2, d_model=32, block_size=32),
-}
-
+# size name -> (num_layers, num_heads, d_model, block_size) (attnlab.models.SIZES).
+SIZES: dict[str, dict[str, int]] = models_lib.SIZES["gpt"]
 
 def size_config(name: str) -> dict[str, int]:
   """The hyperparameters of size `name`; raises ValueError listing the valid sizes."""
-  if name not in SIZES:
-    raise ValueError(f"unknown GPT size {name!r}; valid sizes: {', '.join(SIZES)}")
-  return dict(SIZES[name])
+  return models_lib.size_config("gpt", name)
 
 
 class GPT(nn.Module):
@@ -144,9 +136,35 @@ def check_config(model: GPT) -> None:
       raise ValueError(f"{name} must be in [0, 1), got {getattr(model, name)}")
 
 
-def count_params(params: Any) -> int:
-  """Number of scalars in a parameter pytree."""
-  return sum(int(x.size) for x in jax.tree.leaves(params))
+count_params = models_lib.count_params
+
+
+def from_config(model_cfg: Any, vocab_size: int) -> GPT:
+  """The GPT of `config.model`: size preset, explicit dims (0 = from the size) and options.
+
+  Keys an imported checkpoint's config adds (absent = the default): model.layer_norm_epsilon
+  (1e-5) and model.vocab_size (0 = the tokenizer's size, `vocab_size`).
+  """
+  try:
+    dims = size_config(model_cfg.size)
+  except ValueError as e:
+    raise ConfigError(f"model.size: {e}") from None
+  for key in dims:
+    value = model_cfg.get(key, 0)
+    if value:
+      dims[key] = int(value)
+  try:
+    model = GPT(
+        vocab_size=vocab_size, **dims, mlp_ratio=model_cfg.mlp_ratio,
+        dropout_rate=model_cfg.dropout, attention_dropout_rate=model_cfg.attention_dropout,
+        score=model_cfg.score, implementation=model_cfg.implementation,
+        position=model_cfg.position, activation=model_cfg.activation,
+        use_bias=model_cfg.use_bias,
+        layer_norm_epsilon=model_cfg.get("layer_norm_epsilon", 1e-5))
+    check_config(model)
+  except ValueError as e:
+    raise ConfigError(f"config.model: {e}") from None
+  return model
 
 
 # ------------------------------------------------------------------------------ KV cache

@@ -336,8 +336,8 @@ def init_decode_state(model: Seq2Seq, params: Any, src: jax.Array,
   return model.apply({"params": params}, src, src_lengths, method=Seq2Seq.encode)
 
 
-def make_translation_model(model_config: Any, src_vocab_size: int, tgt_vocab_size: int,
-                           max_src_len: int) -> Seq2Seq:
+def from_config(model_config: Any, src_vocab_size: int, tgt_vocab_size: int,
+                max_src_len: int) -> Seq2Seq:
   """The Seq2Seq module described by a `config.model` group (see configs/seq2seq.py).
 
   Raises ConfigError (a ValueError) naming the valid choices for an unknown cell, attention,
@@ -367,3 +367,7 @@ def make_translation_model(model_config: Any, src_vocab_size: int, tgt_vocab_siz
       cosine_beta=model_config.cosine_beta,
       dropout_rate=model_config.dropout_rate,
   )
+
+
+# The name the translation task used before the registry (attnlab.models.MODELS).
+make_translation_model = from_config

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnlab import decoding
+from attnlab import models as models_lib
 from attnlab.attention import masks as masks_lib
 from attnlab.layers import Dense
 from attnlab.layers import Embeddings
@@ -52,29 +53,19 @@ from attnlab.layers import TransformerBlock
 from attnlab.layers import check_score_and_implementation
 from attnlab.layers import get_activation
 from attnlab.layers import project_kv
+from attnlab.layers import sown
 
 Array = jax.Array
 
-# size name -> (num_layers, num_heads, d_model, mlp_dim); num_decoder_layers = num_layers.
-SIZES: dict[str, dict[str, int]] = {
-    # For tests and runlocal: seconds on a CPU.
-    "tiny": dict(num_layers=1, num_heads=2, d_model=16, mlp_dim=32),
-    # Synthetic tasks (dates, reverse) on a CPU, about the parameter count of the RNN baseline.
-    "small": dict(num_layers=2, num_heads=4, d_model=64, mlp_dim=128),
-    # Marathi on a CPU.
-    "medium": dict(num_layers=3, num_heads=4, d_model=128, mlp_dim=512),
-    # Vaswani et al. (2017) "base".
-    "base": dict(num_layers=6, num_heads=8, d_model=512, mlp_dim=2048),
-}
+# size name -> (num_layers, num_heads, d_model, mlp_dim) (attnlab.models.SIZES).
+SIZES: dict[str, dict[str, int]] = models_lib.SIZES["transformer"]
 # Embedding sharing choices (module docstring).
 SHARE_EMBEDDINGS: tuple[str, ...] = ("none", "target", "all")
 
 
 def size_config(name: str) -> dict[str, int]:
   """The hyperparameters of size `name`; raises ValueError listing the valid sizes."""
-  if name not in SIZES:
-    raise ValueError(f"unknown Transformer size {name!r}; valid sizes: {', '.join(SIZES)}")
-  return dict(SIZES[name])
+  return models_lib.size_config("transformer", name)
 
 
 class Transformer(nn.Module):
@@ -293,20 +284,6 @@ def init_decode_state(model: Transformer, params: Any, src: Array, src_lengths: 
   return model.apply({"params": params}, src, src_lengths, method=method)
 
 
-def greedy_decode(model: Transformer, params: Any, src: Array, src_lengths: Array, *,
-                  start_id: int, end_id: int, max_len: int, beam_size: int = 1,
-                  use_cache: bool = True) -> decoding.Decoded:
-  """Greedy (beam_size 1) or beam-search decoding of a padded source batch."""
-  decoding.check_decode_len(model, max_len)
-  state = init_decode_state(model, params, src, src_lengths, use_cache=use_cache)
-  step_fn = make_step_fn(model, params, use_cache=use_cache)
-  start = jnp.full((src.shape[0],), start_id, jnp.int32)
-  if beam_size <= 1:
-    return decoding.greedy(step_fn, state, start, max_len=max_len, end_id=end_id)
-  return decoding.beam_search(step_fn, state, start, beam_size=beam_size, max_len=max_len,
-                              end_id=end_id)
-
-
 def attention_grids(model: Transformer, params: Any, src: Array, src_lengths: Array,
                     tgt_in: Array) -> dict[str, np.ndarray]:
   """Sown weights of one teacher-forced pass, stacked per kind as `[layers, batch, heads, q, k]`.
@@ -316,21 +293,18 @@ def attention_grids(model: Transformer, params: Any, src: Array, src_lengths: Ar
   attnlab.plotting.attention_grid.
   """
   _, state = model.apply({"params": params}, src, src_lengths, tgt_in, mutable=["intermediates"])
-  inter = state["intermediates"]
-  grab = lambda prefix, n, kind: np.stack([np.asarray(
-      inter[f"{prefix}_layer_{i}"][kind]["attention_weights"][0]) for i in range(n)])
-  return {"encoder_self": grab("encoder", model.num_layers, "self_attention"),
-          "decoder_self": grab("decoder", model.decoder_depth, "self_attention"),
-          "cross": grab("decoder", model.decoder_depth, "cross_attention")}
+  maps = sown.sown_values(state["intermediates"])
+  grab = lambda prefix, kind: sown.stack_layers(maps, f"{prefix}_layer_", f"/{kind}", example=None)
+  return {"encoder_self": grab("encoder", "self_attention"),
+          "decoder_self": grab("decoder", "self_attention"),
+          "cross": grab("decoder", "cross_attention")}
 
 
-def count_params(params: Any) -> int:
-  """Number of scalars in a parameter pytree."""
-  return int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(params)))
+count_params = models_lib.count_params
 
 
-def make_translation_model(model_config: Any, src_vocab_size: int, tgt_vocab_size: int,
-                           max_src_len: int) -> Transformer:
+def from_config(model_config: Any, src_vocab_size: int, tgt_vocab_size: int,
+                max_src_len: int) -> Transformer:
   """The Transformer described by a `config.model` group (configs/transformer.py).
 
   Fields left at 0 take their value from `model.size`; `model.max_len` 0 means
@@ -379,3 +353,7 @@ def make_translation_model(model_config: Any, src_vocab_size: int, tgt_vocab_siz
       max_len=max_len,
       weights_layer=model_config.weights_layer,
   )
+
+
+# The name the translation task used before the registry (attnlab.models.MODELS).
+make_translation_model = from_config

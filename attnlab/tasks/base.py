@@ -7,7 +7,7 @@ owns everything else: optimizer, jit, checkpoints, metrics files, resume, signal
     class MyTask(Task):
       def __init__(self, config):           # build model and data from config.model / config.data
       def init(self, rng) -> params         # a pytree of arrays (e.g. a Flax "params" collection)
-      def load_pretrained(self, params)     # optional: params with pretrained weights put in
+      def load_pretrained(self, params, pretrained_config, pretrained_params)  # config.init_from
       def train_iterator(self) -> BatchIterator
       def loss_fn(self, params, batch, rng) -> (loss, metrics)
       def eval_batches(self) -> Iterable[batch]            # optional: held-out batches
@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import abc
 import pathlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import jax
@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from attnlab import errors
 # Resumable batches from an index, and the (seed, keys) generators: in data/pipeline.py, and
 # importable from here.
 from attnlab.data.pipeline import IndexedBatches  # pylint: disable=unused-import
@@ -98,11 +99,15 @@ class Task(abc.ABC):
   def init(self, rng: jax.Array) -> Params:
     """Initial parameters (a pytree of arrays) from a JAX key."""
 
-  def load_pretrained(self, params: Params) -> Params | None:
-    """`params` (one replica's initial parameters) with pretrained weights put in, or None when
-    the task loads none (the default). Called eagerly, outside any jit or vmap."""
-    del params
-    return None
+  def load_pretrained(self, params: Params, pretrained_config: ml_collections.ConfigDict,
+                      pretrained_params: Params) -> Params:
+    """`params` (one replica's initial parameters) with the weights of the run `config.init_from`
+    put in (its config and restored parameters are given). The trainer calls it eagerly, outside
+    any jit or vmap, when `config.init_from` is set; by default a task cannot start from one."""
+    del params, pretrained_params
+    raise errors.ConfigError(f"task {self.name!r} cannot start from another run "
+                             f"(config.init_from={self.config.get('init_from')!r}, a "
+                             f"{pretrained_config.get('task')!r} run); unset init_from")
 
   @abc.abstractmethod
   def train_iterator(self) -> BatchIterator:

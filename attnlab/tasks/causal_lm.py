@@ -30,15 +30,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from attnlab import data as data_lib
+from attnlab import losses as losses_lib
 from attnlab.data import hf_tokenizer
 from attnlab.data import pipeline
 from attnlab.data import tokenizers as tok_lib
 from attnlab.data.pipeline import IndexedBatches
 from attnlab.data.pipeline import rng_for
 from attnlab.errors import ConfigError
+from attnlab.layers import sown
 from attnlab.models import gpt as gpt_lib
 from attnlab.tasks import register_task
 from attnlab.tasks.base import Task
@@ -60,42 +61,8 @@ def default_tokenizer_dir() -> pathlib.Path:
   return pathlib.Path(base) / "attnlab" / "tokenizers"
 
 
-def build_model(model_cfg: Any, vocab_size: int) -> gpt_lib.GPT:
-  """The GPT of `config.model`: size preset, explicit dims (0 = from the size) and options.
-
-  Keys an imported checkpoint's config adds (absent = the default): model.layer_norm_epsilon
-  (1e-5) and model.vocab_size (0 = the tokenizer's size, `vocab_size`).
-  """
-  try:
-    dims = gpt_lib.size_config(model_cfg.size)
-  except ValueError as e:
-    raise ConfigError(f"model.size: {e}") from None
-  for key in dims:
-    value = model_cfg.get(key, 0)
-    if value:
-      dims[key] = int(value)
-  try:
-    model = gpt_lib.GPT(
-        vocab_size=vocab_size, **dims, mlp_ratio=model_cfg.mlp_ratio,
-        dropout_rate=model_cfg.dropout, attention_dropout_rate=model_cfg.attention_dropout,
-        score=model_cfg.score, implementation=model_cfg.implementation,
-        position=model_cfg.position, activation=model_cfg.activation,
-        use_bias=model_cfg.use_bias,
-        layer_norm_epsilon=model_cfg.get("layer_norm_epsilon", 1e-5))
-    gpt_lib.check_config(model)
-  except ValueError as e:
-    raise ConfigError(f"config.model: {e}") from None
-  return model
-
-
-def _sequence_loss(logits: jax.Array, targets: jax.Array,
-                   weights: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-  """(mean cross-entropy over weighted positions, per-position losses `[batch, len]`)."""
-  losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)  # [batch, len]
-  if weights is None:
-    return jnp.mean(losses), losses
-  weights = weights.astype(losses.dtype)
-  return jnp.sum(losses * weights) / jnp.maximum(jnp.sum(weights), 1.0), losses
+# The GPT of `config.model` (attnlab.models.gpt.from_config), under its former name.
+build_model = gpt_lib.from_config
 
 
 @register_task("causal_lm")
@@ -245,7 +212,7 @@ class CausalLMTask(Task):
     rngs = None if deterministic else {"dropout": rng}
     logits = self.model.apply({"params": params}, batch["inputs"], deterministic=deterministic,
                               rngs=rngs)  # [batch, len, vocab]
-    loss, _ = _sequence_loss(logits, batch["targets"], batch.get("weights"))
+    loss, _ = losses_lib.sequence_loss(logits, batch["targets"], batch.get("weights"))
     return loss, {"perplexity": jnp.exp(loss)}
 
   def metric_sums(self, params, batch, rng=None) -> dict[str, tuple[jax.Array, jax.Array]]:
@@ -253,7 +220,7 @@ class CausalLMTask(Task):
     del rng  # evaluation only (training uses loss_fn)
     logits = self.model.apply({"params": params}, batch["inputs"])  # [batch, len, vocab]
     weights = batch["weights"]  # [batch, len]
-    _, losses = _sequence_loss(logits, batch["targets"], weights)
+    _, losses = losses_lib.sequence_loss(logits, batch["targets"], weights)
     correct = (jnp.argmax(logits, axis=-1) == batch["targets"])  # [batch, len]
     answer = batch["answer_mask"]  # [batch, len]
     has_answer = jnp.any(answer, axis=-1)  # [batch]
@@ -311,8 +278,7 @@ class CausalLMTask(Task):
     ids = self.encode_prompt(prompt + text)[:min(self.block_size, 32)]
     inter = jax.jit(lambda p, x: self.model.apply({"params": p}, x, mutable=["intermediates"])[1])(
         params, jnp.asarray(ids)[None])["intermediates"]
-    weights = np.stack([np.asarray(inter[f"block_{i}"]["self_attention"]["attention_weights"][0][0])
-                        for i in range(self.model.num_layers)])  # [layers, heads, len, len]
+    weights = sown.stack_layers(sown.sown_values(inter))  # [layers, heads, len, len]
     labels = [repr(self.tokenizer.id_to_token(int(i)))[1:-1] for i in ids]
     fig = plotting.attention_grid(weights, x_labels=labels, y_labels=labels,
                                   title=f"GPT self-attention ({self.config.model.score})",

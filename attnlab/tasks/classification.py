@@ -19,7 +19,6 @@ the from-scratch baseline sees exactly the same vocabulary as the pretrained mod
 
 from __future__ import annotations
 
-import logging
 import pathlib
 from typing import Any
 
@@ -36,8 +35,6 @@ from attnlab.tasks import masked_lm
 from attnlab.tasks import register_task
 from attnlab.tasks.base import Task
 from attnlab.tasks.base import ratios
-
-_LOG = logging.getLogger(__name__)
 
 # Model fields that must agree between a pretraining run and the fine-tuning model.
 ENCODER_KEYS = ("num_layers", "d_model", "num_heads", "mlp_dim", "max_len", "score", "activation",
@@ -88,8 +85,7 @@ class ClassificationTask(Task):
                         "(mode=finetune)")
     self.tokenizer = masked_lm.bert_tokenizer(config.data)
     self.vocab_size = masked_lm.model_vocab_size(config.data, self.tokenizer)
-    self.model = bert.BertForClassification(num_classes=NUM_CLASSES,
-                                            **masked_lm.model_kwargs(config, self.vocab_size))
+    self.model = bert.from_config(config, self.vocab_size, num_classes=NUM_CLASSES)
     self._train: tuple[np.ndarray, np.ndarray] | None = None
     self._eval: list[dict[str, np.ndarray]] | None = None
 
@@ -124,22 +120,15 @@ class ClassificationTask(Task):
     tokens = jnp.zeros((1, self.config.data.max_len), jnp.int32)
     return self.model.init(rng, tokens)["params"]
 
-  def load_pretrained(self, params: Any) -> Any | None:
-    """`params` with the encoder of the pretraining run `config.init_from` (None without one)."""
-    if not self.config.init_from:
-      return None
-    from attnlab import analysis  # pylint: disable=g-import-not-at-top  (imports train)
-    from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
-    workdir = self.config.init_from
-    pretrain = checkpoint.read_config(workdir)
-    diffs = pretraining_mismatch(pretrain, self.config)
+  def load_pretrained(self, params: Any, pretrained_config: ml_collections.ConfigDict,
+                      pretrained_params: Any) -> Any:
+    """`params` with the encoder of the pretraining run `config.init_from`."""
+    diffs = pretraining_mismatch(pretrained_config, self.config)
     if diffs:
-      raise ConfigError(f"config.init_from={workdir} does not fit this model: "
+      raise ConfigError(f"config.init_from={self.config.init_from} does not fit this model: "
                         f"{'; '.join(diffs)}; set the same values here (e.g. the same size= and "
                         f"score= in configs/bert.py)")
-    run = analysis.load_run(workdir)
-    _LOG.info("encoder initialised from %s (step %d)", run.workdir, run.step)
-    return bert.transfer_encoder(run.params, params)
+    return bert.transfer_encoder(pretrained_params, params)
 
   # ---- loss (evaluation: Task.evaluate over every validation sentence)
   def metric_sums(self, params, batch, rng=None):

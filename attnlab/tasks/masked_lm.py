@@ -8,20 +8,10 @@ Tokenizer: a sentencepiece subword vocabulary (`data.vocab_size`) trained on the
 cached under `data.tokenizer_dir` by a key of its options; fine-tuning builds the same one
 (`bert_tokenizer`), so a pretrained encoder and its classifier share their vocabulary.
 
-Examples (`make_pair`, `mask_tokens`), each drawn from a NumPy generator seeded by
-(seed, stream, position in the stream), so an epoch is a fresh permutation and the masks and
-random partners are redrawn every epoch (dynamic masking):
-- pair stream: `[CLS] A [SEP] B [SEP]` with A a sentence that has a successor in its document
-  and, with probability 1/2, B that successor (is_next = 1), else a sentence of another random
-  document (is_next = 0). The longer side is cut (at its front or back, at random) until the pair
-  fits `data.max_len`.
-- single stream (with +sst2): `[CLS] sentence [SEP]`, MLM only (its NSP weight is 0); it fills
-  `data.single_fraction` of each batch.
-Masking: `mask_prob` of the ordinary tokens (never [CLS], [SEP] or padding; the count rounded
-stochastically so the expected rate is exact) and at most `max_predictions` per sequence are
-chosen; of those 80% become [MASK], 10% a random ordinary token, 10% stay. With
-`data.whole_word=True` the choice is made among whole words (a word starts at a piece beginning
-with "▁" or at a segment start) and a word is masked with all its pieces.
+Examples (attnlab/data/mlm.py: pairs, masks, the two streams): `[CLS] A [SEP] B [SEP]` pairs
+with a real or random B (NSP), and with +sst2 single sentences, MLM only, filling
+`data.single_fraction` of each batch; `data.mask_prob` of the ordinary tokens are chosen (whole
+words with `data.whole_word=True`), 80% [MASK], 10% random, 10% kept; redrawn every epoch.
 
 Loss: cross-entropy over the masked positions only (gathered: the MLM head never sees the rest)
 + NSP cross-entropy on the pooled [CLS] vector. Metrics: mlm_loss, mlm_accuracy, nsp_loss,
@@ -37,32 +27,41 @@ import hashlib
 import json
 import os
 import pathlib
-from typing import Any, NamedTuple, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 
 from attnlab import data as data_lib
+from attnlab import losses as losses_lib
 from attnlab.errors import ConfigError
+from attnlab.layers import sown
 from attnlab.data import hf_tokenizer
 from attnlab.data import tokenizers
+from attnlab.data.pipeline import IndexedBatches
+from attnlab.data.pipeline import rng_for
+# The examples (attnlab/data/mlm.py), importable from here as before.
+from attnlab.data.mlm import _EVAL_STREAM
+from attnlab.data.mlm import FIRST_ORDINARY_ID  # pylint: disable=unused-import
+from attnlab.data.mlm import MaskedExample  # pylint: disable=unused-import
+from attnlab.data.mlm import PretrainingData
+from attnlab.data.mlm import make_pair
+from attnlab.data.mlm import mask_tokens  # pylint: disable=unused-import
+from attnlab.data.mlm import pack_example  # pylint: disable=unused-import
+from attnlab.data.mlm import special_ids
+from attnlab.data.mlm import stack_examples
+from attnlab.data.mlm import truncate_pair  # pylint: disable=unused-import
+from attnlab.data.mlm import word_start_table
 from attnlab.models import bert
 from attnlab.tasks import register_task
-from attnlab.tasks.base import IndexedBatches
 from attnlab.tasks.base import Task
 from attnlab.tasks.base import ratios
-from attnlab.tasks.base import rng_for
 
 
 # Corpora a pretraining run (and the tokenizer) can use.
 CORPORA = ("shakespeare", "shakespeare+sst2")
-# Ids below this are special tokens (<pad>, <start>, <end>, <unk>, [CLS], [SEP], [MASK]).
-FIRST_ORDINARY_ID = len(tokenizers.SPECIAL_TOKENS)
-# Stream ids for rng_for: pairs, single sentences, evaluation.
-_PAIR_STREAM, _SINGLE_STREAM, _EVAL_STREAM = 1, 2, 3
 # The sentence of the head-view plots (BERT's "it" coreference example).
 DEFAULT_PLOT_SENTENCE = "The animal didn't cross the street because it was too tired."
 
@@ -146,273 +145,20 @@ def bert_tokenizer(data: ml_collections.ConfigDict) -> Any:
                                             vocab_size=options["vocab_size"])
 
 
-def word_start_table(tokenizer: tokenizers.Vocab) -> np.ndarray:
-  """bool `[vocab]`: True where a piece begins a word (starts with "▁") or is special.
-
-  For a WordPiece vocabulary (data.tokenizer=hf): every piece but the "##" continuations.
-  """
-  if tokenizer.kind in ("hf", "ids"):
-    return np.array([not t.startswith("##") for t in tokenizer.tokens], bool)  # [vocab]
-  table = np.array([t.startswith("\u2581") for t in tokenizer.tokens], bool)  # [vocab]
-  table[:FIRST_ORDINARY_ID] = True
-  return table
-
-
 def model_vocab_size(data: ml_collections.ConfigDict, tokenizer: Any) -> int:
   """Rows of the token table: the tokenizer's size, or data.vocab_size for an imported one."""
   return len(tokenizer) if data.get("tokenizer", "subword") == "subword" else int(data.vocab_size)
 
 
-def special_ids(tokenizer: Any, vocab_size: int) -> dict[str, Any] | None:
-  """{cls_id, sep_id, mask_id, ordinary} of an imported tokenizer (PretrainingData's
-  `special`); None for attnlab's own vocabularies (ids 0..6 special)."""
-  if tokenizer.kind not in ("hf", "ids"):
-    return None
-  ids = {"cls_id": tokenizer.cls_id, "sep_id": tokenizer.sep_id, "mask_id": tokenizer.mask_id}
-  missing = [k[:-3] for k, v in ids.items() if v is None]
-  if missing:
-    raise ConfigError(f"the tokenizer has no {', '.join(missing)} token, which BERT's pairs and "
-                      f"masks need; import a checkpoint whose tokenizer has [CLS], [SEP], [MASK]")
-  ordinary = np.zeros((vocab_size,), bool)  # [vocab]
-  ordinary[:len(tokenizer)] = True
-  ordinary[list(tokenizer.all_special_ids)] = False
-  return {**ids, "ordinary": ordinary}
-
-
-# ---------------------------------------------------------------------------------------------------
-# Examples
-
-
-class MaskedExample(NamedTuple):
-  # int32 [max_len] input ids ([MASK] etc. in place), padded with 0.
-  tokens: np.ndarray
-  # int32 [max_len] segment ids (0 = [CLS] + A + first [SEP], 1 = B + last [SEP]).
-  segments: np.ndarray
-  # bool [max_len] True = real token.
-  valid: np.ndarray
-  # int32 [max_predictions] masked positions (0 where unused).
-  mlm_positions: np.ndarray
-  # int32 [max_predictions] original ids at those positions (0 where unused).
-  mlm_labels: np.ndarray
-  # float32 [max_predictions] 1 = a real prediction, 0 = padding.
-  mlm_weights: np.ndarray
-  # int32 [] 1 = B follows A, 0 = B is random (or no B).
-  is_next: np.ndarray
-  # float32 [] 1 = the example counts for NSP, 0 = single segment.
-  nsp_weight: np.ndarray
-
-
-def truncate_pair(a: list[int], b: list[int], max_tokens: int,
-                  rng: np.random.Generator) -> tuple[list[int], list[int]]:
-  """Cuts one token at a time from the longer side (front or back at random) until they fit."""
-  a, b = list(a), list(b)
-  while len(a) + len(b) > max_tokens:
-    longer = a if len(a) > len(b) else b
-    if rng.random() < 0.5:
-      del longer[0]
-    else:
-      longer.pop()
-  return a, b
-
-
-def make_pair(a: Sequence[int], b: Sequence[int] | None, max_len: int,
-              rng: np.random.Generator, *, cls_id: int = tokenizers.CLS_ID,
-              sep_id: int = tokenizers.SEP_ID) -> tuple[list[int], list[int]]:
-  """(`[CLS] A [SEP] B [SEP]` ids, segment ids), or `[CLS] A [SEP]` when b is None; fits max_len.
-
-  cls_id, sep_id: the tokenizer's ids (`tokenizer.cls_id`; an imported vocabulary has its own).
-  """
-  if b is None:
-    a = list(a)[:max_len - 2]
-    return [cls_id, *a, sep_id], [0] * (len(a) + 2)
-  a, b = truncate_pair(a, b, max_len - 3, rng)
-  ids = [cls_id, *a, sep_id, *b, sep_id]
-  return ids, [0] * (len(a) + 2) + [1] * (len(b) + 1)
-
-
-def mask_tokens(ids: Sequence[int], rng: np.random.Generator, *, vocab_size: int,
-                mask_prob: float = 0.15, max_predictions: int = 20,
-                word_starts: np.ndarray | None = None, mask_id: int = tokenizers.MASK_ID,
-                ordinary: np.ndarray | None = None
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """BERT's masking of one sequence.
-
-  Args:
-    ids: the sequence (special tokens included; they are never chosen).
-    rng: NumPy generator.
-    vocab_size: random replacements are drawn from the ordinary ids [7, vocab_size).
-    mask_prob: expected fraction of ordinary tokens chosen (stochastic rounding of the count).
-    max_predictions: cap on the number chosen.
-    word_starts: bool `[vocab]` (word_start_table) for whole-word masking; None = per piece.
-    mask_id: the tokenizer's [MASK] id.
-    ordinary: bool `[vocab]`, True = an ordinary token (may be chosen, or drawn as a random
-      replacement); None = the ids >= 7 (attnlab's vocabularies).
-  Returns:
-    (masked ids int32 `[len]`, chosen positions int32 `[n]` ascending, their original ids `[n]`).
-  """
-  ids = np.asarray(ids, np.int32)  # [len]
-  if ordinary is None:
-    candidates = np.flatnonzero(ids >= FIRST_ORDINARY_ID)  # [num_candidates]
-  else:
-    candidates = np.flatnonzero(ordinary[ids])  # [num_candidates]
-  # Group candidates into words: a new word at a word-start piece or after a non-candidate.
-  words: list[list[int]] = []
-  for pos in candidates:
-    starts = (word_starts is None or bool(word_starts[ids[pos]]) or not words
-              or words[-1][-1] != pos - 1)
-    if starts:
-      words.append([int(pos)])
-    else:
-      words[-1].append(int(pos))
-  target = int(np.floor(len(candidates) * mask_prob + rng.random()))
-  target = min(target, max_predictions)
-  chosen: list[int] = []
-  for w in rng.permutation(len(words)):
-    if len(chosen) >= target:
-      break
-    if len(chosen) + len(words[w]) > target:
-      continue
-    chosen.extend(words[w])
-  positions = np.sort(np.asarray(chosen, np.int32))  # [n]
-  labels = ids[positions]  # [n]
-  masked = ids.copy()
-  u = rng.random(len(positions))  # [n]
-  if ordinary is None:
-    random_ids = rng.integers(FIRST_ORDINARY_ID, vocab_size, len(positions))  # [n]
-  else:
-    random_ids = np.flatnonzero(ordinary)[rng.integers(0, int(ordinary.sum()), len(positions))]
-  masked[positions] = np.where(u < 0.8, mask_id,
-                               np.where(u < 0.9, random_ids, labels))
-  return masked, positions, labels
-
-
-def pack_example(ids: list[int], segments: list[int], rng: np.random.Generator, *,
-                 max_len: int, is_next: int, nsp_weight: float, vocab_size: int,
-                 mask_prob: float, max_predictions: int,
-                 word_starts: np.ndarray | None, mask_id: int = tokenizers.MASK_ID,
-                 ordinary: np.ndarray | None = None) -> MaskedExample:
-  """Masks a sequence and pads it to fixed-size arrays."""
-  masked, positions, labels = mask_tokens(ids, rng, vocab_size=vocab_size, mask_prob=mask_prob,
-                                          max_predictions=max_predictions,
-                                          word_starts=word_starts, mask_id=mask_id,
-                                          ordinary=ordinary)
-  n, length = len(positions), len(ids)
-  pad = lambda x, size, dtype: np.pad(np.asarray(x, dtype), (0, size - len(x)))
-  return MaskedExample(
-      tokens=pad(masked, max_len, np.int32), segments=pad(segments, max_len, np.int32),
-      valid=np.arange(max_len) < length, mlm_positions=pad(positions, max_predictions, np.int32),
-      mlm_labels=pad(labels, max_predictions, np.int32),
-      mlm_weights=pad(np.ones(n), max_predictions, np.float32),
-      is_next=np.asarray(is_next, np.int32), nsp_weight=np.asarray(nsp_weight, np.float32))
-
-
-def stack_examples(examples: Sequence[MaskedExample]) -> dict[str, np.ndarray]:
-  """A batch dict: every field stacked along a new leading axis."""
-  return {field: np.stack([getattr(ex, field) for ex in examples])
-          for field in MaskedExample._fields}
-
-
-class PretrainingData:
-  """Encoded documents and the two example streams (module docstring)."""
-
-  def __init__(self, documents: Sequence[Sequence[Sequence[int]]],
-               singles: Sequence[Sequence[int]], *, vocab_size: int, max_len: int,
-               mask_prob: float = 0.15, max_predictions: int = 20,
-               word_starts: np.ndarray | None = None, special: dict[str, Any] | None = None):
-    """documents: encoded sentences per document; singles: encoded extra sentences;
-    special: {cls_id, sep_id, mask_id, ordinary} of the tokenizer (`special_ids`; None: attnlab's
-    fixed ids)."""
-    self.documents = [list(map(list, doc)) for doc in documents if len(doc)]
-    self.singles = [list(s) for s in singles if len(s)]
-    # (document, sentence) of every sentence with a successor in its document.
-    self.anchors = [(d, s) for d, doc in enumerate(self.documents) for s in range(len(doc) - 1)]
-    if not self.anchors:
-      raise ConfigError("the pretraining corpus has no document with two sentences, so no "
-                        "next-sentence pair can be built; use more documents (data.max_documents)")
-    if len(self.documents) < 2:
-      raise ConfigError("random next-sentence partners need at least two documents")
-    self.options = dict(vocab_size=vocab_size, max_len=max_len, mask_prob=mask_prob,
-                        max_predictions=max_predictions, word_starts=word_starts)
-    self.special = dict(special or {})
-
-  def pair_example(self, anchor: int, rng: np.random.Generator) -> MaskedExample:
-    """The pair of anchor `anchor`: real successor or random partner with probability 1/2."""
-    d, s = self.anchors[anchor]
-    a = self.documents[d][s]
-    if rng.random() < 0.5:
-      b, is_next = self.documents[d][s + 1], 1
-    else:
-      other = int(rng.integers(len(self.documents) - 1))
-      other += other >= d  # any document but d
-      doc = self.documents[other]
-      b, is_next = doc[int(rng.integers(len(doc)))], 0
-    ids, segments = make_pair(a, b, self.options["max_len"], rng, **self._pair_ids())
-    return self._pack(ids, segments, rng, is_next=is_next, nsp_weight=1.0)
-
-  def single_example(self, index: int, rng: np.random.Generator) -> MaskedExample:
-    """`[CLS] sentence [SEP]` of extra sentence `index`, MLM only."""
-    ids, segments = make_pair(self.singles[index], None, self.options["max_len"], rng,
-                              **self._pair_ids())
-    return self._pack(ids, segments, rng, is_next=0, nsp_weight=0.0)
-
-  def _pair_ids(self) -> dict[str, int]:
-    return {k: self.special[k] for k in ("cls_id", "sep_id") if k in self.special}
-
-  def _pack(self, ids, segments, rng, **kw) -> MaskedExample:
-    opts = self.options
-    masking = {k: self.special[k] for k in ("mask_id", "ordinary") if k in self.special}
-    return pack_example(ids, segments, rng, max_len=opts["max_len"], vocab_size=opts["vocab_size"],
-                        mask_prob=opts["mask_prob"], max_predictions=opts["max_predictions"],
-                        word_starts=opts["word_starts"], **masking, **kw)
-
-  def stream(self, kind: int, position: int, seed: int) -> MaskedExample:
-    """Example `position` of a stream: epoch = position // size walks a fresh permutation; the
-    generator depends on the position itself, so masks and partners change every epoch."""
-    size = len(self.anchors) if kind == _PAIR_STREAM else len(self.singles)
-    epoch, offset = divmod(position, size)
-    index = int(rng_for(seed, kind, epoch).permutation(size)[offset])
-    rng = rng_for(seed, kind, epoch, offset, 1)
-    if kind == _PAIR_STREAM:
-      return self.pair_example(index, rng)
-    return self.single_example(index, rng)
-
-  def batch(self, index: int, batch_size: int, num_single: int, seed: int) -> dict[str, np.ndarray]:
-    """Training batch `index`: batch_size - num_single pairs, then num_single single sentences."""
-    num_pairs = batch_size - num_single
-    examples = [self.stream(_PAIR_STREAM, index * num_pairs + j, seed) for j in range(num_pairs)]
-    examples += [self.stream(_SINGLE_STREAM, index * num_single + j, seed)
-                 for j in range(num_single)]
-    return stack_examples(examples)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Losses and plots shared with classification
 
-
-def weighted_cross_entropy(logits: jax.Array, labels: jax.Array,
-                           weights: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(sum of weighted CE, sum of weighted correct, sum of weights) over all leading axes."""
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)  # [...]
-  correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)  # [...]
-  return jnp.sum(ce * weights), jnp.sum(correct * weights), jnp.sum(weights)
+weighted_cross_entropy = losses_lib.weighted_cross_entropy
 
 
-def model_kwargs(config: ml_collections.ConfigDict, vocab_size: int) -> dict[str, Any]:
-  """Encoder hyperparameters of `config.model` (checked) as keyword arguments of the BERT models."""
-  m = config.model
-  if config.data.max_len > m.max_len:
-    raise ConfigError(f"data.max_len={config.data.max_len} exceeds model.max_len={m.max_len} "
-                      "(rows of the position table); lower data.max_len or raise model.max_len")
-  if config.data.max_len < 8:
-    raise ConfigError(f"data.max_len must be >= 8, got {config.data.max_len}")
-  return dict(vocab_size=vocab_size, num_layers=m.num_layers, d_model=m.d_model,
-              num_heads=m.num_heads, mlp_dim=m.mlp_dim, max_len=m.max_len,
-              dropout_rate=m.dropout_rate, attention_dropout_rate=m.attention_dropout_rate,
-              score=m.score, implementation=m.implementation, activation=m.activation,
-              norm_position=m.norm_position,
-              # Written by attnlab import-hf; absent from older configs (BERT's values).
-              layer_norm_epsilon=m.get("layer_norm_epsilon", 1e-12),
-              type_vocab_size=m.get("type_vocab_size", bert.NUM_SEGMENTS))
+
+# Encoder hyperparameters of a config (attnlab.models.bert.config_kwargs), under the former name.
+model_kwargs = bert.config_kwargs
 
 
 def encode_sentence(tokenizer: tokenizers.Vocab, sentence: str,
@@ -426,10 +172,7 @@ def encode_sentence(tokenizer: tokenizers.Vocab, sentence: str,
 
 def stacked_attention(intermediates: Any) -> np.ndarray:
   """The encoder's sown weights as `[layers, heads, q_len, k_len]` (first example of the batch)."""
-  blocks = intermediates["encoder"]
-  names = sorted(blocks, key=lambda n: int(n.split("_")[-1]))
-  return np.stack([np.asarray(blocks[n]["self_attention"]["attention_weights"][0][0])
-                   for n in names])
+  return sown.stack_layers(sown.sown_values(intermediates), "encoder/")
 
 
 def plot_head_views(apply_fn, tokenizer: tokenizers.Vocab, sentence: str, max_len: int,
@@ -478,7 +221,7 @@ class MaskedLMTask(Task):
       raise ConfigError(f"data.single_fraction must be in [0, 1), got {data.single_fraction}")
     self.tokenizer = bert_tokenizer(data)
     self.vocab_size = model_vocab_size(data, self.tokenizer)
-    self.model = bert.BertForPretraining(**model_kwargs(config, self.vocab_size))
+    self.model = bert.from_config(config, self.vocab_size)
     self.num_single = (int(round(config.batch_size * data.single_fraction))
                        if data.corpus == "shakespeare+sst2" else 0)
     if self.num_single >= config.batch_size:

@@ -10,7 +10,7 @@ reloaded run rebuilds the same vocabularies). Targets are `<start> tokens <end>`
 target[:-1] and predicts target[1:] (teacher forcing).
 
 Model (`config.model.name`): module `attnlab.models.<name>` provides
-`make_translation_model(model_config, src_vocab_size, tgt_vocab_size, max_src_len)` returning a
+`from_config(model_config, src_vocab_size, tgt_vocab_size, max_src_len)` returning a
 Flax module with
   __call__(src [b, s], src_lengths [b], tgt_in [b, t], *, train) -> (logits [b, t, V], aux)
       aux["attention_weights"] [b, t, s] (aux["log_prob"] [b, t] for sampled attention: REINFORCE);
@@ -29,7 +29,6 @@ when `config.data.length_bins` is set (`exact_match_len_01_05`, ...).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import pathlib
 import re
@@ -44,6 +43,7 @@ import sacrebleu
 
 from attnlab import data as data_lib
 from attnlab import decoding
+from attnlab import models
 from attnlab.attention import core as attn_core
 from attnlab.errors import ConfigError
 from attnlab.data import pipeline
@@ -453,16 +453,7 @@ class TranslationTask(Task):
 
 def _build_model(model_config, src_vocab_size: int, tgt_vocab_size: int, max_src_len: int):
   name = model_config.get("name", "seq2seq")
-  if not name.isidentifier():
-    raise ConfigError(f"model.name must name a module of attnlab.models, got {name!r}")
-  try:
-    module = importlib.import_module(f"attnlab.models.{name}")
-  except ModuleNotFoundError as e:
-    if e.name != f"attnlab.models.{name}":
-      raise
-    module = None
-  if module is None or not hasattr(module, "make_translation_model"):
-    raise ConfigError(f"model.name={name!r}: attnlab/models/{name}.py with a "
-                      f"make_translation_model(...) function is needed; the RNN model is "
-                      f"model.name=seq2seq")
-  return module.make_translation_model(model_config, src_vocab_size, tgt_vocab_size, max_src_len)
+  if name not in models.TRANSLATION_MODELS:
+    raise ConfigError(f"model.name={name!r} cannot translate; valid models: "
+                      f"{', '.join(models.TRANSLATION_MODELS)} (the RNN model is seq2seq)")
+  return models.from_config(name)(model_config, src_vocab_size, tgt_vocab_size, max_src_len)

@@ -1,0 +1,361 @@
+"""The train state of a run and its N >= 1 replicas (seeds), apart from the loop that trains it.
+
+- `TrainState` (step, params, optimizer state); `make_optimizer(config.optimizer, schedule)`.
+- Keys: parameters come from `split(key(seed))[0]`; step t's dropout/sampling key is
+  `fold_in(split(key(seed))[1], t)` (`run_keys`).
+- Replicas: with `config.num_seeds = N > 1`, N replicas (seeds seed, ..., seed+N-1: each its own
+  init key, step keys and data order) train in one program by `jax.vmap`: parameters and
+  optimizer state get a leading `[N]` axis (`REPLICA_AXES`; the step counter is shared). Every
+  function here takes the replica count from the config, so the trainer has no seed branches.
+- `initial_state` (step 0, placed on the mesh), `with_pretrained` (`Task.load_pretrained`, eager),
+  `abstract_train_state` (the restore target), `evaluate` (per replica, averaged).
+- `restore(workdir, step)`: a run's config, task and restored state, for `attnlab.analysis.load_run`,
+  `attnlab inspect` and the start of a fine-tuning run (`config.init_from`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import logging
+import os
+import pathlib
+from typing import Any, Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from attnlab import checkpoint
+from attnlab import config_utils
+from attnlab import parallel
+from attnlab import tasks
+
+_LOG = logging.getLogger(__name__)
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything a checkpoint holds besides the data-iterator position."""
+  # [] int32: number of updates applied so far.
+  step: jax.Array
+  # The task's parameters (a pytree of arrays).
+  params: Any
+  # The optax optimizer state.
+  opt_state: Any
+
+
+def make_schedule(opt: ml_collections.ConfigDict, num_train_steps: int) -> optax.Schedule:
+  """Linear warmup from 0 to learning_rate, then cosine, linear or constant."""
+  lr, warmup, end = opt.learning_rate, opt.warmup_steps, opt.end_learning_rate
+  decay_steps = max(num_train_steps - warmup, 1)
+  if opt.schedule == "cosine":
+    decay = optax.cosine_decay_schedule(lr, decay_steps, alpha=end / lr if lr else 0.0)
+  elif opt.schedule == "linear":
+    decay = optax.linear_schedule(lr, end, decay_steps)
+  elif opt.schedule == "constant":
+    decay = optax.constant_schedule(lr)
+  else:
+    raise config_utils.ConfigError(f"unknown optimizer.schedule {opt.schedule!r}; valid schedules: "
+                                   f"{', '.join(config_utils.SCHEDULES)}")
+  if warmup == 0:
+    return decay
+  return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), decay], [warmup])
+
+
+def decay_mask(decay: str) -> Callable[[Any], Any] | None:
+  """optax mask for `optimizer.decay`: None (every parameter) or a matrices-only predicate."""
+  if decay == "all":
+    return None
+  if decay == "matrices":
+    return lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
+  raise config_utils.ConfigError(f"unknown optimizer.decay {decay!r}; valid: "
+                                 f"{', '.join(config_utils.DECAYS)}")
+
+
+def make_optimizer(opt: ml_collections.ConfigDict,
+                   schedule: optax.Schedule) -> optax.GradientTransformation:
+  """adamw, adam or sgd on `schedule`, after global-norm clipping when opt.grad_clip > 0."""
+  if opt.name == "adamw":
+    tx = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay,
+                     mask=decay_mask(opt.get("decay", "all")))
+  elif opt.name == "adam":
+    tx = optax.adam(schedule, b1=opt.b1, b2=opt.b2)
+  elif opt.name == "sgd":
+    tx = optax.sgd(schedule, momentum=opt.momentum or None)
+  else:
+    raise config_utils.ConfigError(f"unknown optimizer.name {opt.name!r}; valid optimizers: "
+                                   f"{', '.join(config_utils.OPTIMIZERS)}")
+  if opt.grad_clip > 0:
+    tx = optax.chain(optax.clip_by_global_norm(opt.grad_clip), tx)
+  return tx
+
+
+def create_train_state(task: tasks.Task, tx: optax.GradientTransformation,
+                       rng: jax.Array) -> TrainState:
+  """Step 0: the task's initial parameters and a fresh optimizer state."""
+  params = task.init(rng)
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+
+def num_seeds_of(config: ml_collections.ConfigDict) -> int:
+  """`config.num_seeds` (1 for configs written before the field existed)."""
+  return int(config.get("num_seeds", 1) or 1)
+
+
+def replica_seeds(config: ml_collections.ConfigDict) -> list[int]:
+  """The seeds of a run's replicas: seed, seed+1, ..., seed+num_seeds-1."""
+  return [config.seed + i for i in range(num_seeds_of(config))]
+
+
+# vmap axes of a replicated TrainState: one shared step counter, params and optimizer state [N, ...].
+REPLICA_AXES = TrainState(step=None, params=0, opt_state=0)
+
+
+def create_replicas(task: tasks.Task, tx: optax.GradientTransformation,
+                    rngs: jax.Array) -> TrainState:
+  """`create_train_state` for each key of `rngs` ([N] keys), stacked: params and optimizer state
+  get a leading [N] axis; the step counter stays one scalar, shared by the replicas."""
+  return jax.vmap(functools.partial(create_train_state, task, tx), out_axes=REPLICA_AXES)(rngs)
+
+
+def abstract_train_state(task: tasks.Task, tx: optax.GradientTransformation, rng: jax.Array, *,
+                         mesh: jax.sharding.Mesh | None = None) -> TrainState:
+  """Shapes, dtypes and shardings of the initial state without computing it (restore target).
+
+  With `task.config.num_seeds = N > 1` the leaves have a leading [N] axis. Without a mesh the
+  arrays are placed on the first device; with one they follow `parallel.state_shardings`.
+  """
+  num_seeds = num_seeds_of(task.config)
+  if num_seeds > 1:
+    keys = jax.random.split(rng, num_seeds)  # [N] (only their shape matters here)
+    abstract = jax.eval_shape(functools.partial(create_replicas, task, tx), keys)
+  else:
+    abstract = jax.eval_shape(functools.partial(create_train_state, task, tx), rng)
+  if mesh is None:
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                        abstract)
+  shardings = state_shardings_for(task.config, abstract, mesh)
+  return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                      abstract, shardings)
+
+
+def state_shardings_for(config: ml_collections.ConfigDict, abstract: Any,
+                        mesh: jax.sharding.Mesh) -> Any:
+  """`parallel.state_shardings` of a (possibly replicated over seeds) train state under `config`."""
+  min_size = int(config.get("mesh", {}).get("fsdp_min_size", 1024))
+  return parallel.state_shardings(abstract, mesh, min_size=min_size,
+                                  replica_axes=1 if num_seeds_of(config) > 1 else 0)
+
+
+def run_keys(seed: int) -> tuple[jax.Array, jax.Array]:
+  """(init key, train key) of a run; step t uses fold_in(train key, t)."""
+  init_rng, train_rng = jax.random.split(jax.random.key(seed))
+  return init_rng, train_rng
+
+
+def replica_keys(config: ml_collections.ConfigDict) -> tuple[jax.Array, jax.Array]:
+  """(init key, train key) of `config.seed`, or with num_seeds > 1 both stacked over the replicas
+  ([N] keys, replica i's being `run_keys(seed + i)`)."""
+  seeds = replica_seeds(config)
+  if len(seeds) == 1:
+    return run_keys(seeds[0])
+  pairs = [run_keys(seed) for seed in seeds]
+  stack = lambda keys: jax.random.wrap_key_data(jnp.stack([jax.random.key_data(k) for k in keys]))
+  return stack([p[0] for p in pairs]), stack([p[1] for p in pairs])
+
+
+def replica_iterators(task: tasks.Task, seeds: list[int]) -> list[tasks.BatchIterator]:
+  """One training iterator per seed: the task's iterator as if `config.seed` were that seed.
+
+  The task object is shallow-copied with a config whose seed differs (the Task contract makes the
+  data order depend on `config.seed` only), so data and tokenizers are shared, not rebuilt.
+  """
+  iterators = []
+  for seed in seeds:
+    replica = copy.copy(task)
+    replica.config = copy.deepcopy(task.config)
+    replica.config.seed = seed
+    iterators.append(replica.train_iterator())
+  return iterators
+
+
+class ReplicaBatches:
+  """Stacks the batches of N replica iterators (every leaf gets a leading [N] axis); its state
+  is that of every replica's iterator."""
+
+  def __init__(self, iterators: list[tasks.BatchIterator]):
+    self._iterators = iterators
+
+  def __iter__(self) -> ReplicaBatches:
+    return self
+
+  def __next__(self) -> Any:
+    batches = [next(it) for it in self._iterators]
+    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *batches)
+
+  def get_state(self) -> dict[str, Any]:
+    return {"replicas": [it.get_state() for it in self._iterators]}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    states = state.get("replicas") if isinstance(state, dict) else None
+    if not isinstance(states, list) or len(states) != len(self._iterators):
+      raise checkpoint.CheckpointError(
+          f"the checkpoint's data-iterator state is not that of {len(self._iterators)} replicas "
+          f"(got {str(state)[:80]}); num_seeds changed since it was saved: use a new --workdir")
+    for it, st in zip(self._iterators, states):
+      it.set_state(st)
+
+
+class PlacedBatches:
+  """A BatchIterator whose batches are placed on the mesh (split over its devices)."""
+
+  def __init__(self, inner: tasks.BatchIterator, mesh: jax.sharding.Mesh, replica_axes: int):
+    self._inner, self._mesh, self._replica_axes = inner, mesh, replica_axes
+
+  def __iter__(self) -> PlacedBatches:
+    return self
+
+  def __next__(self) -> Any:
+    return parallel.shard_batch(next(self._inner), self._mesh, self._replica_axes)
+
+  def get_state(self) -> dict[str, Any]:
+    return self._inner.get_state()
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self._inner.set_state(state)
+
+
+def mean_metrics(pending: list[tuple[int, dict]], num_seeds: int = 1
+                  ) -> tuple[dict[str, float], dict[str, list[float]] | None]:
+  """(metrics averaged over the steps (and replicas), per-replica averages or None)."""
+  values = parallel.to_host([m for _, m in pending])
+  if num_seeds == 1:
+    return {key: float(np.mean([v[key] for v in values])) for key in values[0]}, None
+  per_seed = {key: [float(x) for x in np.mean([np.asarray(v[key]) for v in values], axis=0)]
+              for key in values[0]}  # {name: [N]}
+  return {key: float(np.mean(vals)) for key, vals in per_seed.items()}, per_seed
+
+
+def evaluate(task: tasks.Task, params: Any, num_seeds: int = 1
+             ) -> tuple[dict[str, float], dict[str, list[float]] | None]:
+  """(task.evaluate metrics, None), or with num_seeds > 1 (means over replicas, {name: [N]}).
+
+  Several processes: the parameters are first gathered to every host, which evaluates alone.
+  """
+  params = parallel.to_local(params)
+  if num_seeds == 1:
+    return task.evaluate(params), None
+  results = [task.evaluate(jax.tree.map(lambda x, i=i: x[i], params)) for i in range(num_seeds)]
+  per_seed = {key: [float(r[key]) for r in results] for key in results[0]}
+  return {key: float(np.mean(vals)) for key, vals in per_seed.items()}, per_seed
+
+
+def initial_state(task: tasks.Task, tx: optax.GradientTransformation, init_rng: jax.Array,
+                   num_seeds: int, mesh: jax.sharding.Mesh | None, shardings: Any) -> TrainState:
+  """Step 0 of every replica, created directly in its sharding on a mesh."""
+  if mesh is None:
+    if num_seeds == 1:
+      return create_train_state(task, tx, init_rng)
+    return create_replicas(task, tx, init_rng)
+
+  def create(key_data: jax.Array) -> TrainState:
+    keys = jax.random.wrap_key_data(key_data)
+    if num_seeds == 1:
+      return create_train_state(task, tx, keys)
+    return create_replicas(task, tx, keys)
+  key_data = parallel.put_replicated(jax.random.key_data(init_rng), mesh)
+  return jax.jit(create, out_shardings=shardings)(key_data)
+
+
+def with_pretrained(task: tasks.Task, tx: optax.GradientTransformation, state: TrainState,
+                     num_seeds: int, mesh: jax.sharding.Mesh | None, shardings: Any) -> TrainState:
+  """Step 0 with the weights of the run `config.init_from` put in by `Task.load_pretrained`
+  (called eagerly on every replica's parameters) and the optimizer state rebuilt for them;
+  `state` itself when the config names no such run."""
+  init_from = task.config.get("init_from", "")
+  if not init_from:
+    return state
+  pretrained = restore(init_from)
+  pretrained_params = jax.device_get(pretrained.state.params)
+  if num_seeds_of(pretrained.config) > 1:  # a run of several seeds: its first replica
+    pretrained_params = jax.tree.map(lambda x: x[0], pretrained_params)
+  _LOG.info("initialising from %s (step %d)", pretrained.workdir, pretrained.step)
+  params = parallel.to_host(state.params)
+  if num_seeds == 1:
+    loaded = task.load_pretrained(params, pretrained.config, pretrained_params)
+  else:
+    replicas = [task.load_pretrained(jax.tree.map(lambda x, i=i: x[i], params),
+                                     pretrained.config, pretrained_params)
+                for i in range(num_seeds)]
+    loaded = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]),
+                          *replicas)  # [N, ...] leaves
+
+  def rebuild(params: Any) -> TrainState:
+    opt_state = tx.init(params) if num_seeds == 1 else jax.vmap(tx.init)(params)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+  if mesh is None:
+    return jax.jit(rebuild)(loaded)
+  return jax.jit(rebuild, out_shardings=shardings)(parallel.put_replicated(loaded, mesh))
+
+
+def step_of(state: TrainState) -> int:
+  """The step counter of a state (every replica has the same)."""
+  return int(np.asarray(parallel.to_host(state.step)).reshape(-1)[0])
+
+
+def restore_target(task: tasks.Task) -> TrainState:
+  """The abstract state (shapes, dtypes, first-device shardings) a checkpoint of `task`'s config
+  is restored into."""
+  config = task.config
+  tx = make_optimizer(config.optimizer, make_schedule(config.optimizer, config.num_train_steps))
+  return abstract_train_state(task, tx, run_keys(config.seed)[0])
+
+
+@dataclasses.dataclass
+class Restored:
+  """A run's checkpoint, restored."""
+  workdir: pathlib.Path
+  # The run's full config (config.json).
+  config: ml_collections.ConfigDict
+  # The task built from it.
+  task: tasks.Task
+  # The restored state (params with a leading [num_seeds] axis when num_seeds > 1).
+  state: TrainState
+  # The checkpoint step.
+  step: int
+
+
+def restore(workdir: str | os.PathLike, step: int | str = "latest") -> Restored:
+  """Checkpoint `step` ("latest" or an int) of the run in `workdir`.
+
+  With "latest", an unreadable newest checkpoint is reported and the previous one is used.
+  Raises:
+    checkpoint.CheckpointError (a ValueError): no run there, no such step, no readable checkpoint,
+      or a checkpoint that does not fit the model in config.json.
+  """
+  workdir = pathlib.Path(workdir).absolute()
+  config = checkpoint.read_config(workdir)
+  task = tasks.build_task(config)
+  abstract = restore_target(task)
+  ckpt = checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR, read_only=True)
+  try:
+    if step == "latest":
+      restored = ckpt.restore_latest(abstract)
+      if restored is None:
+        raise checkpoint.CheckpointError(
+            f"no readable checkpoint in {ckpt.directory} (steps found: "
+            f"{', '.join(map(str, ckpt.steps())) or 'none'})")
+      state, _ = restored
+    elif isinstance(step, int) or (isinstance(step, str) and step.isdigit()):
+      state, _ = ckpt.restore(int(step), abstract)
+    else:
+      raise checkpoint.CheckpointError(f"step must be 'latest' or a step number, got {step!r}")
+  finally:
+    ckpt.close()
+  return Restored(workdir=workdir, config=config, task=task, state=state, step=int(state.step))
