@@ -1,4 +1,4 @@
-"""Attention plots: one heatmap, or a grid of heads (and layers) for a head view.
+"""Attention plots: one heatmap, a grid of heads (and layers) for a head view, position encodings.
 
 Every function draws with matplotlib's Agg backend (no display needed), returns the figure, and
 saves it as PNG when given `path`.
@@ -120,3 +120,32 @@ def attention_grid(weights, *, x_labels: Sequence[str] | None = None,
     fig.suptitle(title)
   fig.tight_layout()
   return _save(fig, path)
+
+
+def plot_sinusoidal(length: int, dim: int, path: str | pathlib.Path | None = None, ax=None):
+  """Heatmap of sinusoidal(length, dim) (position × dimension); saved to `path` if given.
+
+  Draws into `ax` when given, else on a new figure (Agg canvas, never a display window).
+  Returns the figure.
+  """
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+  from attnlab.attention import positional  # pylint: disable=g-import-not-at-top  (JAX)
+  if ax is None:
+    fig = Figure(figsize=(6, 4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+  else:
+    fig = ax.figure
+  enc = np.asarray(positional.sinusoidal(length, dim))  # [length, dim]
+  image = ax.imshow(enc, aspect="auto", cmap="RdBu", vmin=-1.0, vmax=1.0, origin="upper",
+                    interpolation="nearest")
+  ax.set_xlabel("dimension")
+  ax.set_ylabel("position")
+  ax.set_title(f"sinusoidal position encoding ({length} x {dim})")
+  fig.colorbar(image, ax=ax)
+  if path is not None:
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+  return fig

@@ -185,6 +185,36 @@ def replica_iterators(task: tasks.Task, seeds: list[int]) -> list[tasks.BatchIte
   return iterators
 
 
+def over_replicas(fn: Callable[..., Any], num_seeds: int, *, in_axes: tuple, out_axes: tuple
+                  ) -> Callable[..., Any]:
+  """`fn(state, *args)` itself for one replica; for N, vmapped over the replica axis of the state
+  (`REPLICA_AXES`) and of the other arguments/outputs (`in_axes`, `out_axes` after the state)."""
+  if num_seeds == 1:
+    return fn
+  return jax.vmap(fn, in_axes=(REPLICA_AXES, *in_axes), out_axes=(REPLICA_AXES, *out_axes))
+
+
+def first_replica(params: Any, num_seeds: int) -> Any:
+  """The parameters of the first replica (the run's own seed)."""
+  return params if num_seeds == 1 else jax.tree.map(lambda x: x[0], params)
+
+
+def place_key(key: jax.Array, mesh: jax.sharding.Mesh | None) -> jax.Array:
+  """The key as it enters the train step: itself, or on a mesh its raw key data replicated (a
+  key array cannot cross processes as it is)."""
+  return key if mesh is None else parallel.put_replicated(jax.random.key_data(key), mesh)
+
+
+def train_batches(task: tasks.Task, seeds: list[int],
+                  mesh: jax.sharding.Mesh | None) -> tasks.BatchIterator:
+  """The training batches of the replicas of `seeds` (stacked when several), on the mesh."""
+  batches = (task.train_iterator() if len(seeds) == 1
+             else ReplicaBatches(replica_iterators(task, seeds)))
+  if mesh is None:
+    return batches
+  return PlacedBatches(batches, mesh, 1 if len(seeds) > 1 else 0)
+
+
 class ReplicaBatches:
   """Stacks the batches of N replica iterators (every leaf gets a leading [N] axis); its state
   is that of every replica's iterator."""

@@ -62,7 +62,7 @@ from attnlab.state import evaluate
 from attnlab.state import make_optimizer
 from attnlab.state import make_schedule
 from attnlab.state import num_seeds_of  # pylint: disable=unused-import
-from attnlab.state import replica_iterators
+from attnlab.state import replica_iterators  # pylint: disable=unused-import
 from attnlab.state import replica_keys
 from attnlab.state import replica_seeds
 from attnlab.state import run_keys
@@ -107,11 +107,8 @@ def make_train_step(task: tasks.Task, tx: optax.GradientTransformation, schedule
     TRACE_COUNTS["train_step"] += 1
     if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
       rng = jax.random.wrap_key_data(rng)  # raw key data, as placed on a multi-host mesh
-    if num_seeds > 1:
-      axes = state_lib.REPLICA_AXES
-      return jax.vmap(one_step, in_axes=(axes, 0, 0), out_axes=(axes, 0))(
-          state, batch, rng)
-    return one_step(state, batch, rng)
+    return state_lib.over_replicas(one_step, num_seeds, in_axes=(0, 0), out_axes=(0,))(
+        state, batch, rng)
 
   if mesh is None:
     return jax.jit(train_step, donate_argnums=0)
@@ -288,17 +285,10 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
   seeds = replica_seeds(config)
   num_seeds = len(seeds)
   init_rng, train_rng = replica_keys(config)
-  if num_seeds == 1:
-    train_iter = task.train_iterator()
-  else:
-    train_iter = ReplicaBatches(replica_iterators(task, seeds))
+  train_rng = state_lib.place_key(train_rng, mesh)
+  train_iter = state_lib.train_batches(task, seeds, mesh)
   abstract = abstract_train_state(task, tx, run_keys(config.seed)[0], mesh=mesh)
-  shardings = None
-  if mesh is not None:
-    shardings = jax.tree.map(lambda x: x.sharding, abstract)
-    train_iter = state_lib.PlacedBatches(train_iter, mesh, 1 if num_seeds > 1 else 0)
-    # Raw key data, replicated on the mesh (a key array cannot cross processes as it is).
-    train_rng = parallel.put_replicated(jax.random.key_data(train_rng), mesh)
+  shardings = None if mesh is None else jax.tree.map(lambda x: x.sharding, abstract)
 
   ckpt = checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR,
                                  max_to_keep=config.keep_checkpoints)
@@ -324,9 +314,7 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
   finally:
     ckpt.close()
   if config.write_plots and is_main:
-    params = parallel.to_local(state.params)
-    if num_seeds > 1:  # the first replica's plots
-      params = jax.tree.map(lambda x: x[0], params)
+    params = state_lib.first_replica(parallel.to_local(state.params), num_seeds)
     with _writing(workdir):
       task.write_plots(params, workdir)
   return state

@@ -478,6 +478,16 @@ def np_multi_head(q, k, v, h, name="scaled_dot", p_per_head=None, mask=None):
   return np.concatenate(ctxs, -1), np.stack(ws, 1)
 
 
+def _multi_head_attend(q, k, v, num_heads, *, mask=None, **kw):
+  """Multi-head attention on projected q/k/v `[..., len, heads*d]` from split_heads, attend and
+  merge_heads; mask `[batch, 1|heads, q|1, k]` or `[batch, q|1, k]` (the same for every head)."""
+  if mask is not None and mask.ndim == q.ndim:
+    mask = mask[..., None, :, :]  # [batch, 1, q_len|1, k_len]
+  context, weights = core.attend(core.split_heads(q, num_heads), core.split_heads(k, num_heads),
+                                 core.split_heads(v, num_heads), mask=mask, **kw)
+  return core.merge_heads(context), weights  # [..., q_len, heads*d_v]
+
+
 def test_multi_head_attend():
   r = np.random.default_rng(7)
   q, k, v = rand(r, B, Q, H * D), rand(r, B, K, H * D), rand(r, B, K, H * 2)
@@ -488,11 +498,11 @@ def test_multi_head_attend():
 
   @jax.jit
   def variants(q, k, v, pad, full, per_example, w_heads):  # one compile for every variant
-    masked = [core.multi_head_attend(q, k, v, H, mask=m, causal=True)
+    masked = [_multi_head_attend(q, k, v, H, mask=m, causal=True)
               for m in (pad, full, per_example)]
-    xla = core.multi_head_attend(q, k, v, H, mask=pad, implementation="xla")[0]
+    xla = _multi_head_attend(q, k, v, H, mask=pad, implementation="xla")[0]
     # general score: per-head weights [heads, d, d] and shared weights [d, d]
-    general = [core.multi_head_attend(q, k, v, H, score="general", params={"w": w})[0]
+    general = [_multi_head_attend(q, k, v, H, score="general", params={"w": w})[0]
                for w in (w_heads, w_heads[0])]
     return masked, xla, general
 

@@ -41,9 +41,10 @@ def test_sinusoidal_properties_dtype_and_jit():
 
 def test_plot_sinusoidal(tmp_path):
   from matplotlib.figure import Figure
+  from attnlab import plotting  # pylint: disable=g-import-not-at-top
 
   path = tmp_path / "plots" / "pe.png"
-  fig = positional.plot_sinusoidal(20, 8, path=path)
+  fig = plotting.plot_sinusoidal(20, 8, path=path)
   assert isinstance(fig, Figure)
   assert path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   image = fig.axes[0].images[0].get_array()
@@ -51,7 +52,7 @@ def test_plot_sinusoidal(tmp_path):
   assert fig.axes[0].get_xlabel() == "dimension" and fig.axes[0].get_ylabel() == "position"
   other = Figure()
   ax = other.add_subplot(1, 1, 1)
-  assert positional.plot_sinusoidal(5, 4, ax=ax) is other
+  assert plotting.plot_sinusoidal(5, 4, ax=ax) is other
 
 
 def np_rotary(x, positions, base=10000.0):

@@ -11,7 +11,6 @@ from attnlab.attention.core import local_window_weights
 from attnlab.attention.core import masked_softmax
 from attnlab.attention.core import merge_heads
 from attnlab.attention.core import monotonic_centers
-from attnlab.attention.core import multi_head_attend
 from attnlab.attention.core import predict_position
 from attnlab.attention.core import reinforce_loss
 from attnlab.attention.core import split_heads
@@ -25,7 +24,6 @@ from attnlab.attention.pooling import init_kernel_params
 from attnlab.attention.pooling import learned_kernel_pooling
 from attnlab.attention.pooling import leave_one_out_mask
 from attnlab.attention.pooling import nadaraya_watson
-from attnlab.attention.positional import plot_sinusoidal
 from attnlab.attention.positional import sinusoidal
 from attnlab.attention.scores import PARAMETRIC_SCORES
 from attnlab.attention.scores import SCORE_FNS
@@ -45,7 +43,7 @@ __all__ = [
     "choose_implementation", "combine", "cosine", "dot", "general", "get_score_fn",
     "hard_attend", "init_kernel_params", "init_score_params", "learned_kernel_pooling",
     "leave_one_out_mask", "local_attend", "local_mask", "local_window_weights", "location",
-    "masked_softmax", "merge_heads", "monotonic_centers", "multi_head_attend",
-    "nadaraya_watson", "padding_mask", "plot_sinusoidal", "predict_position", "reinforce_loss",
+    "masked_softmax", "merge_heads", "monotonic_centers",
+    "nadaraya_watson", "padding_mask", "predict_position", "reinforce_loss",
     "scaled_dot", "sinusoidal", "split_heads",
 ]

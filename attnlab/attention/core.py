@@ -457,29 +457,3 @@ def merge_heads(x: Array) -> Array:
     raise ValueError(f"merge_heads expects [..., heads, len, d]; got {x.shape}")
   x = jnp.swapaxes(x, -2, -3)  # [..., len, heads, d]
   return x.reshape(x.shape[:-2] + (x.shape[-2] * x.shape[-1],))  # [..., len, heads*d]
-
-
-def multi_head_attend(q: Array, k: Array, v: Array, num_heads: int, *,
-                      score: str | Callable = "scaled_dot", params: Any = None,
-                      mask: Any = None, causal: bool = False, implementation: str = "auto",
-                      return_weights: bool = True) -> tuple[Array, Array | None]:
-  """Multi-head attention on already-projected q/k/v `[..., len, heads*d]`.
-
-  Each head attends with `score` on its own slice. Params are shared across heads or carry
-  a leading heads axis: general w `[d, d]` or `[heads, d, d]`; additive w_q `[(heads,) d,
-  d_attn]`, w_k `[(heads,) d, d_attn]`, v `[(heads,) d_attn]`; location w `[(heads,) d,
-  max_len]`; cosine beta scalar or `[heads, 1, 1]`. mask: `[batch, 1|heads, q_len|1,
-  k_len]`, or `[batch, q_len|1, k_len]` (same for all heads; a heads axis is inserted).
-  Returns (context `[..., q_len, heads*d_v]`, weights `[..., heads, q_len, k_len]` or None).
-  """
-  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-  qh = split_heads(q, num_heads)  # [..., heads, q_len, d]
-  kh = split_heads(k, num_heads)  # [..., heads, k_len, d]
-  vh = split_heads(v, num_heads)  # [..., heads, k_len, d_v]
-  if mask is not None:
-    mask = jnp.asarray(mask)
-    if mask.ndim == q.ndim:
-      mask = mask[..., None, :, :]  # [batch, 1, q_len|1, k_len]
-  context, weights = attend(qh, kh, vh, score=score, params=params, mask=mask, causal=causal,
-                            implementation=implementation, return_weights=return_weights)
-  return merge_heads(context), weights  # [..., q_len, heads*d_v]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pathlib
 from typing import Any
 
 import jax
@@ -49,33 +48,3 @@ def rotary(x: Array, positions: Array, base: float = 10000.0) -> Array:
   x2 = x[..., half:].astype(jnp.float32)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)  # [..., len, dim]
   return out.astype(x.dtype)
-
-
-def plot_sinusoidal(length: int, dim: int, path: str | pathlib.Path | None = None,
-                    ax: Any = None) -> Any:
-  """Heatmap of sinusoidal(length, dim) (position × dimension); saved to `path` if given.
-
-  Draws into `ax` when given, else on a new figure (Agg canvas, never a display window).
-  Returns the figure.
-  """
-  from matplotlib.backends.backend_agg import FigureCanvasAgg
-  from matplotlib.figure import Figure
-
-  if ax is None:
-    fig = Figure(figsize=(6, 4))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-  else:
-    fig = ax.figure
-  enc = np.asarray(sinusoidal(length, dim))  # [length, dim]
-  image = ax.imshow(enc, aspect="auto", cmap="RdBu", vmin=-1.0, vmax=1.0, origin="upper",
-                    interpolation="nearest")
-  ax.set_xlabel("dimension")
-  ax.set_ylabel("position")
-  ax.set_title(f"sinusoidal position encoding ({length} x {dim})")
-  fig.colorbar(image, ax=ax)
-  if path is not None:
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-  return fig

@@ -158,7 +158,8 @@ class Task(abc.ABC):
 
 def ratios(sums: dict[str, tuple[Any, Any]]) -> dict[str, jax.Array]:
   """{name: sum / max(denominator, 1)} of one `metric_sums` result (inside jit: loss_fn)."""
-  return {name: value / jnp.maximum(denominator, 1.0) for name, (value, denominator) in sums.items()}
+  return {name: value / jnp.maximum(denominator, 1.0)
+          for name, (value, denominator) in sums.items()}
 
 
 def _num_rows(batch: Batch) -> int:
