@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import sys
 import time
 from typing import Callable
 
@@ -40,8 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-from attnlab.attention import core  # noqa: E402  (after the path set-up)
+from attnlab.attention import core
 
 try:  # torch is optional: the [torch] extra
   import torch

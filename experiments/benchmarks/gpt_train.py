@@ -40,7 +40,6 @@ import time
 import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
 
 # ----------------------------------------------------------------------------- PyTorch reference

@@ -27,13 +27,10 @@ import sys
 import tempfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from attnlab import checkpoint  # pylint: disable=g-import-not-at-top,wrong-import-position
-from attnlab import config_utils  # pylint: disable=g-import-not-at-top,wrong-import-position
-from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
-from attnlab import train  # pylint: disable=g-import-not-at-top,wrong-import-position
+from attnlab import checkpoint
+from attnlab import config_utils
+from attnlab import main as main_lib
+from attnlab import train
 
 # Benchmark name -> config spec (runlocal shrinks).
 CONFIGS = {

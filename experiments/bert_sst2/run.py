@@ -24,10 +24,6 @@ import time
 from collections.abc import Sequence
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-try:
-  import attnlab  # pylint: disable=unused-import
-except ImportError:  # run from a checkout without `pip install -e .`
-  sys.path.insert(0, str(REPO))
 
 from absl import flags  # pylint: disable=g-import-not-at-top
 

@@ -23,10 +23,6 @@ import re
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-try:
-  import attnlab  # pylint: disable=unused-import
-except ImportError:  # run from a checkout without `pip install -e .`
-  sys.path.insert(0, str(REPO))
 
 CONFIG = REPO / "configs" / "seq2seq.py"
 METRICS = (("exact_match", "exact match"), ("decoded_token_accuracy", "token accuracy"),

@@ -20,10 +20,6 @@ import sys
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-try:
-  import attnlab  # pylint: disable=unused-import
-except ImportError:  # run from a checkout without `pip install -e .`
-  sys.path.insert(0, str(REPO))
 
 CONFIG = REPO / "configs" / "seq2seq.py"
 EXTRA_SENTENCES = ("Rahul is a good boy.",)

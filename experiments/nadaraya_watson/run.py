@@ -18,10 +18,6 @@ import sys
 from collections.abc import Sequence
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-try:
-  import attnlab  # pylint: disable=unused-import
-except ImportError:  # run from a checkout without `pip install -e .`
-  sys.path.insert(0, str(REPO))
 
 from absl import flags  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags  # pylint: disable=g-import-not-at-top

@@ -30,10 +30,6 @@ import pathlib
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-try:
-  import attnlab  # pylint: disable=unused-import
-except ImportError:  # run from a checkout without `pip install -e .`
-  sys.path.insert(0, str(REPO))
 
 CONFIGS = {"rnn": REPO / "configs" / "seq2seq.py", "rnn_none": REPO / "configs" / "seq2seq.py",
            "transformer": REPO / "configs" / "transformer.py"}

@@ -22,10 +22,6 @@ import pathlib
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-try:
-  import attnlab  # pylint: disable=unused-import
-except ImportError:  # run from a checkout without `pip install -e .`
-  sys.path.insert(0, str(REPO))
 
 CONFIG = REPO / "configs" / "seq2seq.py"
 SCORES = ("dot", "scaled_dot", "cosine", "general", "additive", "location")

@@ -24,7 +24,6 @@ import sys
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
 
 def plot_losses(records: list[dict], path: pathlib.Path, title: str) -> None:
