@@ -214,8 +214,9 @@ class MultiHeadAttention(nn.Module):
       positions = jnp.arange(q.shape[1])  # [q_len]
       if decode and self.has_variable("cache", "cache_index"):
         positions = positions + self.get_variable("cache", "cache_index")[:, None, None]
-      qh = positional.rotary(qh, positions)  # positions [q_len] or [batch, 1, q_len]
-      kh = positional.rotary(kh, positions)
+      with jax.named_scope("rotary"):  # names its ops in profiles (benchmarks/gpt_train.py)
+        qh = positional.rotary(qh, positions)  # positions [q_len] or [batch, 1, q_len]
+        kh = positional.rotary(kh, positions)
     causal = self.causal
     if decode and self_attention:
       kh, vh, cache_mask = self._use_cache(kh, vh)
