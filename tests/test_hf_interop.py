@@ -22,6 +22,7 @@ from attnlab import config_utils
 from attnlab import generate
 from attnlab import import_hf
 from attnlab import tasks
+from attnlab.data import tokenizers
 from attnlab.interop import hf
 from attnlab.interop import torch_pickle
 
@@ -109,6 +110,17 @@ def test_tokenizers_of_imported_runs(gpt2_run, bert_run):
       vocab.index(t) for t in ("[CLS]", "[SEP]", "[MASK]", "[PAD]"))
   # Tokenizer files live in the run directory.
   assert pathlib.Path(gpt2_run.config.data.tokenizer_path).parent == gpt2_run.workdir
+
+
+def test_unknown_symbols_of_imported_tokenizers(gpt2_run, bert_run):
+  # WordPiece maps what it cannot spell to [UNK]; byte-level BPE spells every byte.
+  wp = bert_run.task.tokenizer
+  assert wp.split("the cat €") == ["the", "cat", "€"] and wp.unknown("the cat €") == ["€"]
+  assert tokenizers.unknown_warning(wp, "the cat € €", "the prompt") == (
+      "the prompt has 1 symbol outside the vocabulary of the run: '€' (2 times); it was encoded "
+      "as [UNK], which the model reads as 'unknown'")
+  assert gpt2_run.task.tokenizer.unknown("€€€") == []
+  assert tokenizers.unknown_warning(gpt2_run.task.tokenizer, "€€€") is None
 
 
 def test_capture_of_imported_bert_uses_its_special_tokens(bert_run):

@@ -148,6 +148,22 @@ class HFTokenizer:
     ids = list(self._tok.encode(text, add_special_tokens=False).ids)
     return ([self.start_id] if add_start else []) + ids + ([self.end_id] if add_end else [])
 
+  def _pieces(self, text: str) -> list[tuple[str, int]]:
+    """(the span of `text` each token covers, its id), in order."""
+    enc = self._tok.encode(text, add_special_tokens=False)
+    return [(text[start:end], i) for (start, end), i in zip(enc.offsets, enc.ids)]
+
+  def split(self, text: str) -> list[str]:
+    """The pieces of `text` the tokens cover (for messages; encode gives the ids)."""
+    return [piece for piece, _ in self._pieces(text)]
+
+  def unknown(self, text: str) -> list[str]:
+    """The pieces of `text` encoded as the unknown token, each once, in order (WordPiece maps a
+    word it cannot spell to [UNK]; byte-level BPE spells everything)."""
+    if self.unk_id is None:
+      return []
+    return list(dict.fromkeys(piece for piece, i in self._pieces(text) if i == self.unk_id))
+
   def decode(self, ids: Iterable[int] | np.ndarray, *, stop_at_end: bool = False,
              skip_special: bool = True) -> str:
     """Text of `ids`; special tokens dropped unless skip_special=False."""
@@ -193,6 +209,14 @@ class IdTokenizer:
     for i in ids:
       self.id_to_token(i)
     return ids
+
+  def split(self, text: str) -> list[str]:
+    return text.split()
+
+  def unknown(self, text: str) -> list[str]:
+    """Nothing: `encode` refuses what is not a token id."""
+    del text
+    return []
 
   def decode(self, ids: Iterable[int] | np.ndarray, **unused: Any) -> str:
     """[464, 3290] -> " 464 3290" (a leading space, so that it continues a prompt)."""

@@ -341,8 +341,9 @@ def unknown_warning(tokenizer: Vocab, text: str, what: str = "the input") -> str
   more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
   one = len(unknown) == 1
   noun = {"char": "character", "word": "word"}.get(tokenizer.kind, "symbol")
+  unk = tokenizer.id_to_token(tokenizer.unk_id)  # "<unk>", or an imported vocabulary's "[UNK]"
   return (f"{what} has {len(unknown)} {noun}{'' if one else 's'} outside the vocabulary of the "
-          f"run: {shown}{more}; {'it was' if one else 'they were'} encoded as <unk>, which the "
+          f"run: {shown}{more}; {'it was' if one else 'they were'} encoded as {unk}, which the "
           f"model reads as 'unknown'")
 
 
