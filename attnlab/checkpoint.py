@@ -250,9 +250,20 @@ def _short(message: str, limit: int = 300) -> str:
   return message if len(message) <= limit else message[:limit] + "..."
 
 
+def _drop_unretrieved_futures(record: logging.LogRecord) -> bool:
+  """Filter of the asyncio logger: after a refused write, orbax's other write futures fail too and
+  asyncio logs each as "Future exception was never retrieved" when it is collected; the run
+  already reports the failure in one line."""
+  return not str(record.msg).startswith("Future exception was never retrieved")
+
+
 def _silence_closed_loop_noise() -> None:
-  """After a failed read, orbax's pending tensorstore callbacks hit a closed asyncio loop and print
-  "RuntimeError: Event loop is closed" tracebacks; drop exactly those (others go to the old hook)."""
+  """After a failed read or write, orbax's pending tensorstore callbacks hit a closed asyncio loop
+  and print "RuntimeError: Event loop is closed" tracebacks, and its unread futures are logged;
+  drop exactly those (other unraisable errors go to the old hook, other records are logged)."""
+  asyncio_logger = logging.getLogger("asyncio")
+  if _drop_unretrieved_futures not in asyncio_logger.filters:
+    asyncio_logger.addFilter(_drop_unretrieved_futures)
   previous = sys.unraisablehook
   if getattr(previous, "_attnlab_filter", False):
     return

@@ -6,8 +6,11 @@ Disk full and a read-only directory use a tiny tmpfs and a read-only bind mount 
 mount (root); elsewhere a subprocess whose checkpoint writes are patched to fail with the same errno.
 """
 
+import asyncio
 import contextlib
 import errno
+import gc
+import io
 import json
 import logging
 import os
@@ -387,3 +390,30 @@ def test_unknown_lists_what_becomes_unk_for_every_tokenizer(tmp_path):
   assert subword.unknown("hello € world") == ["€"]
   assert [subword.unk_id in subword.encode(t) for t in ("hello € world", "hello")] == [True, False]
   assert tokenizers.unknown_warning(char, "hello") is None
+
+
+def test_unretrieved_write_futures_are_not_logged_after_a_refused_write():
+  # After a refused save, orbax's other write futures fail too; asyncio would log each as "Future
+  # exception was never retrieved" on collection (a second stderr line beside the one error).
+  buffer = io.StringIO()
+  handler = logging.StreamHandler(buffer)
+  logger = logging.getLogger("asyncio")
+  logger.addHandler(handler)
+
+  def failed_future():
+    loop = asyncio.new_event_loop()
+    loop.create_future().set_exception(OSError(errno.ENOSPC, "No space left on device"))
+    loop.close()
+  try:
+    failed_future()
+    gc.collect()
+    assert "Future exception was never retrieved" in buffer.getvalue()  # what asyncio does
+    buffer.truncate(0)
+    checkpoint._silence_closed_loop_noise()  # pylint: disable=protected-access
+    failed_future()
+    gc.collect()
+    assert "never retrieved" not in buffer.getvalue()
+    logger.error("another asyncio error")  # other records still pass
+    assert "another asyncio error" in buffer.getvalue()
+  finally:
+    logger.removeHandler(handler)
