@@ -97,10 +97,6 @@ def main(argv: Sequence[str] | None = None) -> int:
   message = main_lib.parse_flags(fv, argv)
   if message is None:
     message = _check(fv)
-  if message is not None:
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    return main_lib.USAGE_ERROR
-  main_lib.setup_logging()
 
   def body() -> None:
     prompt, text, seconds = generate_text(
@@ -110,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(prompt + text)
     if fv.timing:
       print(f"{fv.num_tokens} tokens in {seconds:.2f} s (including compilation)", file=sys.stderr)
-  return main_lib.run_tool(prog, body)
+  return main_lib.launch(prog, message, body)
 
 
 if __name__ == "__main__":

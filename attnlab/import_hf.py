@@ -44,10 +44,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                "pytorch_model.bin), e.g. attnlab import-hf path/to/gpt2 --workdir=runs/gpt2")
   if message is None and not fv.workdir and not fv.export_to:
     message = "--workdir is required: the run directory to create"
-  if message is not None:
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    return main_lib.USAGE_ERROR
-  main_lib.setup_logging()
 
   def body() -> None:
     from attnlab.interop import hf  # pylint: disable=g-import-not-at-top  (imports JAX)
@@ -57,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       return
     workdir = hf.import_checkpoint(paths[0], fv.workdir, overwrite=fv.overwrite)
     print(f"imported {paths[0]} into {workdir}")
-  return main_lib.run_tool(prog, body)
+  return main_lib.launch(prog, message, body)
 
 
 if __name__ == "__main__":

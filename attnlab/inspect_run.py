@@ -132,10 +132,6 @@ def main(argv: Sequence[str] | None = None) -> int:
   message = main_lib.parse_flags(flag_values, argv)
   if message is None and not flag_values.workdir:
     message = "--workdir is required: the run directory to inspect"
-  if message is not None:
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    return main_lib.USAGE_ERROR
-  main_lib.setup_logging()
 
   def body() -> int:
     try:
@@ -145,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       print(f"{prog}: error: {e}", file=sys.stderr)
       return e.exit_code
     return 0
-  return main_lib.run_tool(prog, body)
+  return main_lib.launch(prog, message, body)
 
 
 if __name__ == "__main__":

@@ -127,6 +127,16 @@ def setup_logging() -> None:
   logger.propagate = False  # absl's first log call gives the root logger a handler too
 
 
+def launch(prog: str, usage_error: str | None, body: Callable[[], int | None]) -> int:
+  """A command-line tool's end: its usage error in one line (status 2), or logging set up and
+  `body` run as `run_tool` runs it."""
+  if usage_error is not None:
+    print(f"{prog}: error: {usage_error}", file=sys.stderr)
+    return USAGE_ERROR
+  setup_logging()
+  return run_tool(prog, body)
+
+
 def run_tool(prog: str, body: Callable[[], int | None]) -> int:
   """Runs a command-line tool's body, turning user errors and stops into one line and a status."""
   try:

@@ -104,17 +104,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     message = 'give the sentence(s) to translate, e.g. attnlab translate --workdir=DIR "Hello"'
   if message is None and not (flag_values.step == "latest" or flag_values.step.isdigit()):
     message = f"--step must be 'latest' or a step number, got {flag_values.step!r}"
-  if message is not None:
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    return main_lib.USAGE_ERROR
-  main_lib.setup_logging()
 
   def body() -> None:
     warn = lambda message: print(f"{prog}: warning: {message}", file=sys.stderr)
     for line in translate(flag_values.workdir, sentences, step=flag_values.step,
                           beam_size=flag_values.beam_size, output=flag_values.output, warn=warn):
       print(line)
-  return main_lib.run_tool(prog, body)
+  return main_lib.launch(prog, message, body)
 
 
 if __name__ == "__main__":

@@ -105,14 +105,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   message = main_lib.parse_flags(fv, argv)
   if message is None:
     message = _check(fv)
-  if message is not None:
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    return main_lib.USAGE_ERROR
-  main_lib.setup_logging()
 
   def body() -> None:
     print(view_text(fv.workdir, fv.text, target=fv.target, out=fv.out, step=fv.step))
-  return main_lib.run_tool(prog, body)
+  return main_lib.launch(prog, message, body)
 
 
 if __name__ == "__main__":
