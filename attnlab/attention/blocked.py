@@ -16,11 +16,12 @@ Everything is pure JAX (`lax.fori_loop`, `lax.map`, `dot_general`), so the same 
 for CPU, GPU and TPU; the default tile sizes are tuned for XLA:CPU (see
 experiments/benchmarks/README.md).
 
-Both cores: XLA:CPU runs the body of a loop op by op, and tile-sized matmuls are not split over
-threads, so one loop keeps one core busy. The flattened (batch * heads) rows are therefore cut
-into `parallel` independent chunks (default: the number of CPU cores, on the CPU backend), each
-with its own tile loops; XLA's thunk executor runs independent loops concurrently on its thread
-pool. Forward and backward are chunked alike.
+Row chunks (`parallel`): the flattened (batch * heads) rows can be cut into independent chunks,
+each with its own tile loops (forward and backward alike); XLA's thunk executor then runs the
+loops concurrently on its thread pool (a profile shows two worker threads). On the shared
+2-core development machine this was measured 4-24% SLOWER than one chunk in every S=512/1024
+cell (experiments/benchmarks/README.md, 2026-11-23), so the default is one chunk; the option
+stays for machines with more cores and for further tuning.
 
 Causal alignment follows `masks.causal_mask(offset=None)` and `core.attend`: query i may see
 key j iff j <= i + max(k_len - q_len, 0), i.e. the queries are the last positions when
@@ -33,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from typing import Any
 
 import jax
@@ -384,11 +384,13 @@ def _check_block(name: str, value: Any) -> int:
   return value
 
 
+# row chunks by default (see the module docstring: more chunks measured slower on 2 cores)
+DEFAULT_PARALLEL = 1
+
+
 def default_parallel(rows: int) -> int:
-  """Row chunks by default: the CPU core count on the CPU backend (a divisor of rows), else 1."""
-  if jax.default_backend() != "cpu":
-    return 1
-  return _group_size(rows, os.cpu_count() or 1)
+  """Row chunks by default: DEFAULT_PARALLEL rounded down to a divisor of rows."""
+  return _group_size(rows, DEFAULT_PARALLEL)
 
 
 def _group_size(rows: int, target: int) -> int:
@@ -419,8 +421,8 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
     skip_empty_tiles: bound the tile loops by the first and last tile that the user mask
       leaves visible (False visits every tile; the result is the same).
     parallel: independent chunks of the flattened rows, each with its own tile loops (XLA:CPU
-      runs them concurrently); None = `default_parallel` (the CPU core count on CPU, 1
-      elsewhere); rounded down to a divisor of the number of rows.
+      runs them concurrently); None = DEFAULT_PARALLEL (1); rounded down to a divisor of the
+      number of rows.
 
   Returns:
     context `[..., q_len, d_v]` in the inputs' dtype. A query with no visible key gets a zero

@@ -3,10 +3,9 @@
 Times softmax attention (scaled_dot score) forward and forward+backward, with and without a
 causal mask, for
   reference   attnlab `attend(implementation="reference")` (einsum + masked softmax)
-  blocked     attnlab `attend(implementation="blocked")` (attnlab.attention.blocked; its rows
-              cut into one independent chunk per CPU core, which XLA:CPU runs concurrently)
-  blocked-1chunk  the same kernel with `parallel=1` (one chunk: one core), to show what the
-              chunking buys
+  blocked     attnlab `attend(implementation="blocked")` (attnlab.attention.blocked)
+  blocked-2chunks  the same kernel with `parallel=2`: the rows cut into two independent chunks
+              whose tile loops XLA:CPU runs concurrently, to show what the chunking buys
   jax.nn.dpa  `jax.nn.dot_product_attention` (its XLA implementation)
   torch       `torch.nn.functional.scaled_dot_product_attention` (CPU, when torch imports:
               `pip install -e '.[torch]'`)
@@ -46,7 +45,7 @@ try:  # torch is optional: the [torch] extra
 except ImportError:  # pragma: no cover - depends on the environment
   torch = None
 
-IMPLS = ("reference", "blocked", "blocked-1chunk", "jax.nn.dpa", "torch")
+IMPLS = ("reference", "blocked", "blocked-2chunks", "jax.nn.dpa", "torch")
 # GFLOP/s of a large float32 matmul on the 2-core development CPU (issue #14; FMA peak ~233)
 MATMUL_CEILING_GFLOPS = 215.0
 
@@ -109,9 +108,9 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def _attnlab_fn(impl: str, causal: bool) -> Callable:
-  if impl == "blocked-1chunk":
+  if impl == "blocked-2chunks":
     from attnlab.attention import blocked  # pylint: disable=g-import-not-at-top
-    return lambda q, k, v: blocked.blocked_attention(q, k, v, causal=causal, parallel=1)
+    return lambda q, k, v: blocked.blocked_attention(q, k, v, causal=causal, parallel=2)
 
   def f(q, k, v):  # [B, H, S, D] each
     return core.attend(q, k, v, score="scaled_dot", causal=causal, implementation=impl,
@@ -161,7 +160,7 @@ def make_inputs(b: int, h: int, s: int, d: int, seed: int = 0) -> dict[str, tupl
   q, k, v, do = (rng.standard_normal((b, h, s, d), dtype=np.float32) for _ in range(4))
   bhsd = tuple(jnp.asarray(x) for x in (q, k, v, do))  # [B, H, S, D]
   bshd = tuple(jnp.asarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v, do))  # [B, S, H, D]
-  out = {"reference": bhsd, "blocked": bhsd, "blocked-1chunk": bhsd, "jax.nn.dpa": bshd}
+  out = {"reference": bhsd, "blocked": bhsd, "blocked-2chunks": bhsd, "jax.nn.dpa": bshd}
   if torch is not None:
     out["torch"] = tuple(torch.from_numpy(x.copy()).requires_grad_(i < 3)
                          for i, x in enumerate((q, k, v, do)))
@@ -232,7 +231,7 @@ def speed_tables(args: argparse.Namespace) -> tuple[str, str]:
   cpu_header = ["S", "causal", "pass"] + [f"{i} CPU ms (GFLOP/CPU-s)" for i in args.impls]
   if "blocked" in args.impls:
     header += [f"blocked speed-up vs {i}" for i in args.impls
-               if i in ("blocked-1chunk", "jax.nn.dpa", "torch")]
+               if i in ("blocked-2chunks", "jax.nn.dpa", "torch")]
     header += [f"blocked % of {args.ceiling:.0f} GFLOP/s"]
   rows, cpu_rows = [], []
   for s in args.seq:
@@ -251,7 +250,7 @@ def speed_tables(args: argparse.Namespace) -> tuple[str, str]:
         row = row + [f"{best[i] * 1e3:.1f} ({flops / best[i] / 1e9:.0f})" for i in args.impls]
         if "blocked" in args.impls:
           row += [f"{best[i] / best['blocked']:.2f}x" for i in args.impls
-                  if i in ("blocked-1chunk", "jax.nn.dpa", "torch")]
+                  if i in ("blocked-2chunks", "jax.nn.dpa", "torch")]
           row += [f"{100 * flops / best['blocked'] / 1e9 / args.ceiling:.0f}%"]
         rows.append(row)
         print("  measured", " ".join(row), flush=True)

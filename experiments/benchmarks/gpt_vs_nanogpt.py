@@ -79,12 +79,18 @@ def prepare_nanogpt(scratch: pathlib.Path, nanogpt_dir: pathlib.Path,
   return work
 
 
-def run_nanogpt(work: pathlib.Path, iters: int, eval_interval: int, out_dir: pathlib.Path):
-  """Runs nanoGPT's train.py for `iters` iterations: (per-iter ms list, wall s, last val loss)."""
+def run_nanogpt(work: pathlib.Path, iters: int, eval_interval: int, out_dir: pathlib.Path,
+                passive: bool = False):
+  """Runs nanoGPT's train.py for `iters` iterations: (per-iter ms list, wall s, last val loss).
+
+  passive: OMP_WAIT_POLICY=PASSIVE in its environment (torch's OpenMP threads sleep instead of
+  spinning; nanoGPT itself unchanged).
+  """
   cmd = [sys.executable, "train.py", *NANOGPT_ARGS, f"--max_iters={iters}",
          f"--eval_interval={eval_interval}", f"--out_dir={out_dir}"]
+  env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE") if passive else None
   start = time.perf_counter()
-  proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True)
+  proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, env=env)
   wall = time.perf_counter() - start
   if proc.returncode:
     raise RuntimeError(f"nanoGPT failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -175,10 +181,14 @@ def main(argv=None) -> int:
   parser.add_argument("--skip", type=int, default=20,
                       help="first iterations of each process left out of its median")
   parser.add_argument("--contenders", default="nanogpt,learned,rotary",
-                      help="subset of nanogpt, learned (attnlab, learned positions), rotary "
-                      "(attnlab, default rotary positions)")
+                      help="subset of nanogpt, nanogpt_passive (nanoGPT with "
+                      "OMP_WAIT_POLICY=PASSIVE: torch's spinning OpenMP threads collapse when "
+                      "another process holds a core), learned (attnlab, learned positions), "
+                      "rotary (attnlab, default rotary positions)")
   parser.add_argument("--wall_steps", type=int, default=2000,
                       help="steps of the full-run wall-time comparison (0 skips it)")
+  parser.add_argument("--wall_contenders", default="",
+                      help="contenders of the wall-time runs ('' = --contenders)")
   parser.add_argument("--implementation", default="auto", help="attnlab attention implementation")
   parser.add_argument("--nanogpt_dir", default=str(SHARED / "anchors" / "nanogpt"))
   parser.add_argument("--data_dir", default=str(SHARED / "data"),
@@ -192,9 +202,11 @@ def main(argv=None) -> int:
     return 0
 
   contenders = [c for c in args.contenders.split(",") if c]
-  unknown = set(contenders) - {"nanogpt", "learned", "rotary"}
+  nanogpts = [c for c in contenders if c.startswith("nanogpt")]
+  unknown = set(contenders) - {"nanogpt", "nanogpt_passive", "learned", "rotary"}
   if unknown:
-    parser.error(f"unknown contenders {sorted(unknown)}; valid: nanogpt, learned, rotary")
+    parser.error(f"unknown contenders {sorted(unknown)}; valid: nanogpt, nanogpt_passive, "
+                 "learned, rotary")
   scratch = pathlib.Path(args.scratch or tempfile.mkdtemp(prefix="gpt_vs_nanogpt_"))
   scratch.mkdir(parents=True, exist_ok=True)
   import torch  # pylint: disable=g-import-not-at-top  (only its version and threads)
@@ -203,6 +215,7 @@ def main(argv=None) -> int:
         f"scratch {scratch}")
   work = prepare_nanogpt(scratch, pathlib.Path(args.nanogpt_dir), pathlib.Path(args.data_dir))
   label = {"nanogpt": "nanoGPT (torch, nano CPU setting)",
+           "nanogpt_passive": "nanoGPT, OMP_WAIT_POLICY=PASSIVE",
            "learned": "attnlab nano GPT, position=learned",
            "rotary": "attnlab nano GPT, position=rotary (default)"}
 
@@ -212,8 +225,9 @@ def main(argv=None) -> int:
     if r % 2:
       order.reverse()
     for c in order:
-      if c == "nanogpt":
-        times, _, _ = run_nanogpt(work, args.iters, 10**9, scratch / "out")
+      if c in nanogpts:
+        times, _, _ = run_nanogpt(work, args.iters, 10**9, scratch / "out",
+                                  passive=c == "nanogpt_passive")
       else:
         times = run_attnlab_worker(c, args)
       med = statistics.median(times[args.skip:])
@@ -223,21 +237,21 @@ def main(argv=None) -> int:
 
   print(f"\nms per iteration: median over {args.rounds} alternating rounds of {args.iters} "
         f"iterations (first {args.skip} of each dropped)")
-  print("| contender | ms/iter (rounds) | iters/s | nanoGPT ms / this ms |")
-  print("|---|---|---|---|")
-  base = statistics.median(per_round["nanogpt"]) if "nanogpt" in per_round else None
+  print("| contender | ms/iter (rounds) | iters/s | "
+        + " | ".join(f"{n} ms / this ms" for n in nanogpts) + " |")
+  print("|---|---|---|" + "---|" * len(nanogpts))
   for c in contenders:
     med = statistics.median(per_round[c])
     rounds = ", ".join(f"{x:.1f}" for x in per_round[c])
-    ratio = f"**{base / med:.2f}x**" if base is not None and c != "nanogpt" else "1.00x"
-    if base is None:
-      ratio = "n/a"
-    print(f"| {label[c]} | {med:.1f} ({rounds}) | {1e3 / med:.1f} | {ratio} |")
-  if base is not None:
+    ratios = [f"**{statistics.median(per_round[n]) / med:.2f}x**" if c not in nanogpts else
+              f"{statistics.median(per_round[n]) / med:.2f}x" for n in nanogpts]
+    print(f"| {label[c]} | {med:.1f} ({rounds}) | {1e3 / med:.1f} | " + " | ".join(ratios)
+          + " |")
+  for n in nanogpts:
     for c in contenders:
-      if c != "nanogpt":
-        rr = [n / a for n, a in zip(per_round["nanogpt"], per_round[c])]
-        print(f"per-round ratio nanoGPT/{c}: " + ", ".join(f"{x:.2f}" for x in rr))
+      if c not in nanogpts:
+        rr = [x / a for x, a in zip(per_round[n], per_round[c])]
+        print(f"per-round ratio {n}/{c}: " + ", ".join(f"{x:.2f}" for x in rr))
   if "learned" in per_round and "rotary" in per_round:
     print(f"rotary / learned ms: {statistics.median(per_round['rotary']) / statistics.median(per_round['learned']):.3f}")
   print(f"load average after timing rounds: {os.getloadavg()[0]:.2f}", flush=True)
@@ -246,9 +260,10 @@ def main(argv=None) -> int:
     print(f"\nwall time of one {args.wall_steps}-step training run (process start to exit):")
     print("| contender | wall s | final val loss |")
     print("|---|---|---|")
-    for c in contenders:
-      if c == "nanogpt":
-        _, wall, val = run_nanogpt(work, args.wall_steps, 250, scratch / "out_wall")
+    for c in [c for c in (args.wall_contenders or args.contenders).split(",") if c]:
+      if c.startswith("nanogpt"):
+        _, wall, val = run_nanogpt(work, args.wall_steps, 250, scratch / "out_wall",
+                                   passive=c == "nanogpt_passive")
       else:
         wall, val = run_attnlab_training(c, args, scratch / f"attnlab_{c}_{time.time_ns()}")
       val_s = f"{val:.4f}" if isinstance(val, float) else str(val)
