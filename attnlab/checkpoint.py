@@ -251,30 +251,39 @@ def _short(message: str, limit: int = 300) -> str:
 
 
 def _drop_unretrieved_futures(record: logging.LogRecord) -> bool:
-  """Filter of the asyncio logger: after a refused write, orbax's other write futures fail too and
-  asyncio logs each as "Future exception was never retrieved" when it is collected; the run
-  already reports the failure in one line."""
-  return not str(record.msg).startswith("Future exception was never retrieved")
+  """Filter of the asyncio logger: after a refused write, orbax's other write futures and tasks
+  fail too and asyncio logs each as "Future (or Task) exception was never retrieved" when it is
+  collected; the run already reports the failure in one line."""
+  return not str(record.msg).startswith(("Future exception was never retrieved",
+                                         "Task exception was never retrieved"))
+
+
+def _is_closed_loop_error(exc: BaseException | None) -> bool:
+  return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
 
 
 def _silence_closed_loop_noise() -> None:
-  """After a failed read or write, orbax's pending tensorstore callbacks hit a closed asyncio loop
-  and print "RuntimeError: Event loop is closed" tracebacks, and its unread futures are logged;
-  drop exactly those (other unraisable errors go to the old hook, other records are logged)."""
+  """When a read or write fails, orbax's pending tensorstore callbacks hit a closed asyncio loop
+  and print "RuntimeError: Event loop is closed" tracebacks (through sys.unraisablehook, or
+  sys.excepthook when tensorstore's thread prints them), and its unread futures are logged; drop
+  exactly those (other errors go to the previous hooks, other records are logged). Installed
+  before a save starts, as the callbacks can fire before the failure reaches the caller."""
   asyncio_logger = logging.getLogger("asyncio")
   if _drop_unretrieved_futures not in asyncio_logger.filters:
     asyncio_logger.addFilter(_drop_unretrieved_futures)
-  previous = sys.unraisablehook
-  if getattr(previous, "_attnlab_filter", False):
-    return
-
-  def hook(unraisable: Any) -> None:
-    exc = unraisable.exc_value
-    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
-      return
-    previous(unraisable)
-  hook._attnlab_filter = True  # pytype: disable=attribute-error
-  sys.unraisablehook = hook
+  previous_unraisable, previous_except = sys.unraisablehook, sys.excepthook
+  if not getattr(previous_unraisable, "_attnlab_filter", False):
+    def unraisable_hook(unraisable: Any) -> None:
+      if not _is_closed_loop_error(unraisable.exc_value):
+        previous_unraisable(unraisable)
+    unraisable_hook._attnlab_filter = True  # pytype: disable=attribute-error
+    sys.unraisablehook = unraisable_hook
+  if not getattr(previous_except, "_attnlab_filter", False):
+    def except_hook(exc_type: Any, exc: BaseException, tb: Any) -> None:
+      if not _is_closed_loop_error(exc):
+        previous_except(exc_type, exc, tb)
+    except_hook._attnlab_filter = True  # pytype: disable=attribute-error
+    sys.excepthook = except_hook
 
 
 class Checkpointer:
@@ -312,12 +321,12 @@ class Checkpointer:
     if step in self._manager.all_steps():
       return  # already saved (e.g. a stop request on a checkpoint step)
     _quiet_orbax_thread_errors()
+    _silence_closed_loop_noise()
     try:
       self._manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
       self._manager.wait_until_finished()
     except Exception as e:  # orbax and tensorstore raise many types for a refused write
-      _silence_closed_loop_noise()
       code = write_errno(e, self.directory)
       reason = os.strerror(code) if code is not None else f"{type(e).__name__}: {_short(str(e))}"
       self._discard_partial(step)
@@ -327,8 +336,17 @@ class Checkpointer:
   def _discard_partial(self, step: int) -> None:
     """Removes what a refused save of `step` left (on a read-only disk it stays, and the next run
     removes it); a finished checkpoint of that step, if orbax got that far, is kept."""
-    for path in self.directory.glob(f"{step}{TMP_SUFFIX}*"):
-      shutil.rmtree(path, ignore_errors=True)
+    try:  # orbax's other write threads may still be failing: let them end before removing
+      self._manager.wait_until_finished()
+    except Exception:  # pylint: disable=broad-except  (they fail as the first write did)
+      pass
+    for _ in range(20):  # a tensorstore writer may outlive the futures: remove until none is left
+      partial = list(self.directory.glob(f"{step}{TMP_SUFFIX}*"))
+      if not partial:
+        break
+      for path in partial:
+        shutil.rmtree(path, ignore_errors=True)
+      time.sleep(0.05)
     try:
       self._manager.reload()
     except Exception:  # pylint: disable=broad-except  (the listing is re-read on the next call)
