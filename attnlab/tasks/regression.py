@@ -24,6 +24,7 @@ import numpy as np
 from attnlab.attention import pooling
 from attnlab.data import pipeline
 from attnlab.errors import ConfigError
+from attnlab.layers import sown
 from attnlab.tasks import register_task
 from attnlab.tasks.base import Task
 
@@ -80,7 +81,7 @@ class KernelRegression(nn.Module):
       pred, weights = pooling.learned_kernel_pooling({"w": w}, queries, keys, values, mask=mask)
     else:
       raise ConfigError(f"unknown model.kernel {self.kernel!r}; valid kernels: {', '.join(KERNELS)}")
-    self.sow("intermediates", "attention_weights", weights)  # [n_q, n_k]
+    self.sow("intermediates", sown.ATTENTION_WEIGHTS, weights)  # [n_q, n_k]
     return pred  # [n_q]
 
 
@@ -127,7 +128,8 @@ class RegressionTask(Task):
     queries = jnp.asarray(self.data.x_test) if queries is None else queries
     pred, state = self.model.apply({"params": params}, queries, self._x, self._y, mask,
                                    mutable=["intermediates"])
-    return pred, state["intermediates"]["attention_weights"][0]
+    # The model is the top module, so its weights are at path "."; one call, so one value.
+    return pred, sown.sown_values(state["intermediates"])["."][0]
 
   def evaluate(self, params) -> dict[str, float]:
     pred, _ = self._predict(params)  # [n_test]
