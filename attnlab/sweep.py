@@ -4,6 +4,12 @@
       --sweep=model.kernel=gaussian,learned --sweep=seed=0,1,2 [--parallel=2]
   attnlab sweep --sweep_file=configs/sweeps/nadaraya_watson_kernels.py --workdir=runs/nw_sweep
 
+From Python (the experiments do this; the command line is a thin layer over it):
+
+  result = sweep.run("configs/nadaraya_watson.py:runlocal=True", {"model.kernel": ["gaussian",
+                     "learned"]}, workdir="runs/sweep", seeds=[0, 1, 2])
+  result.summary_md.read_text(), result.failed, result.summary()
+
 Each member runs in DIR/<key=value,...>/ (an ordinary run directory: resumable, inspectable,
 loadable with attnlab.analysis.load_run; no two members share one, and each is locked while it
 trains, as DIR is while the sweep runs). Members that already finished are skipped, so re-running
@@ -75,15 +81,28 @@ class Member:
 # Building the sweep
 
 
-def parse_sweep_arg(text: str, config: ml_collections.ConfigDict) -> tuple[str, list[Any]]:
-  """"model.score=dot,general" -> ("model.score", ["dot", "general"]), typed from the config."""
+def split_sweep_arg(text: str) -> tuple[str, str]:
+  """"model.score=dot,general" -> ("model.score", "dot,general") (the values still text)."""
   key, eq, values_text = text.partition("=")
   key = key.strip()
-  values = config_utils.split_top_level(values_text)
-  if not eq or not key or not values:
+  if not eq or not key or not config_utils.split_top_level(values_text):
     raise UserError(f"--sweep={text!r} is not key=value1,value2,...; e.g. --sweep=seed=0,1,2")
+  return key, values_text
+
+
+def parse_axis(key: str, values_text: str, config: ml_collections.ConfigDict) -> list[Any]:
+  """"dot,general" -> ["dot", "general"]: the values of axis `key`, typed from the config."""
+  values = config_utils.split_top_level(values_text)
+  if not values:
+    raise UserError(f"sweep axis {key!r} has no values")
   default = config_utils.get_value(config, key)
-  return key, [config_utils.parse_value(key, value, default) for value in values]
+  return [config_utils.parse_value(key, value, default) for value in values]
+
+
+def parse_sweep_arg(text: str, config: ml_collections.ConfigDict) -> tuple[str, list[Any]]:
+  """"model.score=dot,general" -> ("model.score", ["dot", "general"]), typed from the config."""
+  key, values_text = split_sweep_arg(text)
+  return key, parse_axis(key, values_text, config)
 
 
 def load_sweep_file(path: str | os.PathLike) -> tuple[str | None, dict[str, list[Any]]]:
@@ -135,6 +154,44 @@ def expand(base: ml_collections.ConfigDict, axes: Mapping[str, Sequence[Any]],
   return members
 
 
+ConfigSpec = str | os.PathLike | ml_collections.ConfigDict
+# {key: [values]}, or {key: "value1,value2"} (text, typed from the base config as --sweep is).
+Axes = Mapping[str, Sequence[Any] | str]
+
+
+def prepare(config: ConfigSpec | None = None, axes: Axes | None = None, *,
+            sweep_file: str | os.PathLike | None = None,
+            seeds: Sequence[int] | str | None = None, num_seeds: int | None = None,
+            overrides: Mapping[str, Any] | None = None
+            ) -> tuple[ml_collections.ConfigDict, dict[str, list[Any]]]:
+  """(base config, axes) of the sweep `run` runs with these arguments; nothing runs."""
+  base_spec, swept = load_sweep_file(sweep_file) if sweep_file else (None, {})
+  if isinstance(config, ml_collections.ConfigDict):
+    base = copy.deepcopy(config)  # the caller's config stays as it is
+  elif config is not None:
+    base = config_utils.load_config_file(os.fspath(config))
+  elif base_spec:
+    base = config_utils.load_config_file(base_spec)
+  else:
+    raise UserError("give the base config: --config=configs/<family>.py[:args] or a "
+                    "--sweep_file whose get_sweep() names one")
+  fixed = dict(overrides or {})
+  if num_seeds is not None:
+    fixed["num_seeds"] = num_seeds
+  config_utils.apply_overrides(base, fixed)
+  for key, values in (axes or {}).items():
+    if not isinstance(values, (str, Sequence)):
+      raise UserError(f"sweep axis {key!r}: give a list of values or 'value1,value2' text, got "
+                      f"{values!r}")
+    swept[key] = parse_axis(key, values, base) if isinstance(values, str) else list(values)
+  if seeds is not None:
+    if SEED_KEY in swept:
+      raise UserError(f"the seeds are given twice: as seeds= and as the sweep axis {SEED_KEY!r}")
+    swept[SEED_KEY] = (parse_axis(SEED_KEY, seeds, base) if isinstance(seeds, str)
+                       else list(seeds))
+  return base, swept
+
+
 # ---------------------------------------------------------------------------------------------------
 # Running
 
@@ -179,12 +236,22 @@ def _mark_finished(members: Sequence[Member]) -> None:
 
 def run_sweep(base: ml_collections.ConfigDict, axes: Mapping[str, Sequence[Any]],
               workdir: str | os.PathLike, parallel: int = 1, *,
-              member_index: int | None = None, summarize_only: bool = False) -> list[Member]:
+              member_index: int | None = None, summarize_only: bool = False,
+              inprocess: bool | None = None) -> list[Member]:
   """Runs every member that is not complete yet; writes the summary; returns the members.
 
   `member_index=i` runs member i only (one cluster array task per member) and writes no summary;
   `summarize_only=True` runs nothing and writes the summary of the members that finished.
+  `inprocess`: run the members one after another in this process (default when parallel=1) or
+  each in a subprocess, `parallel` at a time (default when parallel>1).
   """
+  if parallel < 1:
+    raise UserError(f"parallel={parallel}: give the number of members to run at once (>= 1)")
+  if inprocess is None:
+    inprocess = parallel == 1
+  elif inprocess and parallel > 1:
+    raise UserError(f"parallel={parallel} runs members as subprocesses; in this process they run "
+                    f"one at a time (parallel=1)")
   workdir = pathlib.Path(workdir).absolute()
   members = expand(base, axes, workdir)
   if summarize_only:
@@ -205,12 +272,12 @@ def run_sweep(base: ml_collections.ConfigDict, axes: Mapping[str, Sequence[Any]]
       _run_inprocess(member)
     return members
   with checkpoint.WorkdirLock(workdir):  # one sweep at a time in DIR
-    _run_members(members, axes, workdir, parallel)
+    _run_members(members, axes, workdir, parallel, inprocess)
   return members
 
 
 def _run_members(members: list[Member], axes: Mapping[str, Sequence[Any]],
-                 workdir: pathlib.Path, parallel: int) -> None:
+                 workdir: pathlib.Path, parallel: int, inprocess: bool) -> None:
   """Runs the members that are not complete (in this process, or `parallel` subprocesses)."""
   for member in members:  # refuse a changed config before anything runs
     checkpoint.prepare_workdir(member.workdir, member.config)
@@ -223,7 +290,7 @@ def _run_members(members: list[Member], axes: Mapping[str, Sequence[Any]],
       todo.append(member)
   _LOG.info("sweep %s: %d members, %d to run", workdir, len(members), len(todo))
   try:
-    if parallel <= 1:
+    if inprocess:
       for i, member in enumerate(todo, 1):
         _LOG.info("[%d/%d] %s", i, len(todo), member.name)
         _run_inprocess(member)
@@ -233,6 +300,80 @@ def _run_members(members: list[Member], axes: Mapping[str, Sequence[Any]],
           _LOG.info("%s: %s %s", member.name, member.status, member.error)
   finally:
     write_summary(workdir, members, list(axes))
+
+
+@dataclasses.dataclass
+class SweepResult:
+  """What `run` did: the sweep directory, its members (each with its status) and its summary."""
+  workdir: pathlib.Path
+  # The swept keys in order (the summary has one row per setting of those other than `seed`).
+  keys: list[str]
+  members: list[Member]
+
+  @property
+  def summary_csv(self) -> pathlib.Path:
+    return self.workdir / SUMMARY_CSV
+
+  @property
+  def summary_md(self) -> pathlib.Path:
+    return self.workdir / SUMMARY_MD
+
+  @property
+  def failed(self) -> list[Member]:
+    return [m for m in self.members if m.status == "failed"]
+
+  @property
+  def status(self) -> int:
+    """0 when no member failed, else 1 (the exit status of `attnlab sweep`)."""
+    return 1 if self.failed else 0
+
+  def report(self, prog: str, *, summary: bool = True) -> int:
+    """Prints what `attnlab sweep` prints (the summary table on stdout, a line per failed member
+    on stderr, each starting with `prog`); returns `status`."""
+    if summary:
+      print(self.summary_md.read_text())
+    for member in self.failed:
+      print(f"{prog}: member {member.name} failed: {member.error}", file=sys.stderr)
+    return self.status
+
+  def summary(self) -> list[dict[str, Any]]:
+    """The summary's rows as `summarize` gives them (metric: (mean, std))."""
+    return summarize(self.members, self.keys)
+
+
+def run(config: ConfigSpec | None = None, axes: Axes | None = None, *,
+        workdir: str | os.PathLike, sweep_file: str | os.PathLike | None = None,
+        seeds: Sequence[int] | str | None = None, num_seeds: int | None = None,
+        overrides: Mapping[str, Any] | None = None, parallel: int = 1,
+        inprocess: bool | None = None, member_index: int | None = None,
+        summarize_only: bool = False) -> SweepResult:
+  """Runs a sweep in `workdir` and writes its summary (what `attnlab sweep` does).
+
+  Args:
+    config: the base config: "configs/<family>.py[:key=value,...]" or a ConfigDict (copied); None
+      when `sweep_file` names one.
+    axes: {config key: [values]} or {config key: "value1,value2"} (text typed from the config);
+      the members are their cross product, in this order (after the sweep file's axes).
+    workdir: the sweep directory; member i runs in workdir/<key=value,...>/.
+    sweep_file: a configs/sweeps/*.py file (get_sweep(): base config and axes); `config` and
+      `axes` add to it as --config and --sweep do.
+    seeds: the `seed` axis, last ([0, 1, 2] or "0,1,2"); the summary is mean ± std over it.
+    num_seeds: N replicas vmapped in each member run (config.num_seeds); each counts as a seed.
+    overrides: {config key: value} set in the base config before the axes.
+    parallel, inprocess: see `run_sweep` (default: one member at a time, in this process).
+    member_index, summarize_only: run member i only (no summary), or summarize only.
+
+  Returns:
+    The members with their status (pending, skipped, done, failed) and the summary's paths.
+
+  Raises:
+    UserError: a bad config, axis or value (nothing has run then).
+  """
+  base, swept = prepare(config, axes, sweep_file=sweep_file, seeds=seeds, num_seeds=num_seeds,
+                        overrides=overrides)
+  members = run_sweep(base, swept, workdir, parallel, member_index=member_index,
+                      summarize_only=summarize_only, inprocess=inprocess)
+  return SweepResult(pathlib.Path(workdir).absolute(), list(swept), members)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -387,31 +528,16 @@ def main(argv: Sequence[str] | None = None) -> int:
       return 0
     if not fv.workdir:
       raise UserError("--workdir is required: the sweep directory")
-    base_spec, axes = load_sweep_file(fv.sweep_file) if fv.sweep_file else (None, {})
-    if fv.config is not None:
-      base = fv.config
-    elif base_spec:
-      base = config_utils.load_config_file(base_spec)
-    else:
-      raise UserError("give the base config: --config=configs/<family>.py[:args] or a "
-                      "--sweep_file whose get_sweep() names one")
-    for text in fv.sweep:
-      key, values = parse_sweep_arg(text, base)
-      axes[key] = values
+    axes = dict(split_sweep_arg(text) for text in fv.sweep)  # typed by `prepare`
     if fv.list:
-      members = expand(base, axes, fv.workdir)
+      members = expand(*prepare(fv.config, axes, sweep_file=fv.sweep_file), fv.workdir)
       for i, member in enumerate(members):
         print(f"{i}\t{member.name}")
       print(f"{len(members)} members: array task indices 0-{len(members) - 1}", file=sys.stderr)
       return 0
-    members = run_sweep(base, axes, fv.workdir, fv.parallel, member_index=fv.member_index,
-                        summarize_only=fv.summarize)
-    if fv.member_index is None:
-      print((pathlib.Path(fv.workdir) / SUMMARY_MD).read_text())
-    failed = [m for m in members if m.status == "failed"]
-    for member in failed:
-      print(f"{prog}: member {member.name} failed: {member.error}", file=sys.stderr)
-    return 1 if failed else 0
+    result = run(fv.config, axes, workdir=fv.workdir, sweep_file=fv.sweep_file,
+                 parallel=fv.parallel, member_index=fv.member_index, summarize_only=fv.summarize)
+    return result.report(prog, summary=fv.member_index is None)
   return main_lib.run_tool(prog, body)
 
 

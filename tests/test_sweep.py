@@ -83,3 +83,65 @@ def test_sweep_without_axes_is_one_line_error(tmp_path, capsys):
   err = capsys.readouterr().err.strip().splitlines()
   assert err == ["attnlab sweep: error: nothing to sweep: give --sweep=key=value1,value2 (or a "
                  "--sweep_file)"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The Python API: sweep.run
+
+
+def test_run_is_the_command_line_sweep(swept):
+  # The same sweep given to the API finds the command line's members (same directories, same
+  # configs: prepare_workdir would refuse a changed one) complete, and summarises them alike.
+  workdir, _ = swept
+  summary = (workdir / "summary.csv").read_text()
+  result = sweep.run(SPEC, {"model.kernel": "gaussian,learned"}, workdir=workdir, seeds=[0, 1])
+  assert [m.name for m in result.members] == [
+      "model.kernel=gaussian,seed=0", "model.kernel=gaussian,seed=1",
+      "model.kernel=learned,seed=0", "model.kernel=learned,seed=1"]
+  assert [m.status for m in result.members] == ["skipped"] * 4
+  assert result.status == 0 and result.failed == [] and result.keys == ["model.kernel", "seed"]
+  assert result.summary_csv.read_text() == summary
+  [gaussian, learned] = result.summary()
+  assert gaussian["model.kernel"] == "gaussian" and learned["seeds"] == 2
+  mean, _ = learned["eval/test_mse"]
+  with open(workdir / "summary.csv") as f:
+    assert mean == pytest.approx(float(list(csv.DictReader(f))[1]["eval/test_mse_mean"]), rel=1e-3)
+
+
+def test_prepare_types_axes_and_applies_overrides():
+  config = config_utils.load_config_file(SPEC)
+  base, axes = sweep.prepare(config, {"optimizer.learning_rate": "0.1,1e-2",
+                                      "model.kernel": ("gaussian", "learned")},
+                             seeds="0,1", num_seeds=2, overrides={"num_train_steps": 7})
+  assert axes == {"optimizer.learning_rate": [0.1, 0.01], "model.kernel": ["gaussian", "learned"],
+                  "seed": [0, 1]}
+  assert base.num_train_steps == 7 and base.num_seeds == 2
+  assert config.num_train_steps == 10 and config.num_seeds == 1  # the caller's config unchanged
+  sweep_file = REPO / "configs" / "sweeps" / "nadaraya_watson_kernels.py"
+  base, axes = sweep.prepare(sweep_file=sweep_file, axes={"seed": [5]})
+  assert base.task == "regression"
+  assert axes == {"model.kernel": ["average", "gaussian", "learned"], "seed": [5]}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"seeds": [0], "axes": {"seed": [1]}}, "the seeds are given twice"),
+    ({"axes": {"model.kernel": 3}}, "give a list of values"),
+    ({"axes": {"model.kernel": ""}}, "sweep axis 'model.kernel' has no values"),
+    ({"axes": {"model.score": "dot"}}, "unknown config key 'model.score'"),
+    ({"axes": {"seed": [0]}, "parallel": 2, "inprocess": True}, "one at a time"),
+    ({"axes": {"seed": [0]}, "parallel": 0}, "parallel=0"),
+])
+def test_run_refuses_bad_arguments_before_running(tmp_path, kwargs, message):
+  with pytest.raises(config_utils.UserError, match=message):
+    sweep.run(SPEC, workdir=tmp_path / "sweep", **kwargs)
+  assert not (tmp_path / "sweep").exists()
+
+
+def test_run_in_a_subprocess_one_at_a_time(tmp_path):
+  result = sweep.run(SPEC, {"model.kernel": ["learned"]}, workdir=tmp_path, inprocess=False,
+                     overrides={"num_train_steps": 2})
+  [member] = result.members
+  assert member.status == "done", member.error
+  assert (member.workdir / "log.txt").is_file()  # a subprocess's log
+  assert checkpoint.is_complete(member.workdir, 2)
+  assert result.summary()[0]["seeds"] == 1

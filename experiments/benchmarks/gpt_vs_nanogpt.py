@@ -113,7 +113,6 @@ def attnlab_arg(position: str, implementation: str, data_dir: pathlib.Path, step
 
 def worker(args) -> None:
   """Times `args.iters` attnlab train steps like nanoGPT's loop; prints them as JSON."""
-  sys.path.insert(0, str(REPO))
   import jax  # pylint: disable=g-import-not-at-top
   from attnlab import config_utils, tasks, train  # pylint: disable=g-import-not-at-top
 
@@ -143,7 +142,10 @@ def run_attnlab_worker(position: str, args) -> list[float]:
   cmd = [sys.executable, __file__, "--worker", f"--position={position}",
          f"--iters={args.iters}", f"--implementation={args.implementation}",
          f"--data_dir={args.data_dir}"]
-  proc = subprocess.run(cmd, capture_output=True, text=True)
+  # The worker imports attnlab from this checkout (installed or not); nanoGPT's runs above get no
+  # such path: they only ever run in their own processes, from their scratch copy.
+  path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=path))
   if proc.returncode:
     raise RuntimeError(f"attnlab worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
   line = next(l for l in proc.stdout.splitlines() if l.startswith("TIMES "))

@@ -117,11 +117,13 @@ def main(argv=None) -> int:
   spec = (f"{CONFIG}:data.name=reverse,data.max_len={args.max_len},"
           f"data.length_bins=({','.join(map(str, bins))})" + (f",{args.arg}" if args.arg else ""))
 
+  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
   from attnlab import sweep  # pylint: disable=g-import-not-at-top
-  status = sweep.main(["attnlab sweep", f"--config={spec}", f"--workdir={workdir}",
-                       f"--sweep=model.attention={args.attentions}", f"--sweep=seed={args.seeds}",
-                       f"--parallel={args.parallel}"])
-  results = read_bins(workdir / sweep.SUMMARY_CSV)
+  main_lib.setup_logging()  # the members' progress on stderr
+  result = sweep.run(spec, {"model.attention": args.attentions}, seeds=args.seeds,
+                     workdir=workdir, parallel=args.parallel)
+  status = result.report("run.py")
+  results = read_bins(result.summary_csv)
   if not results or not all("exact_match" in r for r in results.values()):
     print("no finished members to summarise", file=sys.stderr)
     return status or 1
@@ -141,4 +143,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
+  sys.exit(main_lib.run_tool("run.py", main))  # a bad config or axis: one line, status 2

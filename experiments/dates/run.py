@@ -56,10 +56,12 @@ def main(argv=None) -> int:
   workdir = pathlib.Path(args.workdir).absolute()
   spec = f"{CONFIG}:data.name=dates" + (f",{args.arg}" if args.arg else "")
 
+  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
   from attnlab import sweep  # pylint: disable=g-import-not-at-top
+  main_lib.setup_logging()  # the members' progress on stderr
   start = time.time()
-  status = sweep.main(["attnlab sweep", f"--config={spec}", f"--workdir={workdir}",
-                       f"--sweep=seed={args.seeds}", f"--parallel={args.parallel}"])
+  status = sweep.run(spec, seeds=args.seeds, workdir=workdir, parallel=args.parallel).report(
+      "run.py")
   print(f"sweep finished in {time.time() - start:.0f} s (status {status})")
 
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -100,4 +102,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
+  sys.exit(main_lib.run_tool("run.py", main))  # a bad config or axis: one line, status 2

@@ -56,9 +56,11 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   workdir = pathlib.Path(args.workdir).absolute()
 
+  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
   from attnlab import sweep  # pylint: disable=g-import-not-at-top
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   from attnlab import analysis  # pylint: disable=g-import-not-at-top
+  main_lib.setup_logging()  # the members' progress on stderr
 
   status, sections = 0, []
   for dataset in args.datasets.split(","):
@@ -68,10 +70,10 @@ def main(argv=None) -> int:
     spec = f"{CONFIG}:data.name={dataset},model.attention={args.attention}," \
         f"model.bidirectional=False" + (f",{extra}" if extra else "")
     out = workdir / dataset
-    status |= sweep.main(["attnlab sweep", f"--config={spec}", f"--workdir={out}",
-                          f"--sweep=model.score={args.scores}", f"--sweep=seed={args.seeds}",
-                          f"--parallel={args.parallel}"])
-    rows = summary_rows(out / sweep.SUMMARY_CSV)
+    result = sweep.run(spec, {"model.score": args.scores}, seeds=args.seeds, workdir=out,
+                       parallel=args.parallel)
+    status |= result.report("run.py")
+    rows = summary_rows(result.summary_csv)
     lines = [f"### {dataset} (`{spec.split(':', 1)[1]}`, seeds {args.seeds})", "",
              "| score | seeds | " + " | ".join(label for _, label in COLUMNS) + " |",
              "|---|---|" + "---|" * len(COLUMNS)]
@@ -97,4 +99,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
+  sys.exit(main_lib.run_tool("run.py", main))  # a bad config or axis: one line, status 2
