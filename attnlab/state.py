@@ -32,8 +32,10 @@ import optax
 
 from attnlab import checkpoint
 from attnlab import config_utils
+from attnlab import errors
 from attnlab import parallel
 from attnlab import tasks
+from attnlab.data import assets as assets_lib
 
 _LOG = logging.getLogger(__name__)
 
@@ -361,6 +363,26 @@ class Restored:
   step: int
 
 
+def _rebuild_task(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> tasks.Task:
+  """The run's task, from its assets folder; a run directory written before runs kept one
+  rebuilds its vocabularies from the data (and keeps them, when it can write there)."""
+  folder = workdir / assets_lib.DIRNAME
+  if folder.is_dir():
+    return tasks.build_task(config, folder)
+  try:
+    task = tasks.build_task(config)
+  except errors.UserError as e:
+    raise errors.UserError(
+        f"{workdir} has no {assets_lib.DIRNAME}/ folder (it predates runs that keep their "
+        f"vocabularies), so they are rebuilt from the data, which failed: {e}") from e
+  try:
+    task.save_assets(folder)
+    _LOG.info("kept the vocabularies of %s in %s", workdir, folder)
+  except OSError:
+    pass  # a read-only run directory still loads, from the data
+  return task
+
+
 def restore(workdir: str | os.PathLike, step: int | str = "latest") -> Restored:
   """Checkpoint `step` ("latest" or an int) of the run in `workdir`.
 
@@ -371,7 +393,7 @@ def restore(workdir: str | os.PathLike, step: int | str = "latest") -> Restored:
   """
   workdir = pathlib.Path(workdir).absolute()
   config = checkpoint.read_config(workdir)
-  task = tasks.build_task(config)
+  task = _rebuild_task(workdir, config)
   abstract = restore_target(task)
   ckpt = checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR, read_only=True)
   try:

@@ -51,6 +51,7 @@ from attnlab import errors
 from attnlab import parallel
 from attnlab import state as state_lib
 from attnlab import tasks
+from attnlab.data import assets as assets_lib
 # The state and its replicas (attnlab/state.py), under the names this module always gave them.
 from attnlab.state import ReplicaBatches  # pylint: disable=unused-import
 from attnlab.state import TrainState
@@ -69,6 +70,8 @@ from attnlab.state import run_keys
 from attnlab.state import state_shardings_for  # pylint: disable=unused-import
 
 _LOG = logging.getLogger(__name__)
+# One JSON line per start of the run: versions, host, git commit (train.provenance).
+PROVENANCE_FILE = "provenance.jsonl"
 
 # How a run stops early (attnlab/errors.py), under the names this module always gave them.
 RunStopped = errors.RunStopped
@@ -240,13 +243,60 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     raise config_utils.ConfigError(
         f"batch_size={config.batch_size} does not split over the {pieces} devices of the mesh "
         f"(mesh.data x mesh.fsdp); set batch_size to a multiple of {pieces} or set mesh.data")
-  task = tasks.build_task(config)  # before touching the workdir: a bad model config writes nothing
+  # Before touching the workdir: a bad model config writes nothing. A run resumed with its own
+  # config takes its vocabularies and sizes from its assets folder.
+  task = tasks.build_task(config, _own_assets(workdir, config))
   is_main = parallel.is_main_process()
   with _stop_on_refused_writes(workdir), contextlib.ExitStack() as stack:
     if is_main:
       stack.enter_context(checkpoint.WorkdirLock(workdir))
       checkpoint.prepare_workdir(workdir, config)
     return _train_in_workdir(config, workdir, task, mesh, is_main)
+
+
+def _own_assets(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> pathlib.Path | None:
+  """The workdir's assets folder when it holds a run of this very config, else None."""
+  folder = workdir / assets_lib.DIRNAME
+  if not (folder.is_dir() and (workdir / checkpoint.CONFIG_FILE).is_file()):
+    return None
+  same = not config_utils.config_diff(checkpoint.read_config(workdir).to_dict(), config)
+  return folder if same else None
+
+
+def _record_start(workdir: pathlib.Path, task: tasks.Task) -> None:
+  """Keeps the vocabularies and sizes in the run (once) and appends this start's software
+  versions and git commit to provenance.jsonl."""
+  if not (workdir / assets_lib.DIRNAME).is_dir():
+    task.save_assets(workdir / assets_lib.DIRNAME)
+  with open(workdir / PROVENANCE_FILE, "a", encoding="utf-8") as f:
+    f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **provenance()}) + "\n")
+
+
+def provenance() -> dict[str, Any]:
+  """Python and package versions, the host, and the git commit of the attnlab checkout (None
+  when attnlab is installed from a wheel), with `git_dirty` when it has uncommitted changes."""
+  import importlib.metadata  # pylint: disable=g-import-not-at-top
+  import platform  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  versions = {}
+  for package in ("attnlab", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy"):
+    try:
+      versions[package] = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+      versions[package] = None
+  source = pathlib.Path(__file__).resolve().parent
+  commit = dirty = None
+  try:
+    git = lambda *args: subprocess.run(["git", "-C", str(source), *args], capture_output=True,
+                                       text=True, timeout=10, check=True).stdout.strip()
+    # Only attnlab's own checkout (not a repository that merely holds an installed copy).
+    if pathlib.Path(git("rev-parse", "--show-toplevel")) / "attnlab" == source:
+      commit = git("rev-parse", "HEAD")
+      dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+  except (OSError, subprocess.SubprocessError):
+    pass
+  return {"host": platform.node(), "python": platform.python_version(), "packages": versions,
+          "git_commit": commit, "git_dirty": dirty, "devices": str(jax.devices()[0].platform)}
 
 
 @contextlib.contextmanager
@@ -289,6 +339,8 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
   train_iter = state_lib.train_batches(task, seeds, mesh)
   abstract = abstract_train_state(task, tx, run_keys(config.seed)[0], mesh=mesh)
   shardings = None if mesh is None else jax.tree.map(lambda x: x.sharding, abstract)
+  if is_main:
+    _record_start(workdir, task)
 
   ckpt = checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR,
                                  max_to_keep=config.keep_checkpoints)

@@ -70,9 +70,8 @@ def translate(workdir: str, sentences: Sequence[str], *, step: str = "latest",
     raise UserError(f"{workdir} is a {run.config.task!r} run; translate needs a translation run "
                     f"(configs/seq2seq.py)")
   # The source text as the task segments it (punctuation split off for word tokenizers).
-  prepare = getattr(run.task, "_prepare_text", lambda text: text)
   for sentence in sentences:
-    message = tokenizers.unknown_warning(run.task.src_tok, prepare(sentence),
+    message = tokenizers.unknown_warning(run.task.src_tok, run.task.prepare_text(sentence),
                                          f"the input {sentence!r}")
     if message is not None:
       (warn or _LOG.warning)(message)

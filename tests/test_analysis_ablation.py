@@ -96,7 +96,7 @@ def test_alignment_accuracy_on_the_copy_task():
   report = analysis.evaluate_alignment(perfect, num_examples=16)
   assert list(report) == ["."]
   scores = report["."]
-  examples = task.splits["validation"][:16]
+  examples = task.examples("validation")[:16]
   assert scores["all"]["accuracy"] == 1.0 and scores["all"]["aer"] == 0.0
   assert scores["all"]["positions"] == sum(len(ex["source"]) for ex in examples)
   short = sum(len(ex["source"]) <= 4 for ex in examples)

@@ -108,8 +108,10 @@ def test_tokenizers_of_imported_runs(gpt2_run, bert_run):
   assert [wp.id_to_token(i) for i in wp.encode("The cat sat")] == ["the", "cat", "sat"]
   assert (wp.cls_id, wp.sep_id, wp.mask_id, wp.pad_id) == tuple(
       vocab.index(t) for t in ("[CLS]", "[SEP]", "[MASK]", "[PAD]"))
-  # Tokenizer files live in the run directory.
-  assert pathlib.Path(gpt2_run.config.data.tokenizer_path).parent == gpt2_run.workdir
+  # Tokenizer files live in the run directory's assets, which the reloaded task reads.
+  kept = gpt2_run.workdir / "assets" / "tokenizer"
+  assert pathlib.Path(gpt2_run.config.data.tokenizer_path) == kept
+  assert gpt2_run.task.tokenizer.directory == kept
 
 
 def test_unknown_symbols_of_imported_tokenizers(gpt2_run, bert_run):

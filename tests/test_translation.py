@@ -107,7 +107,7 @@ def test_decoded_metrics_against_the_references(dates_task, monkeypatch):
   wrong = task.tgt_tok.encode("9")[0] if refs[0, 0] != task.tgt_tok.encode("9")[0] \
       else task.tgt_tok.encode("8")[0]
   outputs[0, 0] = wrong
-  n = len(task.splits["validation"])
+  n = len(task.examples("validation"))
 
   def fake_decode(params, src, src_len, beam_size=None, max_len=None, batch_size=None):
     width = max_len or task._max_decode_len()
@@ -182,7 +182,7 @@ def test_marathi_subword_tokenizer(tmp_path, shared_data):
       f"task=marathi,runlocal=True,data.tokenizer=subword,data.tokenizer_size=300,"
       f"data.num_train=2000,data.manual_dir={shared_data},data.data_dir={tmp_path / 'tfds'}"))
   assert len(task.src_tok) == len(task.tgt_tok) == 300
-  target = task.splits["train"][0]["target"]
+  target = task.examples("train")[0]["target"]
   ids = task.tgt_tok.encode(target, add_start=True, add_end=True)
   assert task.tgt_tok.decode(ids) == target  # the task's references decode back exactly
   assert task._bleu([target], [task._bleu_tokens(target)]) == pytest.approx(100.0)

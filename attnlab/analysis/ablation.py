@@ -87,7 +87,7 @@ def _eval_batches(run, max_batches: int, num_examples: int) -> list[Any]:
   task = run.task
   if run.config.task == "translation":
     split = run.config.data.eval_split
-    examples = task.splits[split][:num_examples]
+    examples = task.examples(split)[:num_examples]
     arrays = alignment_lib.translation_arrays(task, examples)
     return [{k: v for k, v in arrays.items()}]
   batches = list(task.eval_batches())[:max_batches]

@@ -187,9 +187,7 @@ def evaluate_alignment(run, *, num_examples: int = 200, split: str | None = None
                      f"{', '.join(ALIGNMENT_TASKS)}")
   task = run.task
   split = split or run.config.data.eval_split
-  if split not in task.splits:
-    task.splits[split] = task._load(split)  # pylint: disable=protected-access
-  examples = task.splits[split][:num_examples]
+  examples = task.examples(split)[:num_examples]
   if not examples:
     raise ValueError(f"split {split!r} has no examples")
   if name == "dates" and run.config.data.tokenizer != "char":
@@ -205,8 +203,8 @@ def evaluate_alignment(run, *, num_examples: int = 200, split: str | None = None
     if name == "dates":
       golds.append(gold_alignment(name, ex["source"], ex["target"]))
     else:
-      src = task.src_tok.split(task._prepare_text(ex["source"]))  # pylint: disable=protected-access
-      tgt = task.tgt_tok.split(task._prepare_text(ex["target"]))  # pylint: disable=protected-access
+      src = task.src_tok.split(task.prepare_text(ex["source"]))
+      tgt = task.tgt_tok.split(task.prepare_text(ex["target"]))
       golds.append(gold_alignment(name, src, tgt))
   golds = [shift_gold(g, shift, int(n)) for g, n in zip(golds, arrays["source_length"])]
   report = {}

@@ -18,13 +18,17 @@ trained so).
 
 `save(path)` writes one self-contained JSON file (the sentencepiece model is embedded);
 `load_tokenizer(path)` restores whichever kind was saved. `load_or_train_tokenizer` reuses a
-saved tokenizer (a resumed run) or trains and saves one.
+saved tokenizer or trains and saves one; `cached_subword` keeps the subword tokenizers the tasks
+train in one cache folder (`data.tokenizer_dir`, default ~/.cache/attnlab/tokenizers) under a
+key of their corpus and options. The cache only saves time: a run keeps its own copy
+(attnlab.data.assets).
 """
 
 from __future__ import annotations
 
 import base64
 import collections
+import hashlib
 import io
 import json
 import os
@@ -409,3 +413,22 @@ def load_or_train_tokenizer(path: PathLike, kind: str,
   tokenizer = train_tokenizer(kind, texts, model_dir=path.parent, **options)
   tokenizer.save(path)
   return tokenizer
+
+
+def cache_dir(directory: PathLike | None = None) -> pathlib.Path:
+  """The tokenizer cache: `directory` when given, else $XDG_CACHE_HOME/attnlab/tokenizers."""
+  if directory:
+    return pathlib.Path(directory).expanduser()
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return pathlib.Path(base) / "attnlab" / "tokenizers"
+
+
+def cached_subword(corpus: str, options: dict[str, Any],
+                   texts: Iterable[str] | Callable[[], Iterable[str]],
+                   directory: PathLike | None = None) -> "SubwordTokenizer":
+  """The subword tokenizer of `corpus` (a name) with `options` (vocab_size and whatever else
+  selects the texts): from the cache, or trained on `texts` and cached. Training is
+  deterministic, so a missing cache costs time only, never a different vocabulary."""
+  key = hashlib.sha256(json.dumps({"corpus": corpus, **options}, sort_keys=True).encode())
+  path = cache_dir(directory) / f"{corpus}_subword_{key.hexdigest()[:16]}.json"
+  return load_or_train_tokenizer(path, "subword", texts, vocab_size=int(options["vocab_size"]))

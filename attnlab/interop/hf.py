@@ -46,14 +46,15 @@ import numpy as np
 
 from attnlab import errors
 from attnlab.errors import UserError
+from attnlab.data import assets as assets_lib
 from attnlab.data import hf_tokenizer
 from attnlab.interop import torch_pickle
 
 _LOG = logging.getLogger(__name__)
 
 PathLike = str | os.PathLike[str]
-# Sub-folder of an imported run holding the checkpoint's tokenizer files.
-TOKENIZER_DIR = "tokenizer"
+# Sub-folder of an imported run holding the checkpoint's tokenizer files (its kept vocabulary).
+TOKENIZER_DIR = f"{assets_lib.DIRNAME}/tokenizer"
 # Provenance file of an imported run.
 IMPORT_FILE = "import_hf.json"
 # Hugging Face activation names -> attnlab activations.
@@ -559,7 +560,8 @@ def import_checkpoint(folder: PathLike, workdir: PathLike, *, overwrite: bool = 
     if not overwrite:
       raise HFError(f"{workdir} already holds a run; give an empty or new --workdir (or "
                     f"--overwrite to replace it)")
-    for name in (checkpoint.CONFIG_FILE, checkpoint.CHECKPOINT_DIR, TOKENIZER_DIR, IMPORT_FILE):
+    for name in (checkpoint.CONFIG_FILE, checkpoint.CHECKPOINT_DIR, assets_lib.DIRNAME,
+                 IMPORT_FILE):
       target = workdir / name
       if target.is_dir():
         shutil.rmtree(target)
@@ -570,7 +572,7 @@ def import_checkpoint(folder: PathLike, workdir: PathLike, *, overwrite: bool = 
   # Tokenizer: the checkpoint's files, copied into the run; else token ids.
   copied = [n for n in hf_tokenizer.TOKENIZER_FILES if (folder / n).is_file()]
   if hf_tokenizer.has_tokenizer_files(folder):
-    (workdir / TOKENIZER_DIR).mkdir(exist_ok=True)
+    (workdir / TOKENIZER_DIR).mkdir(parents=True, exist_ok=True)
     for name in copied:
       shutil.copyfile(folder / name, workdir / TOKENIZER_DIR / name)
     config.data.tokenizer = "hf"
@@ -579,10 +581,12 @@ def import_checkpoint(folder: PathLike, workdir: PathLike, *, overwrite: bool = 
     config.data.tokenizer = "ids"
     _LOG.warning("%s has no tokenizer files: imported the weights with data.tokenizer=ids, so "
                  "prompts are token ids separated by spaces ('464 3290 318')", folder)
-  # The folder of the tokenizer files (absolute: a task does not know its run directory).
+  # The folder of the tokenizer files, inside the run's assets (which a reloaded run reads,
+  # wherever it was moved); absolute, for a fine-tuning config that copies it.
   config.data.tokenizer_path = str(workdir / TOKENIZER_DIR) if copied else ""
 
   task = tasks.build_task(config)
+  task.save_assets(workdir / assets_lib.DIRNAME)
   expected = checkpoint.tree_signature(_abstract_params(task))
   got = checkpoint.tree_signature(params)
   if expected != got:
@@ -631,9 +635,9 @@ def export(run_or_dir: Any, out_dir: PathLike) -> pathlib.Path:
   out_dir.mkdir(parents=True, exist_ok=True)
   save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
   (out_dir / "config.json").write_text(json.dumps(hf_config(config, params), indent=2) + "\n")
-  tok_path = config.data.get("tokenizer_path", "")
-  if config.data.get("tokenizer") == "hf" and tok_path and pathlib.Path(tok_path).is_dir():
+  tokenizer = getattr(run.task, "tokenizer", None)
+  if isinstance(tokenizer, hf_tokenizer.HFTokenizer):  # the run's kept tokenizer files
     for name in hf_tokenizer.TOKENIZER_FILES:
-      if (pathlib.Path(tok_path) / name).is_file():
-        shutil.copyfile(pathlib.Path(tok_path) / name, out_dir / name)
+      if (tokenizer.directory / name).is_file():
+        shutil.copyfile(tokenizer.directory / name, out_dir / name)
   return out_dir

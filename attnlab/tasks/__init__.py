@@ -9,6 +9,7 @@ which happens only when the fast path misses (and to list the valid names in the
 from __future__ import annotations
 
 import importlib
+import os
 import importlib.util
 import pkgutil
 from collections.abc import Callable
@@ -80,6 +81,9 @@ def list_tasks() -> list[str]:
   return sorted(_REGISTRY)
 
 
-def build_task(config: ml_collections.ConfigDict) -> Task:
-  """The task named by `config.task`, built from the config."""
-  return get_task(config.task)(config)
+def build_task(config: ml_collections.ConfigDict, assets: str | os.PathLike | None = None) -> Task:
+  """The task named by `config.task`, built from the config (and a run's assets folder, whose
+  vocabularies and sizes replace those of the data: attnlab.data.assets)."""
+  cls = get_task(config.task)
+  # Only given when there is a folder: a task written without the argument still runs new runs.
+  return cls(config, assets) if assets is not None else cls(config)

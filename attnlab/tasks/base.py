@@ -5,7 +5,7 @@ owns everything else: optimizer, jit, checkpoints, metrics files, resume, signal
 
     @register_task("my_task")              # attnlab/tasks/my_task.py; config.task = "my_task"
     class MyTask(Task):
-      def __init__(self, config):           # build model and data from config.model / config.data
+      def __init__(self, config, assets=None):  # model and data from config.model / config.data
       def init(self, rng) -> params         # a pytree of arrays (e.g. a Flax "params" collection)
       def load_pretrained(self, params, pretrained_config, pretrained_params)  # config.init_from
       def train_iterator(self) -> BatchIterator
@@ -37,6 +37,12 @@ Contract the trainer relies on:
   sum / max(denominator, 1) per name, then `finish_metrics`. A task's `metric_sums` must give
   zero rows zero weight (their weight or mask field is 0). Without one, each `loss_fn` metric
   counts once per batch (the mean over batches).
+- What the model's shapes and the text <-> ids mapping take from the data (vocabularies, the
+  longest source, ...) goes through `asset_tokenizer(name, build)` / `asset_size(name, compute)`:
+  built from the data for a new run, read from the run directory's `assets/` folder
+  (attnlab.data.assets) when the task is rebuilt from a run (resume, `load_run`), so that a run
+  reloads, generates and translates with the dataset gone. Read the data itself lazily (on
+  `train_iterator`, evaluation), never in `__init__` when assets are given.
 - `model` (a Flax module, or None) is what `attnlab.analysis.load_run` hands back for analysis;
   `model.apply({"params": params}, ...)` must run the forward pass.
 """
@@ -44,8 +50,9 @@ Contract the trainer relies on:
 from __future__ import annotations
 
 import abc
+import os
 import pathlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import jax
@@ -54,6 +61,7 @@ import ml_collections
 import numpy as np
 
 from attnlab import errors
+from attnlab.data import assets as assets_lib
 # Resumable batches from an index, and the (seed, keys) generators: in data/pipeline.py, and
 # importable from here.
 from attnlab.data.pipeline import IndexedBatches  # pylint: disable=unused-import
@@ -89,11 +97,36 @@ class Task(abc.ABC):
   # Registry name, set by attnlab.tasks.register_task.
   name: str = ""
 
-  def __init__(self, config: ml_collections.ConfigDict):
+  def __init__(self, config: ml_collections.ConfigDict,
+               assets: str | os.PathLike | None = None):
     self.config = config
+    # The run directory's assets folder when the task is rebuilt from a run (None for a new run,
+    # or an older run directory without one): vocabularies and sizes come from it.
+    self.assets = pathlib.Path(assets) if assets and pathlib.Path(assets).is_dir() else None
+    self._sizes_kept = assets_lib.load_sizes(self.assets) if self.assets else {}
+    self._vocabularies: dict[str, Any] = {}
+    self._sizes: dict[str, int] = {}
     # The Flax module for analysis (or None for tasks without one).
     self.model = None
     self._jit_metric_sums = None
+
+  def asset_tokenizer(self, name: str, build: Callable[[], Any]) -> Any:
+    """The vocabulary `name`: the run's kept one (assets), else `build()` from the data."""
+    tokenizer = assets_lib.load_tokenizer(self.assets, name) if self.assets else None
+    if tokenizer is None:
+      tokenizer = build()
+    self._vocabularies[name] = tokenizer
+    return tokenizer
+
+  def asset_size(self, name: str, compute: Callable[[], int]) -> int:
+    """A model size derived from the data: the run's kept value (assets), else `compute()`."""
+    value = self._sizes_kept.get(name)
+    self._sizes[name] = int(compute() if value is None else value)
+    return self._sizes[name]
+
+  def save_assets(self, directory: str | os.PathLike) -> None:
+    """Writes the vocabularies and sizes this task used into `directory` (a run's assets/)."""
+    assets_lib.save(directory, self._vocabularies, self._sizes)
 
   @abc.abstractmethod
   def init(self, rng: jax.Array) -> Params:

@@ -3,13 +3,14 @@
 Datasets (config.data.name):
 - `tiny_shakespeare`: the 90% / 10% character split of attnlab.data; character tokenizer by
   default (`data.tokenizer=subword` trains a sentencepiece model of `data.vocab_size` pieces on
-  the training text, cached under `data.tokenizer_dir`). Training batches are `batch_size`
-  windows of block_size + 1 tokens at random offsets (nanoGPT's sampler), drawn from a generator
-  seeded by (seed, step), so a resumed run sees the same batches. Evaluation covers every
+  the training text, cached under `data.tokenizer_dir`); a run keeps its tokenizer in
+  RUN_DIR/assets and reads the text only when it trains or evaluates. Training batches are
+  `batch_size` windows of block_size + 1 tokens at random offsets (nanoGPT's sampler), drawn
+  from a generator seeded by (seed, step), so a resumed run sees the same batches. Evaluation covers every
   non-overlapping block_size window of the validation text (or the first `data.eval_windows`).
   A run imported from a Hugging Face checkpoint (attnlab import-hf) uses the checkpoint's
   tokenizer (`data.tokenizer=hf`, files in `data.tokenizer_path`; or `ids`: text written as token
-  ids) and reads the text only when it trains or evaluates, so it generates without the dataset.
+  ids).
 - `addition`: the synthetic "a+b=c" texts of attnlab.data, one per sequence:
   inputs `<start> a+b=c`, targets `a+b=c <end>`, padded to a fixed length. Evaluation adds the
   exact-answer accuracy: the fraction of validation sums whose greedy continuation after "=" is
@@ -23,7 +24,6 @@ accuracy, and for addition exact_match.
 
 from __future__ import annotations
 
-import os
 import pathlib
 from typing import Any
 
@@ -55,12 +55,6 @@ PRETRAINED_TOKENIZERS = ("hf", "ids")
 ADDITION_ALPHABET = "0123456789+="
 
 
-def default_tokenizer_dir() -> pathlib.Path:
-  """Where trained subword tokenizers are cached ($XDG_CACHE_HOME/attnlab/tokenizers)."""
-  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-  return pathlib.Path(base) / "attnlab" / "tokenizers"
-
-
 # The GPT of `config.model` (attnlab.models.gpt.from_config), under its former name.
 build_model = gpt_lib.from_config
 
@@ -69,8 +63,8 @@ build_model = gpt_lib.from_config
 class CausalLMTask(Task):
   """Next-token prediction with attnlab.models.gpt.GPT (see the module docstring)."""
 
-  def __init__(self, config):
-    super().__init__(config)
+  def __init__(self, config, assets=None):
+    super().__init__(config, assets)
     d = config.data
     if d.name not in DATASETS:
       raise ConfigError(f"unknown data.name {d.name!r} for causal_lm; valid: "
@@ -97,40 +91,36 @@ class CausalLMTask(Task):
   # ---------------------------------------------------------------------------- data
 
   def _setup_shakespeare(self, d) -> None:
-    if d.tokenizer in PRETRAINED_TOKENIZERS:
-      # The run brings its tokenizer: the text is read on first use (training, evaluation), so
-      # an imported run generates text without the dataset.
-      self.tokenizer = hf_tokenizer.load(d.tokenizer, d.get("tokenizer_path", ""),
-                                         self.config.model.get("vocab_size", 0))
-      self.train_ids = self.val_ids = None
-      self.seq_len = 0
-      return
-    self._read_shakespeare(d)
-
-  def _read_shakespeare(self, d) -> None:
-    kwargs = {"data_dir": d.data_dir or None, "manual_dir": d.manual_dir or None}
-    train_text = data_lib.get_dataset("tiny_shakespeare", "train", **kwargs)[0]["text"]
-    val_text = data_lib.get_dataset("tiny_shakespeare", "validation", **kwargs)[0]["text"]
-    if d.tokenizer in PRETRAINED_TOKENIZERS:
-      pass  # built by _setup_shakespeare
-    elif d.tokenizer == "char":
-      self.tokenizer = tok_lib.CharTokenizer.train([train_text])
-    else:
-      directory = pathlib.Path(d.tokenizer_dir) if d.tokenizer_dir else default_tokenizer_dir()
-      path = directory / f"tiny_shakespeare_subword_{d.vocab_size}" / "tokenizer.json"
-      self.tokenizer = tok_lib.load_or_train_tokenizer(path, "subword", [train_text],
-                                                       vocab_size=d.vocab_size)
-    self.train_ids = np.asarray(self.tokenizer.encode(train_text), np.int32)
-    self.val_ids = np.asarray(self.tokenizer.encode(val_text), np.int32)
+    # The text is read on first use (training, evaluation): a reloaded run keeps its tokenizer
+    # (assets), so it generates text without the dataset.
+    self.train_ids = self.val_ids = None
     self.seq_len = 0  # windows of block_size
+    if d.tokenizer in PRETRAINED_TOKENIZERS:
+      build = lambda: hf_tokenizer.load(d.tokenizer, d.get("tokenizer_path", ""),
+                                        self.config.model.get("vocab_size", 0))
+    elif d.tokenizer == "char":
+      build = lambda: tok_lib.CharTokenizer.train([self._texts()[0]])
+    else:
+      build = lambda: tok_lib.cached_subword("tiny_shakespeare", {"vocab_size": d.vocab_size},
+                                             lambda: [self._texts()[0]], d.tokenizer_dir)
+    self.tokenizer = self.asset_tokenizer("tokenizer", build)
+
+  def _texts(self) -> tuple[str, str]:
+    """(training text, validation text) of Tiny Shakespeare."""
+    d = self.config.data
+    kwargs = {"data_dir": d.data_dir or None, "manual_dir": d.manual_dir or None}
+    return tuple(data_lib.get_dataset("tiny_shakespeare", split, **kwargs)[0]["text"]
+                 for split in ("train", "validation"))
 
   def _text_ids(self) -> None:
-    """Reads and encodes the text if _setup_shakespeare left it for later."""
+    """Reads and encodes the text on first use."""
     if self.seq_len == 0 and self.train_ids is None:
       try:
-        self._read_shakespeare(self.config.data)
+        train_text, val_text = self._texts()
       except data_lib.DataError as e:
         raise ConfigError(f"causal_lm data ({self.config.data.name}): {e}") from e
+      self.train_ids = np.asarray(self.tokenizer.encode(train_text), np.int32)
+      self.val_ids = np.asarray(self.tokenizer.encode(val_text), np.int32)
 
   def _setup_addition(self, d) -> None:
     if d.tokenizer in PRETRAINED_TOKENIZERS:

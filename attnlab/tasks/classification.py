@@ -13,8 +13,9 @@ Initialisation:
   stays a pure function of the key; the trainer calls `load_pretrained` eagerly on every
   replica's step-0 parameters of a new run (whatever `num_seeds` or the device mesh).
 
-The tokenizer is the pretraining one (`masked_lm.bert_tokenizer` of the same data options), so
-the from-scratch baseline sees exactly the same vocabulary as the pretrained model.
+The tokenizer is the pretraining run's (kept in its assets folder; without one,
+`masked_lm.bert_tokenizer` of the same data options), so the from-scratch baseline sees exactly
+the same vocabulary as the pretrained model.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import ml_collections
 import numpy as np
 
 from attnlab import data as data_lib
+from attnlab.data import assets as assets_lib
 from attnlab.data import pipeline
 from attnlab.errors import ConfigError
 from attnlab.models import bert
@@ -78,16 +80,26 @@ def pretraining_mismatch(pretrain: ml_collections.ConfigDict,
 class ClassificationTask(Task):
   """[CLS] fine-tuning on SST-2 (module docstring)."""
 
-  def __init__(self, config: ml_collections.ConfigDict):
-    super().__init__(config)
+  def __init__(self, config: ml_collections.ConfigDict, assets=None):
+    super().__init__(config, assets)
     if "init_from" not in config:
       raise ConfigError("config.init_from is missing; build the config with configs/bert.py "
                         "(mode=finetune)")
-    self.tokenizer = masked_lm.bert_tokenizer(config.data)
+    self.tokenizer = self.asset_tokenizer("tokenizer", self._pretraining_tokenizer)
     self.vocab_size = masked_lm.model_vocab_size(config.data, self.tokenizer)
     self.model = bert.from_config(config, self.vocab_size, num_classes=NUM_CLASSES)
     self._train: tuple[np.ndarray, np.ndarray] | None = None
     self._eval: list[dict[str, np.ndarray]] | None = None
+
+  def _pretraining_tokenizer(self) -> Any:
+    """The vocabulary kept by the pretraining run (config.init_from), else the one the data
+    options build."""
+    if self.config.init_from:
+      kept = pathlib.Path(self.config.init_from) / assets_lib.DIRNAME
+      tokenizer = assets_lib.load_tokenizer(kept, "tokenizer") if kept.is_dir() else None
+      if tokenizer is not None:
+        return tokenizer
+    return masked_lm.bert_tokenizer(self.config.data)
 
   # ---- data
   def _split(self, split: str, limit: int) -> tuple[np.ndarray, np.ndarray]:

@@ -23,9 +23,6 @@ Plots (`write_plots`): the head view of every layer and head, and the attention 
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import pathlib
 from typing import Any
 
@@ -108,17 +105,9 @@ def tokenizer_options(data: ml_collections.ConfigDict) -> dict[str, Any]:
   return options
 
 
-def _tokenizer_dir(data: ml_collections.ConfigDict) -> pathlib.Path:
-  if data.tokenizer_dir:
-    return pathlib.Path(data.tokenizer_dir).expanduser()
-  cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-  return pathlib.Path(cache) / "attnlab" / "bert_tokenizers"
-
-
 def bert_tokenizer(data: ml_collections.ConfigDict) -> Any:
-  """The subword tokenizer of these data options: loaded from the cache or trained and cached.
+  """The subword tokenizer of these data options (attnlab.data.tokenizers.cached_subword).
 
-  Training is deterministic, so a missing cache only costs time, never a different vocabulary.
   With `data.tokenizer=hf` (or `ids`), the tokenizer of an imported checkpoint instead
   (attnlab.data.hf_tokenizer; `data.vocab_size` is then the model's vocabulary size).
   """
@@ -134,15 +123,10 @@ def bert_tokenizer(data: ml_collections.ConfigDict) -> Any:
       raise ConfigError(f"data.vocab_size={data.vocab_size} is smaller than the tokenizer's "
                         f"{len(tokenizer)} tokens; set it to the checkpoint's vocabulary size")
     return tokenizer
-  options = tokenizer_options(data)
-  key = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:16]
-  path = _tokenizer_dir(data) / f"{key}.json"
-
   def texts() -> list[str]:
     documents, extra = corpus_texts(data)
     return [s for doc in documents for s in doc] + extra
-  return tokenizers.load_or_train_tokenizer(path, "subword", texts,
-                                            vocab_size=options["vocab_size"])
+  return tokenizers.cached_subword("bert", tokenizer_options(data), texts, data.tokenizer_dir)
 
 
 def model_vocab_size(data: ml_collections.ConfigDict, tokenizer: Any) -> int:
@@ -208,10 +192,10 @@ def plot_head_views(apply_fn, tokenizer: tokenizers.Vocab, sentence: str, max_le
 @register_task("masked_lm")
 class MaskedLMTask(Task):
   """BERT pretraining (module docstring). Data are built on first use, so reloading a run for
-  analysis (attnlab.analysis.load_run) needs only the cached tokenizer."""
+  analysis (attnlab.analysis.load_run) needs only its kept tokenizer (RUN_DIR/assets)."""
 
-  def __init__(self, config: ml_collections.ConfigDict):
-    super().__init__(config)
+  def __init__(self, config: ml_collections.ConfigDict, assets=None):
+    super().__init__(config, assets)
     data = config.data
     if not 0.0 < data.mask_prob < 1.0:
       raise ConfigError(f"data.mask_prob must be in (0, 1), got {data.mask_prob}")
@@ -219,7 +203,7 @@ class MaskedLMTask(Task):
       raise ConfigError(f"data.max_predictions must be >= 1, got {data.max_predictions}")
     if not 0.0 <= data.single_fraction < 1.0:
       raise ConfigError(f"data.single_fraction must be in [0, 1), got {data.single_fraction}")
-    self.tokenizer = bert_tokenizer(data)
+    self.tokenizer = self.asset_tokenizer("tokenizer", lambda: bert_tokenizer(data))
     self.vocab_size = model_vocab_size(data, self.tokenizer)
     self.model = bert.from_config(config, self.vocab_size)
     self.num_single = (int(round(config.batch_size * data.single_fraction))

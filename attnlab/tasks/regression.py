@@ -89,8 +89,8 @@ class KernelRegression(nn.Module):
 class RegressionTask(Task):
   """Fits the kernel by leave-one-out MSE on minibatches of training queries."""
 
-  def __init__(self, config):
-    super().__init__(config)
+  def __init__(self, config, assets=None):
+    super().__init__(config, assets)
     model, data = config.model, config.data
     if model.kernel not in KERNELS:
       raise ConfigError(f"unknown model.kernel {model.kernel!r}; valid kernels: {', '.join(KERNELS)}")

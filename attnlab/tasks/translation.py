@@ -91,22 +91,26 @@ def _token_label(token: str) -> str:
 class TranslationTask(Task):
   """Encoder-decoder training with padding-masked cross-entropy; decoding metrics incl. BLEU."""
 
-  def __init__(self, config):
-    super().__init__(config)
+  def __init__(self, config, assets=None):
+    super().__init__(config, assets)
     dc = config.data
     if dc.name not in DATASETS:
       raise ConfigError(f"unknown data.name {dc.name!r}; valid datasets: {', '.join(DATASETS)}")
     if dc.tokenizer not in TOKENIZER_KINDS:
       raise ConfigError(f"unknown data.tokenizer {dc.tokenizer!r}; valid kinds: "
                         f"{', '.join(TOKENIZER_KINDS)}")
-    self.splits = {split: self._load(split) for split in ("train", dc.eval_split)}
-    train = self.splits["train"]
-    self.src_tok = self._train_tokenizer([ex["source"] for ex in train])
-    self.tgt_tok = self._train_tokenizer([ex["target"] for ex in train])
-    self._encoded = {split: self._encode(examples) for split, examples in self.splits.items()}
-    self.max_src_len = max(len(ex["source"]) for ex in self._encoded["train"])
+    # Raw and encoded examples by split, read on first use (a reloaded run needs none).
+    self._examples: dict[str, list[dict[str, str]]] = {}
+    self._encoded: dict[str, list[dict[str, Any]]] = {}
+    self.src_tok = self.asset_tokenizer("source", lambda: self._train_tokenizer(
+        [ex["source"] for ex in self.examples("train")]))
+    self.tgt_tok = self.asset_tokenizer("target", lambda: self._train_tokenizer(
+        [ex["target"] for ex in self.examples("train")]))
+    self.max_src_len = self.asset_size(
+        "max_src_len", lambda: max(len(ex["source"]) for ex in self.encoded("train")))
     # <start> + tokens + <end>
-    self.max_tgt_len = max(len(ex["target"]) for ex in self._encoded["train"])
+    self.max_tgt_len = self.asset_size(
+        "max_tgt_len", lambda: max(len(ex["target"]) for ex in self.encoded("train")))
     self._buckets = None
     if dc.buckets:
       self._buckets = tuple(sorted(set(dc.buckets) | {max(self.max_src_len, self.max_tgt_len)}))
@@ -118,6 +122,18 @@ class TranslationTask(Task):
     self._decode_fns: dict[tuple[int, int], Any] = {}
 
   # ----------------------------------------------------------------------------------- data
+
+  def examples(self, split: str) -> list[dict[str, str]]:
+    """The {"source", "target"} texts of one split (read on first use)."""
+    if split not in self._examples:
+      self._examples[split] = self._load(split)
+    return self._examples[split]
+
+  def encoded(self, split: str) -> list[dict[str, Any]]:
+    """The examples of one split as token ids (target: <start> ... <end>)."""
+    if split not in self._encoded:
+      self._encoded[split] = self._encode(self.examples(split))
+    return self._encoded[split]
 
   def _load(self, split: str) -> list[dict[str, str]]:
     """The raw {"source", "target"} examples of one split, length-filtered."""
@@ -150,12 +166,13 @@ class TranslationTask(Task):
   def _words(text: str) -> list[str]:
     return separate_punctuation(text).split()
 
-  def _prepare_text(self, text: str) -> str:
+  def prepare_text(self, text: str) -> str:
+    """`text` as the tokenizers see it (punctuation split off for word tokens)."""
     return separate_punctuation(text) if self.config.data.tokenizer == "word" else text
 
   def _train_tokenizer(self, texts: list[str]) -> tokenizers.Vocab:
     dc = self.config.data
-    texts = [self._prepare_text(t) for t in texts]
+    texts = [self.prepare_text(t) for t in texts]
     if dc.tokenizer == "char":
       return tokenizers.CharTokenizer.train(texts)
     if dc.tokenizer == "word":
@@ -167,31 +184,28 @@ class TranslationTask(Task):
       return tokenizers.SubwordTokenizer.train(texts, dc.tokenizer_size or 4000, model_dir)
 
   def encode_source(self, text: str) -> list[int]:
-    return self.src_tok.encode(self._prepare_text(text))
+    return self.src_tok.encode(self.prepare_text(text))
 
   def encode_target(self, text: str) -> list[int]:
     """`<start>` + the target tokens of `text` + `<end>`, as the training targets are encoded."""
-    return self.tgt_tok.encode(self._prepare_text(text), add_start=True, add_end=True)
+    return self.tgt_tok.encode(self.prepare_text(text), add_start=True, add_end=True)
 
   def _encode(self, examples: list[dict[str, str]]) -> list[dict[str, Any]]:
     return [{"source": self.encode_source(ex["source"]),
-             "target": self.tgt_tok.encode(self._prepare_text(ex["target"]), add_start=True,
+             "target": self.tgt_tok.encode(self.prepare_text(ex["target"]), add_start=True,
                                            add_end=True)} for ex in examples]
 
   def _pad_lengths(self) -> dict[str, int]:
     return {"source": self.max_src_len, "target": self.max_tgt_len}
 
   def train_iterator(self) -> pipeline.Batcher:
-    return pipeline.Batcher(self._encoded["train"], self.config.batch_size, seed=self.config.seed,
+    return pipeline.Batcher(self.encoded("train"), self.config.batch_size, seed=self.config.seed,
                             pad_to=None if self._buckets else self._pad_lengths(),
                             buckets=self._buckets)
 
   def _eval_arrays(self, split: str) -> dict[str, np.ndarray]:
     """The whole split padded to the training lengths (longer inputs are cut)."""
-    encoded = self._encoded.get(split)
-    if encoded is None:
-      self.splits[split] = self._load(split)
-      encoded = self._encoded[split] = self._encode(self.splits[split])
+    encoded = self.encoded(split)
     size = self.config.data.eval_batch_size
     batcher = pipeline.Batcher(encoded, size, shuffle=False, num_epochs=1, drop_remainder=False,
                                pad_to=self._pad_lengths(), max_length=self._pad_lengths(),
@@ -348,7 +362,7 @@ class TranslationTask(Task):
     """Text as BLEU sees it: the target tokenizer's tokens joined by spaces (subword: the text)."""
     if self.config.data.tokenizer == "subword":
       return text
-    return " ".join(self.tgt_tok.split(self._prepare_text(text)))
+    return " ".join(self.tgt_tok.split(self.prepare_text(text)))
 
   def _bleu(self, hyps: list[str], refs: list[str]) -> float:
     if not hyps:
@@ -362,7 +376,7 @@ class TranslationTask(Task):
     """Metrics of one split and one record per example (source, reference, output, correct)."""
     split = split or self.config.data.eval_split
     arrays = self._eval_arrays(split)
-    examples = self.splits[split]
+    examples = self.examples(split)
     batch_keys = ("source", "source_length", "source_mask", "target", "target_mask",
                   "target_length", "example_mask")
     size = self.config.data.eval_batch_size
@@ -435,7 +449,7 @@ class TranslationTask(Task):
     import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
     split = self.config.data.eval_split
     arrays = self._eval_arrays(split)
-    examples = self.splits[split][:NUM_PLOTS]
+    examples = self.examples(split)[:NUM_PLOTS]
     # A batch shaped like evaluate's, so its compiled decoder is reused.
     tokens, weights = self.decode_arrays(params, arrays["source"][:len(examples)],
                                          arrays["source_length"][:len(examples)])

@@ -160,7 +160,7 @@ def heatmaps(run_dir: str, sentence: str | None, out_dir: pathlib.Path) -> None:
   run = analysis.load_run(run_dir)
   task = run.task
   if sentence is None:
-    sentence = task.splits[task.config.data.eval_split][0]["source"]
+    sentence = task.examples(task.config.data.eval_split)[0]["source"]
   [t] = task.translate(run.params, [sentence], beam_size=1)
   src = np.array([task.encode_source(sentence)], np.int32)
   out_ids = [task.tgt_tok.token_to_id(tok) for tok in t.output_tokens]
