@@ -25,7 +25,6 @@ checkpoints hold all replicas, and each metrics.jsonl record holds the mean over
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
 import functools
@@ -79,9 +78,6 @@ NonFiniteLossError = errors.NonFiniteLossError
 WriteFailed = errors.WriteFailed
 TrainingInterrupted = errors.TrainingInterrupted
 
-# How often each jitted function was traced (tests check: once per run, no recompiles per step).
-TRACE_COUNTS: collections.Counter = collections.Counter()
-
 
 # ---------------------------------------------------------------------------------------------------
 # Optimizer and state
@@ -94,7 +90,8 @@ def make_train_step(task: tasks.Task, tx: optax.GradientTransformation, schedule
 
   `rng` is the train key (or its raw uint32 key data); with `num_seeds > 1` state, batch, rng and
   metrics carry a leading replica axis and the update is vmapped over it. With a mesh, the output
-  state keeps `state_shardings` and the metrics are replicated.
+  state keeps `state_shardings` and the metrics are replicated. The returned function's `traces`
+  attribute counts how often it was traced (tests check: once per run, no recompiles per step).
   """
   def one_step(state: TrainState, batch: Any, rng: jax.Array) -> tuple[TrainState, dict]:
     step_rng = jax.random.fold_in(rng, state.step)
@@ -107,16 +104,19 @@ def make_train_step(task: tasks.Task, tx: optax.GradientTransformation, schedule
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   def train_step(state: TrainState, batch: Any, rng: jax.Array) -> tuple[TrainState, dict]:
-    TRACE_COUNTS["train_step"] += 1
+    jitted.traces += 1  # this Python body runs once per trace
     if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
       rng = jax.random.wrap_key_data(rng)  # raw key data, as placed on a multi-host mesh
     return state_lib.over_replicas(one_step, num_seeds, in_axes=(0, 0), out_axes=(0,))(
         state, batch, rng)
 
   if mesh is None:
-    return jax.jit(train_step, donate_argnums=0)
-  return jax.jit(train_step, donate_argnums=0,
-                 out_shardings=(state_shardings, parallel.replicated(mesh)))
+    jitted = jax.jit(train_step, donate_argnums=0)
+  else:
+    jitted = jax.jit(train_step, donate_argnums=0,
+                     out_shardings=(state_shardings, parallel.replicated(mesh)))
+  jitted.traces = 0
+  return jitted
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -124,8 +124,12 @@ def run_one(task: str, model: str, seed: int, workdir: pathlib.Path, args) -> in
     parts.append(args.extra)
   arg = ",".join(p for p in parts if p)
   print(f"== {task}/{model}/seed_{seed}: {CONFIGS[model].name}:{arg}", flush=True)
-  return main_lib.main(["attnlab train", f"--config={CONFIGS[model]}:{arg}",
-                        f"--workdir={workdir}"])
+  main_lib.setup_logging()
+
+  def body() -> None:
+    from attnlab import config_utils, train  # pylint: disable=g-import-not-at-top
+    train.train_and_evaluate(config_utils.load_config_file(f"{CONFIGS[model]}:{arg}"), workdir)
+  return main_lib.run_tool("run.py", body)  # a failed run: one line and its status, as `train`
 
 
 def plot_by_length(results: dict, path: pathlib.Path) -> None:
