@@ -23,6 +23,8 @@ from __future__ import annotations
 import datetime
 import errno
 import fcntl
+import functools
+import gc
 import json
 import logging
 import os
@@ -122,18 +124,6 @@ def last_good_checkpoint(workdir: str | os.PathLike) -> str:
   if not steps:
     return "no checkpoint had been saved yet"
   return f"the last good checkpoint is step {steps[-1]} in {directory}"
-
-
-def _drop_thread_error_logs(record: logging.LogRecord) -> bool:
-  """Filter of the absl logger: orbax's worker threads log a failed write with its traceback
-  before the save re-raises it in the caller, which reports it in one line; drop those records."""
-  return "_SignalingThread.run() raised an exception" not in str(record.msg)
-
-
-def _quiet_orbax_thread_errors() -> None:
-  logger = logging.getLogger("absl")
-  if _drop_thread_error_logs not in logger.filters:
-    logger.addFilter(_drop_thread_error_logs)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -250,6 +240,12 @@ def _short(message: str, limit: int = 300) -> str:
   return message if len(message) <= limit else message[:limit] + "..."
 
 
+def _drop_thread_error_logs(record: logging.LogRecord) -> bool:
+  """Filter of the absl logger: orbax's worker threads log a failed write with its traceback
+  before the save re-raises it in the caller, which reports it in one line; drop those records."""
+  return "_SignalingThread.run() raised an exception" not in str(record.msg)
+
+
 def _drop_unretrieved_futures(record: logging.LogRecord) -> bool:
   """Filter of the asyncio logger: after a refused write, orbax's other write futures and tasks
   fail too and asyncio logs each as "Future (or Task) exception was never retrieved" when it is
@@ -262,32 +258,76 @@ def _is_closed_loop_error(exc: BaseException | None) -> bool:
   return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
 
 
-def _silence_closed_loop_noise() -> None:
-  """When a read or write fails, orbax's pending tensorstore callbacks hit a closed asyncio loop
-  and print "RuntimeError: Event loop is closed" tracebacks (through sys.unraisablehook, or
-  sys.excepthook when tensorstore's thread prints them), and its unread futures are logged; drop
-  exactly those (other errors go to the previous hooks, other records are logged). Installed
-  before a save starts, as the callbacks can fire before the failure reaches the caller."""
-  asyncio_logger = logging.getLogger("asyncio")
-  if _drop_unretrieved_futures not in asyncio_logger.filters:
-    asyncio_logger.addFilter(_drop_unretrieved_futures)
-  previous_unraisable, previous_except = sys.unraisablehook, sys.excepthook
-  if not getattr(previous_unraisable, "_attnlab_filter", False):
-    def unraisable_hook(unraisable: Any) -> None:
-      if not _is_closed_loop_error(unraisable.exc_value):
-        previous_unraisable(unraisable)
-    unraisable_hook._attnlab_filter = True  # pytype: disable=attribute-error
-    sys.unraisablehook = unraisable_hook
-  if not getattr(previous_except, "_attnlab_filter", False):
-    def except_hook(exc_type: Any, exc: BaseException, tb: Any) -> None:
-      if not _is_closed_loop_error(exc):
-        previous_except(exc_type, exc, tb)
-    except_hook._attnlab_filter = True  # pytype: disable=attribute-error
-    sys.excepthook = except_hook
+class _FailedIoNoiseFilter:
+  """Drops exactly the noise orbax's threads print when a checkpoint read or write fails, while
+  it is installed (a Checkpointer installs one when it opens and removes it when it closes):
+
+  - absl records "_SignalingThread.run() raised an exception" (the failure with its traceback);
+  - asyncio records "Future/Task exception was never retrieved" (orbax's other futures fail too);
+  - "RuntimeError: Event loop is closed" through sys.unraisablehook, or sys.excepthook when
+    tensorstore's thread prints it (its pending callbacks hit orbax's closed asyncio loop).
+
+  The caller reports the failure in one line. The hooks chain to the ones that were there (every
+  other error, and every error once removed, reaches them); `remove` puts those back, unless a
+  later hook was installed over this one: then this one stays in the chain and passes all on.
+  """
+
+  def __init__(self):
+    self._installed = False
+    self._previous_unraisable: Any = None
+    self._previous_except: Any = None
+    # One object each, so that `sys.excepthook is self._except_hook` finds them again; the log
+    # filters are this instance's own, so that removing them leaves another instance's in place.
+    self._unraisable_hook = self._on_unraisable
+    self._except_hook = self._on_exception
+    self._absl_filter = functools.partial(_drop_thread_error_logs)
+    self._asyncio_filter = functools.partial(_drop_unretrieved_futures)
+
+  def _on_unraisable(self, unraisable: Any) -> None:
+    if not (self._installed and _is_closed_loop_error(unraisable.exc_value)):
+      self._previous_unraisable(unraisable)
+
+  def _on_exception(self, exc_type: Any, exc: BaseException, tb: Any) -> None:
+    if not (self._installed and _is_closed_loop_error(exc)):
+      self._previous_except(exc_type, exc, tb)
+
+  def install(self) -> None:
+    if self._installed:
+      return
+    logging.getLogger("absl").addFilter(self._absl_filter)
+    logging.getLogger("asyncio").addFilter(self._asyncio_filter)
+    self._previous_unraisable, self._previous_except = sys.unraisablehook, sys.excepthook
+    sys.unraisablehook, sys.excepthook = self._unraisable_hook, self._except_hook
+    self._installed = True
+
+  def remove(self) -> None:
+    if not self._installed:
+      return
+    self._installed = False
+    logging.getLogger("absl").removeFilter(self._absl_filter)
+    logging.getLogger("asyncio").removeFilter(self._asyncio_filter)
+    if sys.unraisablehook is self._unraisable_hook:
+      sys.unraisablehook = self._live_hook(self._previous_unraisable, "_previous_unraisable")
+    if sys.excepthook is self._except_hook:
+      sys.excepthook = self._live_hook(self._previous_except, "_previous_except")
+
+  @staticmethod
+  def _live_hook(hook: Any, previous: str) -> Any:
+    """`hook`, or the first hook below it that is not a removed filter's (filters removed out of
+    order leave no pass-through behind once the hooks above them are gone)."""
+    owner = getattr(hook, "__self__", None)
+    while isinstance(owner, _FailedIoNoiseFilter) and not owner._installed:
+      hook = getattr(owner, previous)
+      owner = getattr(hook, "__self__", None)
+    return hook
 
 
 class Checkpointer:
-  """Saves and restores (TrainState, meta JSON) pairs under `directory/<step>/` with orbax."""
+  """Saves and restores (TrainState, meta JSON) pairs under `directory/<step>/` with orbax.
+
+  While it is open (until `close`, or the end of a `with` block), the noise orbax's threads print
+  when a read or write fails is dropped (`_FailedIoNoiseFilter`): the failure is raised once.
+  """
 
   def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = None,
                read_only: bool = False):
@@ -301,6 +341,16 @@ class Checkpointer:
         cleanup_tmp_directories=not read_only)
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_names=("state", "meta"))
+    # Installed before any save starts: the callbacks can fire before the failure is raised.
+    self._noise_filter = _FailedIoNoiseFilter()
+    self._noise_filter.install()
+    self._failed = False
+
+  def __enter__(self) -> Checkpointer:
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()
 
   def steps(self) -> list[int]:
     """Steps of the finished checkpoints, ascending."""
@@ -320,8 +370,6 @@ class Checkpointer:
     meta = {"step": int(step), "data_iterator": data_state, "tree": tree_signature(state)}
     if step in self._manager.all_steps():
       return  # already saved (e.g. a stop request on a checkpoint step)
-    _quiet_orbax_thread_errors()
-    _silence_closed_loop_noise()
     try:
       self._manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
@@ -329,6 +377,7 @@ class Checkpointer:
     except Exception as e:  # orbax and tensorstore raise many types for a refused write
       code = write_errno(e, self.directory)
       reason = os.strerror(code) if code is not None else f"{type(e).__name__}: {_short(str(e))}"
+      self._failed = True
       self._discard_partial(step)
       raise CheckpointWriteError(code, f"could not write checkpoint step {step} in "
                                        f"{self.directory} ({reason})") from e
@@ -383,7 +432,7 @@ class Checkpointer:
       state = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract_state))).state
     except Exception as e:
-      _silence_closed_loop_noise()
+      self._failed = True
       time.sleep(0.2)  # let those callbacks fail now, under the filter, not at interpreter exit
       file = _file_in_error(str(e)) or str(step_dir / "state")
       raise CorruptCheckpointError(f"checkpoint step {step} is unreadable: file {file}: "
@@ -416,7 +465,13 @@ class Checkpointer:
     return f" (moved to {target})"
 
   def close(self) -> None:
-    self._manager.close()
+    """Closes orbax's manager and removes the noise filter (the hooks that were there return)."""
+    try:
+      self._manager.close()
+    finally:
+      if self._failed:  # the failed read's or write's unread futures: logged now, under the filter
+        gc.collect()
+      self._noise_filter.remove()
 
 
 def _mismatch_message(step: int, step_dir: pathlib.Path, stored: dict[str, str],

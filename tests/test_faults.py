@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import time
-import types
 
 import numpy as np
 import pytest
@@ -403,23 +402,26 @@ def test_unknown_lists_what_becomes_unk_for_every_tokenizer(tmp_path):
 def test_unretrieved_write_futures_are_not_logged_after_a_refused_write():
   # After a refused save, orbax's other write futures fail too; asyncio would log each as "Future
   # exception was never retrieved" on collection (a second stderr line beside the one error).
-  buffer = io.StringIO()
-  handler = logging.StreamHandler(buffer)
+  # The filter is on while a Checkpointer is open only: asyncio's own behaviour before and after.
+  buffers = {name: io.StringIO() for name in ("asyncio", "absl")}
+  handlers = {name: logging.StreamHandler(buffer) for name, buffer in buffers.items()}
+  for name, handler in handlers.items():
+    logging.getLogger(name).addHandler(handler)
   logger = logging.getLogger("asyncio")
-  logger.addHandler(handler)
-  # Any earlier save in this process installed the filter; start from asyncio's own behaviour.
-  logger.removeFilter(checkpoint._drop_unretrieved_futures)  # pylint: disable=protected-access
+  buffer = buffers["asyncio"]
 
   def failed_future():
     loop = asyncio.new_event_loop()
     loop.create_future().set_exception(OSError(errno.ENOSPC, "No space left on device"))
     loop.close()
+  noise_filter = checkpoint._FailedIoNoiseFilter()  # pylint: disable=protected-access
   try:
     failed_future()
     gc.collect()
     assert "Future exception was never retrieved" in buffer.getvalue()  # what asyncio does
     buffer.truncate(0)
-    checkpoint._silence_closed_loop_noise()  # pylint: disable=protected-access
+    buffer.seek(0)
+    noise_filter.install()
     failed_future()
     gc.collect()
     assert "never retrieved" not in buffer.getvalue()
@@ -427,20 +429,89 @@ def test_unretrieved_write_futures_are_not_logged_after_a_refused_write():
     assert "never retrieved" not in buffer.getvalue()
     logger.error("another asyncio error")  # other records still pass
     assert "another asyncio error" in buffer.getvalue()
+    # orbax's worker thread logs the failure with its traceback through absl: dropped too.
+    logging.getLogger("absl").error("Exception in thread: _SignalingThread.run() raised an "
+                                    "exception")
+    logging.getLogger("absl").error("another absl error")
+    assert buffers["absl"].getvalue() == "another absl error\n"
+    noise_filter.remove()
+    buffer.truncate(0)
+    buffer.seek(0)
+    failed_future()
+    gc.collect()
+    assert "Future exception was never retrieved" in buffer.getvalue()  # asyncio's own again
   finally:
-    logger.removeHandler(handler)
+    noise_filter.remove()
+    for name, handler in handlers.items():
+      logging.getLogger(name).removeHandler(handler)
+
+
+class _RaisesWhenCollected:
+  def __init__(self, exc: BaseException):
+    self.exc = exc
+
+  def __del__(self):
+    raise self.exc  # Python hands it to sys.unraisablehook
+
+
+def _print_errors():
+  """Sends the closed-loop error and three near misses through both hooks."""
+  for exc in (RuntimeError("Event loop is closed"), RuntimeError("Event loop is closed."),
+              ValueError("Event loop is closed"), RuntimeError("something else")):
+    sys.excepthook(type(exc), exc, None)
+    _RaisesWhenCollected(exc)
 
 
 def test_closed_loop_tracebacks_are_dropped_and_other_errors_kept(capsys, monkeypatch):
   # tensorstore's threads print "Event loop is closed" through sys.excepthook (PyErr_Print) or
-  # sys.unraisablehook while a refused save unwinds; only that exact error is dropped.
+  # sys.unraisablehook while a refused save unwinds; only that exact error is dropped, and only
+  # while the filter is installed.
   monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
   monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
-  checkpoint._silence_closed_loop_noise()  # pylint: disable=protected-access
+  noise_filter = checkpoint._FailedIoNoiseFilter()  # pylint: disable=protected-access
+  noise_filter.install()
+  _print_errors()
+  err = capsys.readouterr().err
+  assert "RuntimeError: Event loop is closed\n" not in err
+  assert err.count("RuntimeError: Event loop is closed.\n") == 2
+  assert err.count("ValueError: Event loop is closed\n") == 2
+  assert err.count("RuntimeError: something else\n") == 2
+  noise_filter.remove()
+  assert sys.excepthook is sys.__excepthook__ and sys.unraisablehook is sys.__unraisablehook__
+  _print_errors()
+  assert capsys.readouterr().err.count("RuntimeError: Event loop is closed\n") == 2
+
+
+def test_noise_filter_lives_while_a_checkpointer_is_open(tmp_path, capsys, monkeypatch):
+  def previous_except(exc_type, exc, tb):
+    print(f"previous: {exc}", file=sys.stderr)
+  monkeypatch.setattr(sys, "excepthook", previous_except)
+  monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
   closed = RuntimeError("Event loop is closed")
+  with checkpoint.Checkpointer(tmp_path / "a") as first:
+    assert sys.excepthook is not previous_except
+    sys.excepthook(RuntimeError, closed, None)
+    sys.excepthook(RuntimeError, RuntimeError("other"), None)  # chained to the previous hook
+    assert capsys.readouterr().err == "previous: other\n"
+    second = checkpoint.Checkpointer(tmp_path / "b")
+    first.close()  # out of order: the second one's hooks stay, and still filter
+    sys.excepthook(RuntimeError, closed, None)
+    assert capsys.readouterr().err == ""
+    second.close()
+  assert sys.excepthook is previous_except and sys.unraisablehook is sys.__unraisablehook__
   sys.excepthook(RuntimeError, closed, None)
-  sys.unraisablehook(types.SimpleNamespace(exc_type=RuntimeError, exc_value=closed,
-                                           exc_traceback=None, err_msg=None, object=None))
-  assert capsys.readouterr().err == ""
-  sys.excepthook(RuntimeError, RuntimeError("something else"), None)
-  assert "something else" in capsys.readouterr().err
+  assert capsys.readouterr().err == "previous: Event loop is closed\n"
+
+  # A hook installed over an open Checkpointer's keeps working after it closes (the closed one
+  # passes everything on).
+  third = checkpoint.Checkpointer(tmp_path / "c")
+  below = sys.excepthook
+
+  def later_hook(exc_type, exc, tb):
+    print("later", file=sys.stderr)
+    below(exc_type, exc, tb)
+  sys.excepthook = later_hook
+  third.close()
+  assert sys.excepthook is later_hook
+  sys.excepthook(RuntimeError, closed, None)
+  assert capsys.readouterr().err == "later\nprevious: Event loop is closed\n"

@@ -46,8 +46,8 @@ def test_predict_returns_the_sown_weights_of_the_pooling(kernel):
 
 def test_weights_are_sown_at_the_top_module_path():
   task, params = _task("gaussian")
-  _, state = task.model.apply({"params": params}, task._x[:3], task._x, task._y,  # pylint: disable=protected-access
-                              mutable=["intermediates"])
+  x, y = task.data.x_train, task.data.y_train
+  _, state = task.model.apply({"params": params}, x[:3], x, y, mutable=["intermediates"])
   maps = sown.sown_values(state["intermediates"])
   assert list(maps) == ["."] and len(maps["."]) == 1
   assert maps["."][0].shape == (3, len(task.data.x_train))
