@@ -4,12 +4,20 @@ Config convention (every model family follows it):
 
 - A config file defines `get_config(arg: str | None = None) -> ml_collections.ConfigDict`. It starts
   from `base_config()` (the fields every run has), sets `task`, fills `model` and `data`, and ends
-  with `return finalize(config, arg, runlocal=...)`. Its docstring holds the command that launches
-  it.
+  with `return finalize(config, arg, runlocal=..., shortcuts=SHORTCUTS)`. Its docstring holds the
+  command that launches it and its shortcuts.
 - `arg` is `key=value,key=value` (what follows the `:` in `--config=configs/x.py:arg`). Values are
   typed from the defaults (`num_train_steps=50` is an int, `optimizer.learning_rate=3e-4` a float,
   `runlocal=True` a bool, `model.score=dot` a string, `model.dims=(64,64)` a tuple); nested keys use
   dots; an unknown key or a value of the wrong type raises `ConfigError` listing the valid keys.
+- Shortcuts: a config file declares a small table of short keys (`shortcut_table`) and passes it
+  to `finalize`. The shared ones mean the same thing in every family that has them (SHORTCUTS):
+  `dataset=`/`task=` (data.name), `attention=` (model.attention), `score=` (model.score), `size=`
+  (model.size), `implementation=`, `tokenizer=`; a family may add its own (BERT: `mode=`,
+  `pretrained=`; Nadaraya-Watson: `kernel=`). The file's docstring lists its table.
+- One name per concept across families: data.num_train / data.num_eval (examples used),
+  model.dropout_rate / model.attention_dropout_rate; modules take `deterministic=` (Flax's name).
+  Keys renamed since older runs (RENAMED) still load from their config.json.
 - `runlocal=True` shrinks the run to seconds: `finalize` applies `RUNLOCAL` (few steps, small
   batches, frequent logs and checkpoints) and then the file's own `runlocal` overrides (small model
   and data); keys given explicitly in `arg` always win over both.
@@ -23,6 +31,7 @@ Config convention (every model family follows it):
 from __future__ import annotations
 
 import ast
+import copy
 import difflib
 import importlib.util
 import json
@@ -160,22 +169,82 @@ def parse_arg(arg: str | None) -> list[tuple[str, str]]:
   return pairs
 
 
-def dataset_from_arg(arg: str | None, datasets, default: str) -> tuple[str, str | None]:
-  """(dataset name, `arg` with the `task=<dataset>` shorthand rewritten to `data.name=<dataset>`).
+# ---------------------------------------------------------------------------------------------------
+# Shortcuts: short arg keys
 
-  For config files whose defaults depend on the dataset: they read the name first, apply that
-  dataset's presets, then the rest of `arg`. Raises ConfigError listing `datasets` for others.
+
+# A shortcut stands for a config key ("size" -> "model.size"), or is a function
+# `apply(config, value_text)` that sets what the short key means in that config file (e.g. BERT's
+# `size=mini` sets four model fields) and raises ConfigError for a bad value.
+Shortcut = Any  # str | Callable[[ConfigDict, str], None]
+
+# The short keys that mean the same thing in every config file that offers them. A config file
+# takes the ones that apply to its family with `shortcut_table(...)` and passes it to `finalize`.
+SHORTCUTS: dict[str, str] = {
+    # The data set (a config whose defaults depend on it reads it first with `arg_value`).
+    "dataset": "data.name",
+    # The same: `task=marathi` reads as "the marathi task" (where a file offers this shortcut, the
+    # `task` field itself is the file's own business).
+    "task": "data.name",
+    # Attention variant of the RNN decoder: none, bahdanau, luong.
+    "attention": "model.attention",
+    # Attention score function (attnlab.attention.scores).
+    "score": "model.score",
+    # Size preset of the model.
+    "size": "model.size",
+    # attend() implementation: auto, reference, xla, blocked, cudnn.
+    "implementation": "model.implementation",
+    # Tokenizer of the data.
+    "tokenizer": "data.tokenizer",
+}
+
+
+def shortcut_table(*names: str, **own: Shortcut) -> dict[str, Shortcut]:
+  """A config file's shortcut table: the shared `names` of SHORTCUTS plus the file's `own`.
+
+  An own shortcut may reuse a shared name only as a function that gives it the same meaning in a
+  family without that field (BERT's `size` sets the encoder's dimensions; it has no model.size).
   """
-  name, parts = default, []
-  for key, value in parse_arg(arg):
-    if key == "task" and value in datasets:
-      key = "data.name"
-    if key == "data.name":
-      if value not in datasets:
-        raise ConfigError(f"unknown data.name {value!r}; valid datasets: {', '.join(datasets)}")
-      name = value
-    parts.append(f"{key}={value}")
-  return name, ",".join(parts) or None
+  table: dict[str, Shortcut] = {}
+  for name in names:
+    if name not in SHORTCUTS:
+      raise ValueError(f"{name!r} is not a shared shortcut; shared: {', '.join(SHORTCUTS)}")
+    table[name] = SHORTCUTS[name]
+  for name, target in own.items():
+    if name in SHORTCUTS and isinstance(target, str) and target != SHORTCUTS[name]:
+      raise ValueError(f"shortcut {name!r} means {SHORTCUTS[name]} in every config file; "
+                       f"give {target} another short name")
+    table[name] = target
+  return table
+
+
+def describe_shortcuts(table: Mapping[str, Shortcut] | None) -> str:
+  """"size (= model.size), mode" for error messages."""
+  return ", ".join(f"{name} (= {target})" if isinstance(target, str) else name
+                   for name, target in (table or {}).items())
+
+
+def arg_value(arg: str | None, key: str, default: str,
+              table: Mapping[str, Shortcut] | None = None) -> str:
+  """The text `arg` gives `key` (the last one, directly or through a shortcut of `table`).
+
+  For config files whose defaults depend on a value (the data set, BERT's mode): they read it
+  first, build the defaults for it, then `finalize` applies the whole arg.
+  """
+  value = default
+  for name, text in parse_arg(arg):
+    if name == key or (table or {}).get(name) == key:
+      value = text
+  return value
+
+
+def check_choice(key: str, value: str, valid: Iterable[str], plural: str = "") -> str:
+  """`value` if it is one of `valid`, else ConfigError "unknown KEY 'x'; valid PLURAL: a, b"."""
+  valid = tuple(valid)
+  if value not in valid:
+    raise ConfigError(f"unknown {key} {value!r}; valid{' ' + plural if plural else ''}: "
+                      f"{', '.join(valid)}")
+  return value
 
 
 def flatten(config: Mapping[str, Any] | ConfigDict, prefix: str = "") -> dict[str, Any]:
@@ -191,11 +260,16 @@ def flatten(config: Mapping[str, Any] | ConfigDict, prefix: str = "") -> dict[st
   return flat
 
 
-def _unknown_key(key: str, config: ConfigDict) -> ConfigError:
+def _unknown_key(key: str, config: ConfigDict,
+                 table: Mapping[str, Shortcut] | None = None) -> ConfigError:
   valid = sorted(flatten(config))
-  close = difflib.get_close_matches(key, valid, n=1)
+  if key in RENAMED and RENAMED[key] in valid:
+    return ConfigError(f"config key {key!r} is now called {RENAMED[key]!r}; write "
+                       f"{RENAMED[key]}=... instead")
+  close = difflib.get_close_matches(key, valid + list(table or {}), n=1)
   hint = f" (did you mean {close[0]!r}?)" if close else ""
-  return ConfigError(f"unknown config key {key!r}{hint}; valid keys: {', '.join(valid)}")
+  short = f"; shortcuts: {describe_shortcuts(table)}" if table else ""
+  return ConfigError(f"unknown config key {key!r}{hint}{short}; valid keys: {', '.join(valid)}")
 
 
 def get_value(config: ConfigDict, key: str) -> Any:
@@ -289,10 +363,32 @@ def _type_ok(value: Any, default: Any) -> bool:
   return isinstance(value, type(default))
 
 
-def apply_args(config: ConfigDict, pairs: Iterable[tuple[str, str]]) -> ConfigDict:
-  """Applies parsed `key=value` string pairs, typing each value from the field's default."""
+def _exists(config: ConfigDict, key: str) -> bool:
+  """Whether the dotted `key` names a field or a group of `config`."""
+  node = config
+  for part in key.split("."):
+    if not isinstance(node, ConfigDict) or part not in node:
+      return False
+    node = node[part]
+  return True
+
+
+def apply_args(config: ConfigDict, pairs: Iterable[tuple[str, str]],
+               table: Mapping[str, Shortcut] | None = None) -> ConfigDict:
+  """Applies parsed `key=value` string pairs, typing each value from the field's default.
+
+  A key of the shortcut `table` applies its target: the config key it stands for, or its
+  function. An unknown key raises ConfigError naming the shortcuts and the valid keys.
+  """
+  table = table or {}
   for key, text in pairs:
-    set_value(config, key, text)
+    target = table.get(key, key)
+    if callable(target):
+      target(config, text)
+    elif target == key and not _exists(config, key):
+      raise _unknown_key(key, config, table)
+    else:
+      set_value(config, target, text)
   return config
 
 
@@ -304,7 +400,8 @@ def apply_overrides(config: ConfigDict, overrides: Mapping[str, Any]) -> ConfigD
 
 
 def finalize(config: ConfigDict, arg: str | None,
-             runlocal: Mapping[str, Any] | None = None) -> ConfigDict:
+             runlocal: Mapping[str, Any] | None = None,
+             shortcuts: Mapping[str, Shortcut] | None = None) -> ConfigDict:
   """Applies `arg` to the defaults in `config`, then the runlocal shrink if `runlocal=True`.
 
   Args:
@@ -312,22 +409,25 @@ def finalize(config: ConfigDict, arg: str | None,
     arg: `key=value,...` from the command line (or None).
     runlocal: the config file's own overrides for runlocal=True (small model/data), applied after
       the generic `RUNLOCAL` ones; explicit `arg` keys win over both.
+    shortcuts: the file's short keys (`shortcut_table(...)`): {short: config key, or a function
+      `apply(config, value_text)`}; `arg` may use them beside the full keys.
   Returns:
     The config (not locked: the flag library locks it).
   """
   pairs = parse_arg(arg)
-  apply_args(config, pairs)
+  apply_args(config, pairs, shortcuts)
   if config.runlocal:
     for key, value in RUNLOCAL.items():
       node, leaf = _lookup(config, key)
       set_value(config, key, min(node[leaf], value))
     apply_overrides(config, dict(runlocal or {}))
-    apply_args(config, pairs)
+    apply_args(config, pairs, shortcuts)
   return config
 
 
 def validate(config: ConfigDict) -> None:
-  """Checks the common fields; raises ConfigError saying what to change."""
+  """Checks the common fields and the attention score and implementation names (the one place
+  they are checked); raises ConfigError saying what to change."""
   def need(ok: bool, message: str) -> None:
     if not ok:
       raise ConfigError(message)
@@ -362,6 +462,36 @@ def validate(config: ConfigDict) -> None:
        f"or optimizer.weight_decay=0")
   need(opt.get("decay", "all") in DECAYS,
        f"unknown optimizer.decay {opt.get('decay')!r}; valid: {', '.join(DECAYS)}")
+  _validate_attention(config.get("model"))
+
+
+def _validate_attention(model: ConfigDict | None) -> None:
+  """Checks model.score and model.implementation, where the model has them.
+
+  The one check of these names: models and layers take them as given (a bad name passed to them
+  directly still fails in attnlab.attention, naming the valid ones).
+  """
+  if not isinstance(model, ConfigDict) or ("score" not in model
+                                           and "implementation" not in model):
+    return
+  # Imported here: reading a config file stays free of JAX.
+  from attnlab.attention import core  # pylint: disable=g-import-not-at-top
+  from attnlab.attention import scores  # pylint: disable=g-import-not-at-top
+  score = model.get("score")
+  if score is not None and score not in scores.SCORE_FNS:
+    raise ConfigError(f"unknown model.score {score!r}; valid scores: "
+                      f"{', '.join(scores.SCORE_FNS)}")
+  implementation = model.get("implementation")
+  if implementation is None:
+    return
+  if implementation not in core.IMPLEMENTATIONS:
+    raise ConfigError(f"unknown model.implementation {implementation!r}; valid implementations: "
+                      f"{', '.join(core.IMPLEMENTATIONS)}")
+  if implementation not in ("auto", "reference") and score is not None \
+      and score not in core.FAST_SCORES:
+    raise ConfigError(f"model.implementation={implementation} supports only the scores "
+                      f"{', '.join(core.FAST_SCORES)}, not {score!r}; use implementation=auto "
+                      f"or reference for other scores")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -420,8 +550,47 @@ def to_jsonable(config: ConfigDict | Mapping[str, Any]) -> dict[str, Any]:
 
 
 def from_jsonable(data: Mapping[str, Any]) -> ConfigDict:
-  """Inverse of `to_jsonable` (lists stay lists)."""
-  return ConfigDict(dict(data))
+  """Inverse of `to_jsonable` (lists stay lists); keys of older versions get their RENAMED names."""
+  return ConfigDict(rename_old_keys(data))
+
+
+# Config keys renamed after runs existed: old key -> current key. A config.json holding an old key
+# reads with the current one (`from_jsonable`); an old key in an arg or flag gets one line naming
+# the current key.
+RENAMED: dict[str, str] = {
+    # GPT.
+    "model.dropout": "model.dropout_rate",
+    "model.attention_dropout": "model.attention_dropout_rate",
+    # GPT (addition); BERT pretraining's held-out pairs.
+    "data.num_train_examples": "data.num_train",
+    "data.num_eval_examples": "data.num_eval",
+    # BERT fine-tuning.
+    "data.max_train_examples": "data.num_train",
+    "data.max_eval_examples": "data.num_eval",
+}
+
+
+def rename_old_keys(data: Mapping[str, Any]) -> dict[str, Any]:
+  """A copy of the nested dict `data` with the RENAMED keys under their current names."""
+  out = copy.deepcopy(dict(data.to_dict() if isinstance(data, ConfigDict) else data))
+
+  def group_of(key: str, create: bool) -> tuple[dict[str, Any] | None, str]:
+    node, parts = out, key.split(".")
+    for part in parts[:-1]:
+      if not isinstance(node.get(part), dict):
+        if not create:
+          return None, parts[-1]
+        node[part] = {}
+      node = node[part]
+    return node, parts[-1]
+
+  for old, new in RENAMED.items():
+    group, leaf = group_of(old, create=False)
+    if group is not None and leaf in group:
+      value = group.pop(leaf)
+      target, new_leaf = group_of(new, create=True)
+      target.setdefault(new_leaf, value)
+  return out
 
 
 # Fields added to base_config after runs existed: absent from an old config.json, they read as these
@@ -438,7 +607,8 @@ RESUMABLE_KEYS = ("allow_config_change", "write_plots", "mesh.data", "mesh.fsdp"
 def config_diff(old: Mapping[str, Any], new: Mapping[str, Any],
                 ignore: Iterable[str] = RESUMABLE_KEYS) -> list[str]:
   """Human-readable differences "key: old -> new" between two JSON-able configs."""
-  flat_old, flat_new = flatten(to_jsonable(old)), flatten(to_jsonable(new))
+  flat_old = flatten(to_jsonable(rename_old_keys(old)))
+  flat_new = flatten(to_jsonable(rename_old_keys(new)))
   flat_old = {**ADDED_DEFAULTS, **flat_old}
   flat_new = {**ADDED_DEFAULTS, **flat_new}
   skip = set(ignore)

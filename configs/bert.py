@@ -1,10 +1,12 @@
 """BERT: MLM + NSP pretraining (task "masked_lm") and SST-2 [CLS] fine-tuning ("classification").
 
-Config args (besides any field, e.g. `optimizer.learning_rate=1e-4`):
-  mode=pretrain|finetune   which task (default pretrain)
-  size=tiny|mini|test      encoder size (attnlab.models.bert.SIZES; tiny = BERT-Tiny 2x128,
-                           mini = BERT-Mini 4x256; test = seconds on a CPU, the runlocal default)
-  score=NAME               attention score (dot, scaled_dot, cosine, general, additive, location)
+Shortcuts in the arg (besides any field, e.g. `optimizer.learning_rate=1e-4`; score and size are
+the names every config file uses):
+  mode=pretrain|finetune   which task: task=masked_lm or classification (default pretrain)
+  size=tiny|mini|test      encoder size (attnlab.models.SIZES["bert"]; tiny = BERT-Tiny 2x128,
+                           mini = BERT-Mini 4x256; test = seconds on a CPU, the runlocal default):
+                           sets model.num_layers, d_model, num_heads, mlp_dim
+  score=NAME               = model.score (dot, scaled_dot, cosine, general, additive, location)
   pretrained=DIR           (finetune) start from the encoder of run DIR, e.g. a checkpoint imported
                            with `attnlab import-hf`: sets init_from=DIR and copies DIR's encoder
                            fields (model.*) and tokenizer fields (data.*) so that they match
@@ -31,12 +33,10 @@ import os
 from attnlab import config_utils
 from attnlab import models
 
-# Values of the `mode` arg -> task name.
+# Values of the `mode` shortcut -> task name.
 MODES = {"pretrain": "masked_lm", "finetune": "classification"}
 # Encoder sizes (attnlab.models imports no JAX, so reading a config stays cheap).
 SIZES = models.SIZES["bert"]
-# Arg keys handled by this file rather than by config fields.
-SHORTCUTS = ("mode", "size", "score", "pretrained")
 # Fields that `pretrained=DIR` copies from DIR/config.json (when DIR's config has them).
 PRETRAINED_FIELDS = ("model.num_layers", "model.d_model", "model.num_heads", "model.mlp_dim",
                      "model.max_len", "model.score", "model.activation", "model.norm_position",
@@ -52,40 +52,51 @@ def _pretrained_fields(workdir: str) -> dict:
     raise config_utils.ConfigError(f"pretrained={workdir}: no config.json there; give the "
                                    f"--workdir of a masked_lm run or of `attnlab import-hf`")
   with open(path, encoding="utf-8") as f:
-    stored = config_utils.flatten(json.load(f))
+    stored = config_utils.flatten(config_utils.rename_old_keys(json.load(f)))
   if stored.get("task") != "masked_lm":
     raise config_utils.ConfigError(f"pretrained={workdir} is a {stored.get('task')!r} run; a "
                                    f"masked_lm run (BERT pretraining or import) is needed")
   return {key: stored[key] for key in PRETRAINED_FIELDS if key in stored}
 
 
-def _shortcuts(arg: str | None) -> tuple[dict[str, str], str]:
-  """Splits mode/size/score out of `arg`; returns ({shortcut: value}, the remaining arg)."""
-  found, rest = {}, []
-  for key, value in config_utils.parse_arg(arg):
-    if key in SHORTCUTS:
-      found[key] = value
-    else:
-      rest.append(f"{key}={value}")
-  if found.get("mode", "pretrain") not in MODES:
-    raise config_utils.ConfigError(f"unknown mode {found['mode']!r}; valid modes: "
-                                   f"{', '.join(MODES)}")
-  if "pretrained" in found and found.get("mode") != "finetune":
+def _set_mode(config, mode: str) -> None:
+  """mode=pretrain|finetune: the task (get_config has read it first to build its defaults)."""
+  config.task = MODES[config_utils.check_choice("mode", mode, MODES, "modes")]
+
+
+def _set_size(config, size: str) -> None:
+  """size=NAME: the encoder dimensions of that preset (BERT configs have no model.size)."""
+  dims = SIZES[config_utils.check_choice("size", size, SIZES, "sizes")]
+  config_utils.apply_overrides(config, {f"model.{key}": value for key, value in dims.items()})
+
+
+def _set_pretrained(config, workdir: str) -> None:
+  """pretrained=DIR: init_from=DIR and DIR's encoder and tokenizer fields (PRETRAINED_FIELDS)."""
+  if config.task != MODES["finetune"]:
     raise config_utils.ConfigError("pretrained=DIR goes with mode=finetune")
-  if found.get("size", "tiny") not in SIZES:
-    raise config_utils.ConfigError(f"unknown size {found['size']!r}; valid sizes: "
-                                   f"{', '.join(SIZES)}")
-  return found, ",".join(rest)
+  config.init_from = workdir
+  for key, value in _pretrained_fields(workdir).items():
+    section, field = key.split(".")
+    config[section][field] = value  # adds the fields an imported run has
+  config.data.max_len = min(config.data.max_len, config.model.max_len)
+
+
+# Short arg keys (config_utils.shortcut_table; `score` and `size` mean what they mean in every
+# config file). Under runlocal=True, finalize applies them again after the runlocal overrides, so
+# a pretrained run's fields win over those.
+SHORTCUTS = config_utils.shortcut_table("score", mode=_set_mode, size=_set_size,
+                                        pretrained=_set_pretrained)
 
 
 def get_config(arg: str | None = None):
-  """`arg`: key=value,... with the shortcuts mode, size, score (module docstring) and any field."""
-  shortcuts, rest = _shortcuts(arg)
-  mode = shortcuts.get("mode", "pretrain")
+  """`arg`: key=value,... with the shortcuts mode, size, score, pretrained (module docstring)."""
+  mode = config_utils.check_choice("mode", config_utils.arg_value(arg, "mode", "pretrain"), MODES,
+                                   "modes")
   pretrain = mode == "pretrain"
-  given = dict(config_utils.parse_arg(rest))
-  runlocal = config_utils.parse_value("runlocal", given.get("runlocal", "False"), False)
-  size = shortcuts.get("size", "test" if runlocal else "tiny")
+  runlocal = config_utils.parse_value("runlocal", config_utils.arg_value(arg, "runlocal", "False"),
+                                      False)
+  # The default size; a size= in the arg applies in finalize.
+  size = "test" if runlocal else "tiny"
 
   config = config_utils.base_config()
   config.task = MODES[mode]
@@ -124,7 +135,7 @@ def get_config(arg: str | None = None):
   # Dropout on the attention weights (runs the reference attention path while training).
   model.attention_dropout_rate = 0.1
   # Attention score name (attnlab.attention.scores.SCORE_FNS).
-  model.score = shortcuts.get("score", "scaled_dot")
+  model.score = "scaled_dot"
   # attend() implementation: auto, reference, xla, blocked.
   model.implementation = "auto"
   # MLP activation: gelu (BERT), gelu_tanh, relu.
@@ -163,28 +174,20 @@ def get_config(arg: str | None = None):
     # Fraction of each batch that is single SST-2 sentences (MLM only; corpus with +sst2).
     data.single_fraction = 0.5
     # Held-out pairs from Tiny Shakespeare's validation split (fixed masks).
-    data.num_eval_examples = 1024
+    data.num_eval = 1024
     # Seed of the held-out pairs and masks.
     data.eval_seed = 0
   else:
     # Use only the first N SST-2 training sentences (0 = all 67,349).
-    data.max_train_examples = 0
+    data.num_train = 0
     # Use only the first N validation sentences (0 = all 872).
-    data.max_eval_examples = 0
+    data.num_eval = 0
 
   local = {"model.max_len": 32, "model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0,
            "data.vocab_size": 400, "data.max_documents": 400, "data.max_extra_sentences": 400,
            "data.max_len": 32, "data.eval_batch_size": 32, "optimizer.warmup_steps": 2}
   if pretrain:
-    local.update({"data.max_predictions": 5, "data.num_eval_examples": 32})
+    local.update({"data.max_predictions": 5, "data.num_eval": 32})
   else:
-    local.update({"data.max_train_examples": 200, "data.max_eval_examples": 40})
-  if "pretrained" in shortcuts:
-    config.init_from = shortcuts["pretrained"]
-    for key, value in _pretrained_fields(shortcuts["pretrained"]).items():
-      section, field = key.split(".")
-      config[section][field] = value  # adds the fields an imported run has
-      local.pop(key, None)  # the pretrained run's values win over runlocal's
-    config.data.max_len = min(config.data.max_len, config.model.max_len)
-    local["data.max_len"] = min(local["data.max_len"], config.model.max_len)
-  return config_utils.finalize(config, rest, runlocal=local)
+    local.update({"data.num_train": 200, "data.num_eval": 40})
+  return config_utils.finalize(config, arg, runlocal=local, shortcuts=SHORTCUTS)

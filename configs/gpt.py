@@ -17,31 +17,21 @@ in every attention layer) instead of a learned position table; `model.position=l
 nanoGPT's architecture exactly (experiments/shakespeare/README.md compares them).
 The experiment with plots: python experiments/shakespeare/run.py
 
-Short keys in the arg: size, score, implementation, dataset, tokenizer (= model.size,
-model.score, model.implementation, data.name, data.tokenizer). Tiny Shakespeare is read from
-data.manual_dir, else $ATTNLAB_DATA_DIR/tinyshakespeare/, else downloaded (see attnlab.data).
+Shortcuts in the arg (besides any field; the same names as in the other config files):
+  size=nano|small|tiny            = model.size
+  score=NAME                      = model.score (dot, scaled_dot, cosine, general, additive, ...)
+  implementation=NAME             = model.implementation (auto, reference, xla, blocked, cudnn)
+  dataset=NAME, or task=NAME      = data.name (tiny_shakespeare, addition)
+  tokenizer=char|subword          = data.tokenizer
+Tiny Shakespeare is read from data.manual_dir, else $ATTNLAB_DATA_DIR/tinyshakespeare/, else
+downloaded (see attnlab.data).
 """
 
 from attnlab import config_utils
 
-# Short arg keys -> config keys.
-ALIASES = {
-    "size": "model.size",
-    "score": "model.score",
-    "implementation": "model.implementation",
-    "dataset": "data.name",
-    "tokenizer": "data.tokenizer",
-}
-
-
-def _expand_aliases(arg: str | None) -> str | None:
-  """Rewrites short keys ("size=small") to their config keys ("model.size=small")."""
-  if not arg:
-    return arg
-  parts = []
-  for key, value in config_utils.parse_arg(arg):
-    parts.append(f"{ALIASES.get(key, key)}={value}")
-  return ",".join(parts)
+# Short arg keys (config_utils.SHORTCUTS: one meaning in every config file).
+SHORTCUTS = config_utils.shortcut_table("size", "score", "implementation", "dataset", "task",
+                                        "tokenizer")
 
 
 def get_config(arg: str | None = None):
@@ -88,9 +78,9 @@ def get_config(arg: str | None = None):
   # Biases in Dense layers and LayerNorms.
   config.model.use_bias = False
   # Dropout on embeddings and residual branches.
-  config.model.dropout = 0.0
+  config.model.dropout_rate = 0.0
   # Dropout on the attention weights (runs the reference attention path while training).
-  config.model.attention_dropout = 0.0
+  config.model.attention_dropout_rate = 0.0
 
   # Dataset: tiny_shakespeare or addition.
   config.data.name = "tiny_shakespeare"
@@ -109,9 +99,9 @@ def get_config(arg: str | None = None):
   # Validation windows to evaluate (0: every non-overlapping window of the validation text).
   config.data.eval_windows = 0
   # addition: training sums.
-  config.data.num_train_examples = 100_000
+  config.data.num_train = 100_000
   # addition: validation sums (exact-answer accuracy).
-  config.data.num_eval_examples = 1000
+  config.data.num_eval = 1000
   # addition: fewest digits per operand.
   config.data.min_digits = 1
   # addition: most digits per operand.
@@ -134,8 +124,8 @@ def get_config(arg: str | None = None):
       "model.size": "tiny",
       "optimizer.warmup_steps": 2,
       "data.eval_windows": 64,
-      "data.num_train_examples": 2000,
-      "data.num_eval_examples": 64,
+      "data.num_train": 2000,
+      "data.num_eval": 64,
       "generate.num_tokens": 40,
   }
-  return config_utils.finalize(config, _expand_aliases(arg), runlocal=runlocal)
+  return config_utils.finalize(config, arg, runlocal=runlocal, shortcuts=SHORTCUTS)

@@ -2,17 +2,22 @@
 
 Launch (from the repository root):
   python -m attnlab.main --config=configs/nadaraya_watson.py --workdir=runs/nw
-  attnlab train --config=configs/nadaraya_watson.py:model.kernel=gaussian --workdir=runs/nw_gaussian
+  attnlab train --config=configs/nadaraya_watson.py:kernel=gaussian --workdir=runs/nw_gaussian
 A seconds-long check of the whole pipeline:
   attnlab train --config=configs/nadaraya_watson.py:runlocal=True --workdir=/tmp/nw_local
 The study with all three kernels, plots included: python experiments/nadaraya_watson/run.py
+
+Shortcuts in the arg (besides any field): kernel=average|gaussian|learned (= model.kernel).
 """
 
 from attnlab import config_utils
 
+# Short arg keys (config_utils.shortcut_table): this family has no data set, score or size choice.
+SHORTCUTS = config_utils.shortcut_table(kernel="model.kernel")
+
 
 def get_config(arg: str | None = None):
-  """`arg`: key=value,... typed from the defaults below (e.g. "runlocal=True,model.kernel=average")."""
+  """`arg`: key=value,... typed from the defaults below (e.g. "runlocal=True,kernel=average")."""
   config = config_utils.base_config()
   # The task in attnlab/tasks/regression.py.
   config.task = "regression"
@@ -49,4 +54,4 @@ def get_config(arg: str | None = None):
   # Seed of the data set; -1 = use the run's seed (so a sweep over seeds also redraws the data).
   config.data.seed = -1
 
-  return config_utils.finalize(config, arg, runlocal={"data.num_train": 50})
+  return config_utils.finalize(config, arg, runlocal={"data.num_train": 50}, shortcuts=SHORTCUTS)

@@ -2,10 +2,10 @@
 
 Launch (from the repository root):
   attnlab train --config=configs/seq2seq.py --workdir=runs/dates              # dates, Bahdanau
-  attnlab train --config=configs/seq2seq.py:data.name=marathi --workdir=runs/marathi
-  attnlab train --config=configs/seq2seq.py:data.name=reverse,data.max_len=30,model.attention=none \
+  attnlab train --config=configs/seq2seq.py:task=marathi --workdir=runs/marathi
+  attnlab train --config=configs/seq2seq.py:task=reverse,data.max_len=30,attention=none \
       --workdir=runs/reverse_none
-  attnlab train --config=configs/seq2seq.py:model.attention=luong,model.score=general,model.window=local \
+  attnlab train --config=configs/seq2seq.py:attention=luong,score=general,model.window=local \
       --workdir=runs/dates_luong
 A seconds-long check of the whole pipeline:
   attnlab train --config=configs/seq2seq.py:runlocal=True --workdir=/tmp/s2s_local
@@ -14,12 +14,20 @@ Translate with a trained run (prints the output, saves the alignment heatmap):
 Studies built on it: experiments/dates, experiments/bottleneck, experiments/score_functions,
 experiments/marathi (each: README + run.py).
 
-The dataset is chosen in the arg (`data.name=dates|marathi|reverse|copy`, or the shorthand
-`task=marathi`): it picks that dataset's defaults (tokenizer, sizes, steps) before the other keys
-apply. Setting `--config.data.name` afterwards switches the data but keeps the dates defaults.
+Shortcuts in the arg (besides any field; the same names as in the other config files):
+  task=NAME, or dataset=NAME      = data.name (dates, marathi, reverse, copy)
+  attention=none|bahdanau|luong   = model.attention
+  score=NAME                      = model.score (dot, scaled_dot, cosine, general, additive, ...)
+
+The dataset is chosen in the arg (`task=marathi`, `dataset=marathi` or `data.name=marathi`): it
+picks that dataset's defaults (tokenizer, sizes, steps) before the other keys apply. Setting
+`--config.data.name` afterwards switches the data but keeps the dates defaults.
 """
 
 from attnlab import config_utils
+
+# Short arg keys (config_utils.SHORTCUTS: one meaning in every config file).
+SHORTCUTS = config_utils.shortcut_table("task", "dataset", "attention", "score")
 
 # data.name -> {key: value} applied over the defaults below before the arg.
 PRESETS = {
@@ -67,8 +75,10 @@ RUNLOCAL = {
 
 
 def get_config(arg: str | None = None):
-  """`arg`: key=value,... typed from the defaults below (e.g. "data.name=reverse,runlocal=True")."""
-  dataset, arg = config_utils.dataset_from_arg(arg, PRESETS, "dates")
+  """`arg`: key=value,... typed from the defaults below (e.g. "task=reverse,runlocal=True")."""
+  dataset = config_utils.check_choice(
+      "data.name", config_utils.arg_value(arg, "data.name", "dates", SHORTCUTS), PRESETS,
+      "datasets")
   config = config_utils.base_config()
   config.task = "translation"
   config.num_train_steps = 1500
@@ -162,4 +172,4 @@ def get_config(arg: str | None = None):
   config.decode.max_len = 0
 
   config_utils.apply_overrides(config, PRESETS[dataset])
-  return config_utils.finalize(config, arg, runlocal=RUNLOCAL)
+  return config_utils.finalize(config, arg, runlocal=RUNLOCAL, shortcuts=SHORTCUTS)

@@ -4,7 +4,7 @@ Launch (from the repository root):
   attnlab train --config=configs/transformer.py --workdir=runs/tf_dates               # dates
   attnlab train --config=configs/transformer.py:task=marathi --workdir=runs/tf_marathi
   attnlab train --config=configs/transformer.py:task=reverse --workdir=runs/tf_reverse
-  attnlab train --config=configs/transformer.py:model.size=tiny,model.score=additive,\
+  attnlab train --config=configs/transformer.py:size=tiny,score=additive,\
 model.position=learned,model.share_embeddings=target --workdir=runs/tf_dates_variant
 A seconds-long check of the whole pipeline:
   attnlab train --config=configs/transformer.py:runlocal=True --workdir=/tmp/tf_local
@@ -13,15 +13,25 @@ Translate with a trained run (prints the output, saves the cross-attention heatm
 Per-layer, per-head attention grids of a sentence pair:
   python experiments/rnn_vs_transformer/run.py --heatmaps=runs/tf_marathi
 
-The dataset is chosen in the arg (`task=dates|marathi|reverse|copy`, or `data.name=...`): it picks
-that dataset's data settings, which are those of configs/seq2seq.py (loaded from it, so the RNN
-and the Transformer read identical data; the `data.*` and `decode.*` fields are documented there),
-then this file's model and training defaults for that dataset, then the other keys of the arg.
+Shortcuts in the arg (besides any field; the same names as in the other config files):
+  task=NAME, or dataset=NAME      = data.name (dates, marathi, reverse, copy)
+  size=tiny|small|medium|base     = model.size
+  score=NAME                      = model.score (dot, scaled_dot, cosine, general, additive, ...)
+  implementation=NAME             = model.implementation (auto, reference, xla, blocked, cudnn)
+
+The dataset is chosen in the arg (`task=marathi`, `dataset=marathi` or `data.name=marathi`): it
+picks that dataset's data settings, which are those of configs/seq2seq.py (loaded from it, so the
+RNN and the Transformer read identical data; the `data.*` and `decode.*` fields are documented
+there), then this file's model and training defaults for that dataset, then the other keys of the
+arg.
 """
 
 import pathlib
 
 from attnlab import config_utils
+
+# Short arg keys (config_utils.SHORTCUTS: one meaning in every config file).
+SHORTCUTS = config_utils.shortcut_table("task", "dataset", "size", "score", "implementation")
 
 # The RNN translation config whose data and decode groups this config shares.
 SEQ2SEQ_CONFIG = pathlib.Path(__file__).resolve().parent / "seq2seq.py"
@@ -60,7 +70,9 @@ RUNLOCAL = {
 
 def get_config(arg: str | None = None):
   """`arg`: key=value,... typed from the defaults below (e.g. "task=reverse,runlocal=True")."""
-  dataset, arg = config_utils.dataset_from_arg(arg, DATASETS, "dates")
+  dataset = config_utils.check_choice(
+      "data.name", config_utils.arg_value(arg, "data.name", "dates", SHORTCUTS), DATASETS,
+      "datasets")
   shared = config_utils.load_config_file(f"{SEQ2SEQ_CONFIG}:data.name={dataset}")
   config = config_utils.base_config()
   config.task = "translation"
@@ -116,4 +128,4 @@ def get_config(arg: str | None = None):
   config.decode = shared.decode
 
   config_utils.apply_overrides(config, PRESETS[dataset])
-  return config_utils.finalize(config, arg, runlocal=RUNLOCAL)
+  return config_utils.finalize(config, arg, runlocal=RUNLOCAL, shortcuts=SHORTCUTS)

@@ -78,7 +78,7 @@ class _FixedAlignment(nn.Module):
   vocab: int = 8
 
   @nn.compact
-  def __call__(self, src, src_lengths, tgt_in, *, train=False):
+  def __call__(self, src, src_lengths, tgt_in, *, deterministic=True):
     t, s = tgt_in.shape[1], src.shape[1]
     weights = jax.nn.one_hot(jnp.clip(jnp.arange(t) + self.shift, 0, s - 1), s)  # [t, s]
     weights = jnp.broadcast_to(weights, (src.shape[0], t, s))  # [batch, t, s]

@@ -1,5 +1,7 @@
 """Config args, config errors and the command-line error paths (one line, non-zero status)."""
 
+import importlib.util
+import json
 import os
 import pathlib
 import subprocess
@@ -13,7 +15,10 @@ from attnlab import main as main_lib
 from attnlab import tasks
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-NW = str(REPO / "configs" / "nadaraya_watson.py")
+CONFIGS = REPO / "configs"
+NW = str(CONFIGS / "nadaraya_watson.py")
+GPT = str(CONFIGS / "gpt.py")
+SEQ2SEQ = str(CONFIGS / "seq2seq.py")
 
 
 def test_args_are_typed_from_defaults_and_nested_keys_work():
@@ -80,6 +85,148 @@ def test_config_diff_lists_changed_keys():
   assert config_utils.config_diff(old, b) == ["optimizer.decay: 'all' -> 'matrices'"]
 
 
+# ----------------------------------------------------------------------------- shortcuts
+
+# config file -> (an arg with shortcuts, the same arg with full keys).
+SHORTCUT_ARGS = {
+    "gpt.py": ("size=small,score=cosine,implementation=reference,dataset=addition,"
+               "tokenizer=subword",
+               "model.size=small,model.score=cosine,model.implementation=reference,"
+               "data.name=addition,data.tokenizer=subword"),
+    "seq2seq.py": ("task=reverse,attention=luong,score=general",
+                   "data.name=reverse,model.attention=luong,model.score=general"),
+    "transformer.py": ("dataset=reverse,size=tiny,score=additive,implementation=reference",
+                       "data.name=reverse,model.size=tiny,model.score=additive,"
+                       "model.implementation=reference"),
+    # mode= picks the task and its defaults: there is no full key for it.
+    "bert.py": ("mode=finetune,size=mini,score=additive",
+                "mode=finetune,model.num_layers=4,model.d_model=256,model.num_heads=4,"
+                "model.mlp_dim=1024,model.score=additive"),
+    "nadaraya_watson.py": ("kernel=gaussian", "model.kernel=gaussian"),
+}
+
+
+def _config_module(name):
+  spec = importlib.util.spec_from_file_location(f"test_config_{name[:-3]}", CONFIGS / name)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_every_config_file_declares_its_shortcuts_with_the_shared_meanings():
+  assert sorted(p.name for p in CONFIGS.glob("*.py")) == sorted(SHORTCUT_ARGS)
+  for name in SHORTCUT_ARGS:
+    table = _config_module(name).SHORTCUTS
+    assert table, name
+    for short, target in table.items():
+      if short in config_utils.SHORTCUTS and isinstance(target, str):
+        assert target == config_utils.SHORTCUTS[short], (name, short)
+  with pytest.raises(ValueError, match="means model.score in every config file"):
+    config_utils.shortcut_table(score="model.kernel")
+
+
+@pytest.mark.parametrize("name", sorted(SHORTCUT_ARGS))
+def test_shortcuts_equal_their_full_keys(name):
+  short, full = SHORTCUT_ARGS[name]
+  with_shortcuts = config_utils.load_config_file(f"{CONFIGS / name}:{short}")
+  with_keys = config_utils.load_config_file(f"{CONFIGS / name}:{full}")
+  assert with_shortcuts.to_dict() == with_keys.to_dict()
+  assert with_shortcuts.to_dict() != config_utils.load_config_file(str(CONFIGS / name)).to_dict()
+  config_utils.validate(with_shortcuts)
+
+
+def test_dataset_shortcuts_pick_the_dataset_presets():
+  marathi = config_utils.load_config_file(f"{SEQ2SEQ}:data.name=marathi").to_dict()
+  for arg in ("task=marathi", "dataset=marathi"):
+    assert config_utils.load_config_file(f"{SEQ2SEQ}:{arg}").to_dict() == marathi
+  assert marathi["data"]["tokenizer"] == "word" and marathi["num_train_steps"] == 4000
+  tf = config_utils.load_config_file(f"{CONFIGS / 'transformer.py'}:dataset=marathi")
+  assert tf.data.name == "marathi" and tf.model.size == "medium"
+  assert config_utils.load_config_file(f"{GPT}:task=addition").data.name == "addition"
+  with pytest.raises(config_utils.ConfigError,
+                     match="unknown data.name 'nope'; valid datasets: dates, marathi, reverse"):
+    config_utils.load_config_file(f"{SEQ2SEQ}:task=nope")
+
+
+def test_seq2seq_attention_none_shortcut():
+  config = config_utils.load_config_file(f"{SEQ2SEQ}:attention=none,runlocal=True")
+  assert config.model.attention == "none" and config.runlocal
+  config_utils.validate(config)
+  from attnlab import models  # pylint: disable=g-import-not-at-top
+  model = models.from_config("seq2seq")(config.model, 12, 12, 10)
+  assert model.attention == "none"
+
+
+def test_unknown_shortcut_is_one_line_naming_shortcuts_and_keys():
+  with pytest.raises(config_utils.ConfigError) as info:
+    config_utils.load_config_file(f"{GPT}:sise=small")
+  message = str(info.value)
+  assert len(message.splitlines()) == 1
+  assert message.startswith("unknown config key 'sise' (did you mean 'size'?); shortcuts: "
+                            "size (= model.size), score (= model.score), ")
+  assert "; valid keys: " in message and "model.dropout_rate" in message
+  with pytest.raises(config_utils.ConfigError, match="unknown mode 'train'; valid modes"):
+    config_utils.load_config_file(f"{CONFIGS / 'bert.py'}:mode=train")
+  with pytest.raises(config_utils.ConfigError, match="pretrained=DIR goes with mode=finetune"):
+    config_utils.load_config_file(f"{CONFIGS / 'bert.py'}:pretrained=/nowhere")
+
+
+def test_score_and_implementation_are_validated_once_where_the_config_is_read():
+  for arg, expected in [
+      ("score=fancy", "unknown model.score 'fancy'; valid scores: dot, scaled_dot, cosine"),
+      ("implementation=fast", "unknown model.implementation 'fast'; valid implementations: "),
+      ("score=cosine,model.implementation=xla",
+       "model.implementation=xla supports only the scores dot, scaled_dot, not 'cosine'"),
+  ]:
+    config = config_utils.load_config_file(f"{GPT}:{arg}")  # reading does not check the name
+    with pytest.raises(config_utils.ConfigError, match=expected):
+      config_utils.validate(config)
+  seq2seq = config_utils.load_config_file(f"{SEQ2SEQ}:score=bilinear")
+  with pytest.raises(config_utils.ConfigError, match="unknown model.score 'bilinear'"):
+    config_utils.validate(seq2seq)
+  config_utils.validate(config_utils.load_config_file(NW))  # no score: nothing to check
+
+
+# ----------------------------------------------------------------------------- renamed keys
+
+# Keys as older versions wrote them in config.json, per config file.
+OLD_KEYS = {
+    "gpt.py": {"model.dropout": "model.dropout_rate",
+               "model.attention_dropout": "model.attention_dropout_rate",
+               "data.num_train_examples": "data.num_train",
+               "data.num_eval_examples": "data.num_eval"},
+    "bert.py:mode=finetune": {"data.max_train_examples": "data.num_train",
+                              "data.max_eval_examples": "data.num_eval"},
+    "bert.py:mode=pretrain": {"data.num_eval_examples": "data.num_eval"},
+}
+
+
+@pytest.mark.parametrize("spec", sorted(OLD_KEYS))
+def test_old_config_json_loads_with_the_current_key_names(spec, tmp_path):
+  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  current = config_utils.load_config_file(str(CONFIGS / spec))
+  stored = config_utils.to_jsonable(current)
+  for old, new in OLD_KEYS[spec].items():  # write the file as an older version did
+    (old_group, old_leaf), (new_group, new_leaf) = old.split("."), new.split(".")
+    stored[old_group][old_leaf] = stored[new_group].pop(new_leaf) + 1
+  (tmp_path / "config.json").write_text(json.dumps(stored))
+  loaded = checkpoint.read_config(tmp_path)
+  flat = config_utils.flatten(loaded)
+  for old, new in OLD_KEYS[spec].items():
+    assert old not in flat and flat[new] == config_utils.get_value(current, new) + 1
+  # Same values under the current names: the run resumes without allow_config_change.
+  for new in OLD_KEYS[spec].values():
+    config_utils.set_value(current, new, flat[new])
+  assert config_utils.config_diff(loaded, current) == []
+  checkpoint.prepare_workdir(tmp_path, current)
+
+
+def test_old_key_on_the_command_line_names_the_new_one():
+  with pytest.raises(config_utils.ConfigError,
+                     match="config key 'model.dropout' is now called 'model.dropout_rate'"):
+    config_utils.load_config_file(f"{GPT}:model.dropout=0.1")
+
+
 @pytest.mark.parametrize("flags_, expected", [
     ([f"--config={NW}:runlocal=True,modle.kernel=x"], "unknown config key 'modle.kernel'"),
     ([f"--config={NW}:num_train_steps=abc"], "config key 'num_train_steps' expects an int"),
@@ -87,6 +234,11 @@ def test_config_diff_lists_changed_keys():
     ([f"--config={NW}", "--config.nokey=1"], "unknown config key 'nokey'; valid keys:"),
     (["--config=configs/missing.py"], "config file 'configs/missing.py' not found"),
     ([f"--config={NW}:model.kernel=cubic"], "unknown model.kernel 'cubic'; valid kernels"),
+    ([f"--config={NW}:kernl=gaussian"], "unknown config key 'kernl' (did you mean 'kernel'?); "
+                                        "shortcuts: kernel (= model.kernel); valid keys: "),
+    ([f"--config={GPT}", "--config.model.dropout=0.1"],
+     "config key 'model.dropout' is now called 'model.dropout_rate'"),
+    ([f"--config={GPT}:runlocal=True,score=fancy"], "unknown model.score 'fancy'; valid scores"),
     (["--bogus=1"], "Unknown command line flag 'bogus'"),
 ])
 def test_cli_errors_are_one_line(flags_, expected, tmp_path, capsys):

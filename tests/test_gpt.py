@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+from attnlab import config_utils
 from attnlab import generate as generate_cli
 from attnlab import train
 from attnlab.config_utils import ConfigError
@@ -198,7 +199,7 @@ def test_runlocal_addition_end_to_end(tmp_path):
 
 def test_addition_exact_match_counts_only_correct_answers(tmp_path):
   from attnlab import tasks  # pylint: disable=g-import-not-at-top
-  config = _load_config("runlocal=True,dataset=addition,data.num_eval_examples=4")
+  config = _load_config("runlocal=True,dataset=addition,data.num_eval=4")
   task = tasks.build_task(config)
   batch = task.eval_batches()[0]
   # A "model" that predicts the targets exactly: logits one-hot on the targets.
@@ -218,11 +219,14 @@ def test_addition_exact_match_counts_only_correct_answers(tmp_path):
 
 def test_bad_config_values_raise_clear_errors(tmp_path):
   from attnlab import tasks  # pylint: disable=g-import-not-at-top
-  for arg, pattern in [("size=huge", "valid sizes"), ("score=fancy", "valid scores"),
+  for arg, pattern in [("size=huge", "valid sizes"),
                        ("dataset=wiki", "valid: tiny_shakespeare, addition"),
                        ("model.position=alibi", "valid: learned")]:
     with pytest.raises(ConfigError, match=pattern):
       tasks.build_task(_load_config(f"runlocal=True,dataset=addition,{arg}"))
+  # The score name is checked once, where the config is read (config_utils.validate).
+  with pytest.raises(ConfigError, match="unknown model.score 'fancy'; valid scores: dot, "):
+    config_utils.validate(_load_config("runlocal=True,dataset=addition,score=fancy"))
 
 
 def test_rotary_gpt_is_causal_and_its_cache_matches_the_full_forward():

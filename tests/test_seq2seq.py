@@ -156,7 +156,8 @@ VARIANTS = [
 def _loss(model, params, rng):
   """Token cross-entropy (+ REINFORCE for hard attention), the way the translation task trains."""
   rngs = {"sample": rng, "dropout": rng}
-  logits, aux = model.apply({"params": params}, SRC, SRC_LEN, TGT_IN, train=True, rngs=rngs)
+  logits, aux = model.apply({"params": params}, SRC, SRC_LEN, TGT_IN, deterministic=False,
+                            rngs=rngs)
   valid = TGT_OUT > 0
   nll = optax.softmax_cross_entropy_with_integer_labels(logits, TGT_OUT)  # [batch, tgt_len]
   ce = jnp.sum(nll * valid) / jnp.sum(valid)

@@ -159,8 +159,11 @@ def test_config_choices_and_errors():
   assert config.data.name == "reverse" and config.data.max_len == 30  # seq2seq's reverse data
   model = tf.make_translation_model(config.model, 12, 12, 30)
   assert (model.num_layers, model.num_heads, model.d_model, model.max_len) == (3, 2, 16, 64)
+  # The score name is checked once, where the config is read (config_utils.validate).
+  with pytest.raises(config_utils.ConfigError) as e:
+    config_utils.validate(_config("score=mlp"))
+  assert all(w in str(e.value) for w in ["scaled_dot", "additive", "location"]), str(e.value)
   for arg, words in [("model.size=huge", ["tiny", "small", "base"]),
-                     ("model.score=mlp", ["scaled_dot", "additive", "location"]),
                      ("model.share_embeddings=some", ["none", "target", "all"]),
                      ("model.position=rope", ["sinusoidal", "learned"]),
                      ("model.d_model=30", ["divisible", "num_heads"])]:

@@ -48,8 +48,9 @@ def test_config_errors_name_the_valid_choices(arg, words):
 
 
 def test_unknown_model_choice_is_a_config_error():
+  # The score name is checked once, where the config is read.
   with pytest.raises(config_utils.ConfigError, match="additive"):
-    translation.TranslationTask(_config("runlocal=True,model.score=mlp"))
+    config_utils.validate(_config("runlocal=True,model.score=mlp"))
   with pytest.raises(config_utils.ConfigError, match="seq2seq"):
     translation.TranslationTask(_config("runlocal=True,model.name=nosuchmodel"))
 

@@ -193,8 +193,8 @@ def _gpt2_dims(hf: dict[str, Any]) -> dict[str, Any]:
               mlp_ratio=inner // d,
               activation=_activation(hf.get("activation_function", "gelu_new")),
               layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
-              dropout=float(hf.get("resid_pdrop", 0.0)),
-              attention_dropout=float(hf.get("attn_pdrop", 0.0)))
+              dropout_rate=float(hf.get("resid_pdrop", 0.0)),
+              attention_dropout_rate=float(hf.get("attn_pdrop", 0.0)))
 
 
 def gpt2_to_params(hf: dict[str, Any], tensors: dict[str, np.ndarray],
@@ -274,7 +274,7 @@ def _gpt2_run_config(hf: dict[str, Any]):
   m = config.model
   m.size = "tiny"  # every dimension is set below
   for key in ("num_layers", "num_heads", "d_model", "block_size", "mlp_ratio", "activation",
-              "dropout", "attention_dropout"):
+              "dropout_rate", "attention_dropout_rate"):
     m[key] = dims[key]
   m.position = "learned"
   m.use_bias = True
@@ -298,8 +298,8 @@ def _gpt2_export_config(config: Any, params: Any) -> dict[str, Any]:
           "n_head": int(m.num_heads) or _heads_from_size(config),
           "n_inner": int(m.mlp_ratio * d), "activation_function": activation,
           "layer_norm_epsilon": float(m.get("layer_norm_epsilon", 1e-5)),
-          "resid_pdrop": float(m.dropout), "embd_pdrop": float(m.dropout),
-          "attn_pdrop": float(m.attention_dropout), "tie_word_embeddings": True,
+          "resid_pdrop": float(m.dropout_rate), "embd_pdrop": float(m.dropout_rate),
+          "attn_pdrop": float(m.attention_dropout_rate), "tie_word_embeddings": True,
           "scale_attn_weights": True}
 
 

@@ -3,7 +3,6 @@ embeddings. See each module's docstring (attention.py documents the KV cache and
 
 from attnlab.layers.attention import SCORES
 from attnlab.layers.attention import MultiHeadAttention
-from attnlab.layers.attention import check_score_and_implementation
 from attnlab.layers.attention import project_kv
 from attnlab.layers.dense import Dense
 from attnlab.layers.dense import default_kernel_init
@@ -21,6 +20,5 @@ from attnlab.layers.transformer import get_activation
 __all__ = [
     "ACTIVATIONS", "Dense", "Embeddings", "LayerNorm", "MLP", "MultiHeadAttention",
     "NORM_POSITIONS",
-    "POSITIONS", "SCORES", "TransformerBlock", "check_score_and_implementation",
-    "default_kernel_init", "get_activation", "layer_norm", "matmul", "project_kv",
+    "POSITIONS", "SCORES", "TransformerBlock", "default_kernel_init", "get_activation", "layer_norm", "matmul", "project_kv",
 ]

@@ -58,22 +58,10 @@ from attnlab.layers.dense import matmul
 Array = jax.Array
 Initializer = Callable[..., Array]
 
-# Scores a MultiHeadAttention accepts (location needs max_len).
+# Scores a MultiHeadAttention accepts (location needs max_len). The names are checked once, where
+# the config is read (config_utils.validate); a bad name given to the module directly fails in
+# attnlab.attention (scores.get_score_fn, core.choose_implementation), naming the valid ones.
 SCORES: tuple[str, ...] = tuple(scores_lib.SCORE_FNS)
-
-
-def check_score_and_implementation(score: str, implementation: str) -> None:
-  """Raises ValueError naming the valid choices when `score` or `implementation` is unknown."""
-  if score not in scores_lib.SCORE_FNS:
-    raise ValueError(f"unknown attention score {score!r}; valid scores: "
-                     f"{', '.join(scores_lib.SCORE_FNS)}")
-  if implementation not in core.IMPLEMENTATIONS:
-    raise ValueError(f"unknown attention implementation {implementation!r}; valid "
-                     f"implementations: {', '.join(core.IMPLEMENTATIONS)}")
-  if implementation in ("xla", "blocked", "cudnn") and score not in core.FAST_SCORES:
-    raise ValueError(f"implementation {implementation!r} supports only the scores "
-                     f"{', '.join(core.FAST_SCORES)}, not {score!r}; use implementation='auto' "
-                     "or 'reference'")
 
 
 def _write_cache(cache: Array, new: Array, index: Array) -> Array:
@@ -167,7 +155,6 @@ class MultiHeadAttention(nn.Module):
     Returns:
       `[batch, q_len, out_features]`.
     """
-    check_score_and_implementation(self.score, self.implementation)
     d_model = inputs_q.shape[-1]
     inner = self.qkv_features or d_model
     if inner % self.num_heads:

@@ -31,7 +31,6 @@ from attnlab.attention import masks as masks_lib
 from attnlab.layers import Dense
 from attnlab.layers import Embeddings
 from attnlab.layers import TransformerBlock
-from attnlab.layers import check_score_and_implementation
 from attnlab.layers import default_kernel_init
 from attnlab.layers import get_activation
 
@@ -91,7 +90,6 @@ class BertEncoder(BertHyperparameters):
   """tokens `[batch, len]` -> (sequence output `[batch, len, d]`, pooled [CLS] `[batch, d]`)."""
 
   def setup(self):
-    check_score_and_implementation(self.score, self.implementation)
     if self.d_model % self.num_heads:
       raise ValueError(f"d_model={self.d_model} must be divisible by num_heads={self.num_heads}")
     self.embed = Embeddings(self.vocab_size, self.d_model, self.max_len, position="learned",

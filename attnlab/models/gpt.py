@@ -37,7 +37,6 @@ from attnlab.errors import ConfigError
 from attnlab.layers import Embeddings
 from attnlab.layers import LayerNorm
 from attnlab.layers import TransformerBlock
-from attnlab.layers import check_score_and_implementation
 
 Array = jax.Array
 
@@ -117,9 +116,12 @@ class GPT(nn.Module):
 
 
 def check_config(model: GPT) -> None:
-  """Raises ValueError (listing the valid choices) for a GPT that cannot be built."""
+  """Raises ValueError (listing the valid choices) for a GPT that cannot be built.
+
+  The score and implementation names are not checked here: config_utils.validate checks them
+  where the config is read.
+  """
   from attnlab.layers import embeddings, transformer  # pylint: disable=g-import-not-at-top
-  check_score_and_implementation(model.score, model.implementation)
   transformer.get_activation(model.activation)
   if model.position not in embeddings.POSITIONS:
     raise ValueError(f"unknown position encoding {model.position!r}; valid: "
@@ -156,7 +158,8 @@ def from_config(model_cfg: Any, vocab_size: int) -> GPT:
   try:
     model = GPT(
         vocab_size=vocab_size, **dims, mlp_ratio=model_cfg.mlp_ratio,
-        dropout_rate=model_cfg.dropout, attention_dropout_rate=model_cfg.attention_dropout,
+        dropout_rate=model_cfg.dropout_rate,
+        attention_dropout_rate=model_cfg.attention_dropout_rate,
         score=model_cfg.score, implementation=model_cfg.implementation,
         position=model_cfg.position, activation=model_cfg.activation,
         use_bias=model_cfg.use_bias,

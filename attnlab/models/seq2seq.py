@@ -120,7 +120,6 @@ class DecoderCell(nn.Module):
   def setup(self):
     _check_choice("attention", self.attention, ATTENTIONS)
     _check_choice("window", self.window, WINDOWS)
-    _check_choice("score", self.score, tuple(attn_scores.SCORE_FNS))
     self.cells = [_make_cell(self.cell, self.hidden_dim, f"cell_{i}")
                   for i in range(self.num_layers)]
     if self.attention == "none":
@@ -210,7 +209,8 @@ class DecoderCell(nn.Module):
 class Seq2Seq(nn.Module):
   """Encoder-decoder with a config-chosen cell, attention style, score and window.
 
-  `__call__(src, src_lengths, tgt_in, train=...)` runs teacher-forced decoding and returns
+  `__call__(src, src_lengths, tgt_in, deterministic=...)` runs teacher-forced decoding (dropout
+  and hard attention's sampling when deterministic=False) and returns
   `(logits [batch, tgt_len, tgt_vocab], aux)`, aux = {"attention_weights": [batch, tgt_len,
   src_len]} plus, for hard attention, "log_prob" [batch, tgt_len] (log-probability of each sampled
   position, for REINFORCE). Padding ids are 0 in both vocabularies.
@@ -250,9 +250,6 @@ class Seq2Seq(nn.Module):
     _check_choice("attention", self.attention, ATTENTIONS)
     _check_choice("window", self.window, WINDOWS)
     _check_choice("cell", self.cell, CELLS)
-    if self.score not in attn_scores.SCORE_FNS:
-      raise ValueError(f"unknown score {self.score!r}; valid scores: "
-                       f"{', '.join(attn_scores.SCORE_FNS)}")
     if self.score == "location" and not self.max_src_len:
       raise ValueError("score='location' needs max_src_len (the longest source length)")
     enc_dim = self.hidden_dim * (2 if self.bidirectional else 1)
@@ -272,11 +269,11 @@ class Seq2Seq(nn.Module):
     self.output = nn.Dense(self.tgt_vocab_size)
 
   def encode(self, src: jax.Array, src_lengths: jax.Array, *,
-             train: bool = False) -> dict[str, Any]:
+             deterministic: bool = True) -> dict[str, Any]:
     """The decoder's start state: {"carry": {...}, "memory": {...}}, every leaf batch-first."""
     enc_dim = self.hidden_dim * (2 if self.bidirectional else 1)
     src_lengths = src_lengths.astype(jnp.int32)
-    states, finals = self.encoder(src, src_lengths, deterministic=not train)  # [b, s, enc_dim]
+    states, finals = self.encoder(src, src_lengths, deterministic=deterministic)  # [b, s, enc]
     if enc_dim != self.hidden_dim:
       finals = [jax.tree.map(lambda a, bridge=bridge: jnp.tanh(bridge(a)), f)
                 for f, bridge in zip(finals, self.bridge)]
@@ -289,14 +286,13 @@ class Seq2Seq(nn.Module):
     memory = {"keys": keys, "values": states, "mask": mask, "lengths": src_lengths}
     return {"carry": carry, "memory": memory}
 
-  def _logits(self, features: jax.Array, train: bool) -> jax.Array:
-    return self.output(self.dropout(features, deterministic=not train))
+  def _logits(self, features: jax.Array, deterministic: bool) -> jax.Array:
+    return self.output(self.dropout(features, deterministic=deterministic))
 
   def __call__(self, src: jax.Array, src_lengths: jax.Array, tgt_in: jax.Array, *,
-               train: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
-    state = self.encode(src, src_lengths, train=train)
-    embedded = self.dropout(self.tgt_embed(tgt_in), deterministic=not train)  # [b, t, embed]
-    deterministic = not train
+               deterministic: bool = True) -> tuple[jax.Array, dict[str, jax.Array]]:
+    state = self.encode(src, src_lengths, deterministic=deterministic)
+    embedded = self.dropout(self.tgt_embed(tgt_in), deterministic=deterministic)  # [b, t, embed]
 
     def body(cell, carry, x, memory):
       return cell(carry, x, memory, deterministic=deterministic)
@@ -307,7 +303,7 @@ class Seq2Seq(nn.Module):
                                             state["memory"])
     # features: [batch, tgt_len, out_dim]; weights: [batch, tgt_len, src_len]
     self.sow("intermediates", "attention_weights", weights)
-    logits = self._logits(features, train)  # [batch, tgt_len, tgt_vocab]
+    logits = self._logits(features, deterministic)  # [batch, tgt_len, tgt_vocab]
     aux = {"attention_weights": weights}
     if self.attention != "none" and self.window == "hard":
       aux["log_prob"] = log_prob  # [batch, tgt_len]: log p of each sampled source position
@@ -319,7 +315,7 @@ class Seq2Seq(nn.Module):
     embedded = self.tgt_embed(tokens)  # [batch, embed]
     carry, (features, weights, _) = self.decoder_cell(state["carry"], embedded, state["memory"],
                                                       deterministic=True)
-    logits = self._logits(features, False)  # [batch, tgt_vocab]
+    logits = self._logits(features, True)  # [batch, tgt_vocab]
     return logits, {"carry": carry, "memory": state["memory"]}, weights
 
 
@@ -340,12 +336,11 @@ def from_config(model_config: Any, src_vocab_size: int, tgt_vocab_size: int,
                 max_src_len: int) -> Seq2Seq:
   """The Seq2Seq module described by a `config.model` group (see configs/seq2seq.py).
 
-  Raises ConfigError (a ValueError) naming the valid choices for an unknown cell, attention,
-  score or window.
+  Raises ConfigError (a ValueError) naming the valid choices for an unknown cell, attention or
+  window (model.score is checked by config_utils.validate, where the config is read).
   """
   from attnlab.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  for key, valid in (("cell", CELLS), ("attention", ATTENTIONS), ("window", WINDOWS),
-                     ("score", tuple(attn_scores.SCORE_FNS))):
+  for key, valid in (("cell", CELLS), ("attention", ATTENTIONS), ("window", WINDOWS)):
     if model_config[key] not in valid:
       raise ConfigError(f"unknown model.{key} {model_config[key]!r}; valid choices: "
                         f"{', '.join(valid)}")

@@ -50,7 +50,6 @@ from attnlab.layers import Embeddings
 from attnlab.layers import NORM_POSITIONS
 from attnlab.layers import POSITIONS
 from attnlab.layers import TransformerBlock
-from attnlab.layers import check_score_and_implementation
 from attnlab.layers import get_activation
 from attnlab.layers import project_kv
 from attnlab.layers import sown
@@ -114,7 +113,6 @@ class Transformer(nn.Module):
     if self.norm_position not in NORM_POSITIONS:
       raise ValueError(f"unknown norm_position {self.norm_position!r}; valid: "
                        f"{', '.join(NORM_POSITIONS)}")
-    check_score_and_implementation(self.score, self.implementation)
     get_activation(self.activation)
     if self.d_model % self.num_heads:
       raise ValueError(f"d_model={self.d_model} must be divisible by num_heads={self.num_heads}")
@@ -158,18 +156,18 @@ class Transformer(nn.Module):
 
   # ------------------------------------------------------------------------------- stacks
 
-  def encode_source(self, src: Array, src_lengths: Array, *, train: bool = False
+  def encode_source(self, src: Array, src_lengths: Array, *, deterministic: bool = True
                     ) -> tuple[Array, Array]:
     """(encoder outputs `[batch, src_len, d]`, source padding mask `[batch, 1, 1, src_len]`)."""
     mask = masks_lib.padding_mask(src_lengths.astype(jnp.int32), src.shape[1])
-    x = self.src_embed(src, deterministic=not train)  # [batch, src_len, d]
+    x = self.src_embed(src, deterministic=deterministic)  # [batch, src_len, d]
     for layer in self.encoder_layers:
-      x = layer(x, mask=mask, deterministic=not train)  # [batch, src_len, d]
+      x = layer(x, mask=mask, deterministic=deterministic)  # [batch, src_len, d]
     if self.norm_position == "pre":
       x = self.encoder_norm(x)
     return x, mask
 
-  def decode_tokens(self, tgt: Array, memory: Any, src_mask: Array, *, train: bool = False,
+  def decode_tokens(self, tgt: Array, memory: Any, src_mask: Array, *, deterministic: bool = True,
                     decode: bool = False) -> Array:
     """Decoder logits `[batch, tgt_len, tgt_vocab]`.
 
@@ -177,10 +175,10 @@ class Transformer(nn.Module):
       per decoder layer (`attnlab.layers.project_kv`).
     decode: feed `tgt` into the self-attention KV cache (needs the "cache" collection mutable).
     """
-    y = self.tgt_embed(tgt, deterministic=not train, decode=decode)  # [batch, tgt_len, d]
+    y = self.tgt_embed(tgt, deterministic=deterministic, decode=decode)  # [batch, tgt_len, d]
     for i, layer in enumerate(self.decoder_layers):
       encoded = memory[i] if isinstance(memory, (list, tuple)) else memory
-      y = layer(y, encoded=encoded, encoder_mask=src_mask, deterministic=not train,
+      y = layer(y, encoded=encoded, encoder_mask=src_mask, deterministic=deterministic,
                 decode=decode)  # [batch, tgt_len, d]
     if self.norm_position == "pre":
       y = self.decoder_norm(y)
@@ -189,15 +187,16 @@ class Transformer(nn.Module):
     logits = self.tgt_embed.attend(y) * self.d_model ** -0.5  # [batch, tgt_len, vocab]
     return logits[..., :self.tgt_vocab_size]
 
-  def __call__(self, src: Array, src_lengths: Array, tgt_in: Array, *, train: bool = False
+  def __call__(self, src: Array, src_lengths: Array, tgt_in: Array, *, deterministic: bool = True
                ) -> tuple[Array, dict[str, Array]]:
     """Teacher forcing: (logits `[batch, tgt_len, tgt_vocab]`, aux).
 
+    deterministic: False enables dropout (needs a "dropout" rng).
     aux holds "attention_weights" `[batch, tgt_len, src_len]` (weights_layer's cross-attention,
     averaged over heads) when the "intermediates" collection is mutable, else nothing.
     """
-    encoded, mask = self.encode_source(src, src_lengths, train=train)
-    logits = self.decode_tokens(tgt_in, encoded, mask, train=train)
+    encoded, mask = self.encode_source(src, src_lengths, deterministic=deterministic)
+    logits = self.decode_tokens(tgt_in, encoded, mask, deterministic=deterministic)
     aux = {}
     if self.is_mutable_collection("intermediates"):
       layer = self.decoder_layers[self.weights_layer]
@@ -322,8 +321,7 @@ def from_config(model_config: Any, src_vocab_size: int, tgt_vocab_size: int,
     if model_config[key] not in valid:
       raise ConfigError(f"unknown model.{key} {model_config[key]!r}; valid choices: "
                         f"{', '.join(valid)}")
-  try:
-    check_score_and_implementation(model_config.score, model_config.implementation)
+  try:  # model.score and model.implementation: checked by config_utils.validate
     get_activation(model_config.activation)
   except ValueError as e:
     raise ConfigError(f"model: {e}") from None
