@@ -128,9 +128,9 @@ class CausalLMTask(Task):
                         f"addition texts use their own character tokenizer")
     options = {"min_digits": d.min_digits, "max_digits": d.max_digits}
     seed = d.seed if d.seed >= 0 else self.config.seed
-    train = data_lib.get_dataset("addition", "train", num_examples=d.num_train_examples,
+    train = data_lib.get_dataset("addition", "train", num_examples=d.num_train,
                                  seed=seed, **options)
-    val = data_lib.get_dataset("addition", "validation", num_examples=d.num_eval_examples,
+    val = data_lib.get_dataset("addition", "validation", num_examples=d.num_eval,
                                seed=seed, **options)
     self.tokenizer = tok_lib.CharTokenizer.train([ADDITION_ALPHABET])
     # <start> + a (max_digits) + "+" + b + "=" + sum (max_digits + 1); targets end with <end>.

@@ -110,7 +110,7 @@ class ClassificationTask(Task):
 
   def train_iterator(self) -> pipeline.IndexedBatches:
     if self._train is None:
-      self._train = self._split("train", self.config.data.max_train_examples)
+      self._train = self._split("train", self.config.data.num_train)
     ids, labels = self._train
     return pipeline.permuted_batches(
         {"tokens": ids, "labels": labels, "weights": np.ones((len(labels),), np.float32)},
@@ -120,7 +120,7 @@ class ClassificationTask(Task):
     """The validation split in batches of data.eval_batch_size (weights 1)."""
     if self._eval is None:
       data = self.config.data
-      ids, labels = self._split("validation", data.max_eval_examples)
+      ids, labels = self._split("validation", data.num_eval)
       size = data.eval_batch_size
       self._eval = [{"tokens": ids[i:i + size], "labels": labels[i:i + size],
                      "weights": np.ones((len(labels[i:i + size]),), np.float32)}

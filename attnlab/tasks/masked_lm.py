@@ -249,7 +249,7 @@ class MaskedLMTask(Task):
       data = self.config.data
       documents = data_lib.shakespeare_documents("validation", **_data_kwargs(data))
       held_out = PretrainingData(self._encode_docs(documents), [], **self._data_options())
-      n, size = data.num_eval_examples, data.eval_batch_size
+      n, size = data.num_eval, data.eval_batch_size
       examples = [held_out.pair_example(i % len(held_out.anchors),
                                         rng_for(data.eval_seed, _EVAL_STREAM, i))
                   for i in range(n)]

@@ -12,7 +12,7 @@ target[:-1] and predicts target[1:] (teacher forcing).
 Model (`config.model.name`): module `attnlab.models.<name>` provides
 `from_config(model_config, src_vocab_size, tgt_vocab_size, max_src_len)` returning a
 Flax module with
-  __call__(src [b, s], src_lengths [b], tgt_in [b, t], *, train) -> (logits [b, t, V], aux)
+  __call__(src [b, s], src_lengths [b], tgt_in [b, t], *, deterministic) -> (logits [b, t, V], aux)
       aux["attention_weights"] [b, t, s] (aux["log_prob"] [b, t] for sampled attention: REINFORCE);
   encode(src, src_lengths) -> decoder state (pytree, batch-first leaves);
   decode_step(state, tokens [b]) -> (logits [b, V], state, attention weights [b, s]),
@@ -236,8 +236,8 @@ class TranslationTask(Task):
     train = rng is not None
     rngs = {"dropout": jax.random.fold_in(rng, 0), "sample": jax.random.fold_in(rng, 1)} \
         if train else {}
-    logits, aux = self.model.apply({"params": params}, src, src_len, tgt_in, train=train,
-                                   rngs=rngs)  # [b, t, vocab]
+    logits, aux = self.model.apply({"params": params}, src, src_len, tgt_in,
+                                   deterministic=not train, rngs=rngs)  # [b, t, vocab]
     nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tgt_out)
     num_tokens = jnp.maximum(jnp.sum(valid), 1)
     ce = jnp.sum(nll * valid) / num_tokens
