@@ -8,8 +8,8 @@ Two families, each handled once by the command-line tools (`attnlab.main.run_too
   the disk refused). The tools print the message and exit with `exit_code`; the last good
   checkpoint stays readable and the same command resumes.
 
-The modules that raise them keep their old names as aliases (`config_utils.ConfigError`,
-`checkpoint.CheckpointError`, `data.DataError`, `train.RunStopped`, ...).
+A few modules still export some of them under the same names (`config_utils.ConfigError`,
+`checkpoint.CheckpointError`, `data.DataError`, ...); new code imports them from here.
 """
 
 from __future__ import annotations

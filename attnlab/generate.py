@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from absl import flags
 
 from attnlab import main as main_lib
-from attnlab.config_utils import UserError
+from attnlab.errors import UserError
 
 _LOG = logging.getLogger("attnlab.generate")  # not __name__: it is __main__ under python -m
 
@@ -91,12 +91,8 @@ def generate_text(workdir: str, prompt: str = "", *, num_tokens: int = 300,
 
 def main(argv: Sequence[str] | None = None) -> int:
   """`attnlab generate` / `python -m attnlab.generate`: returns the exit status."""
-  argv = list(sys.argv if argv is None else argv)
-  prog = main_lib.prog_name(argv, "attnlab.generate")
   fv = _define_flags()
-  message = main_lib.parse_flags(fv, argv)
-  if message is None:
-    message = _check(fv)
+  prog, message = main_lib.parse_tool(argv, "attnlab.generate", fv, _check)
 
   def body() -> None:
     prompt, text, seconds = generate_text(

@@ -126,12 +126,10 @@ def describe(workdir: str | pathlib.Path, step: int | None = None, verify: bool 
 
 def main(argv: Sequence[str] | None = None) -> int:
   """`attnlab inspect` / `python -m attnlab.inspect_run`: returns the exit status."""
-  argv = list(sys.argv if argv is None else argv)
-  prog = main_lib.prog_name(argv, "attnlab.inspect_run")
   flag_values = _define_flags()
-  message = main_lib.parse_flags(flag_values, argv)
-  if message is None and not flag_values.workdir:
-    message = "--workdir is required: the run directory to inspect"
+  prog, message = main_lib.parse_tool(
+      argv, "attnlab.inspect_run", flag_values,
+      lambda fv: None if fv.workdir else "--workdir is required: the run directory to inspect")
 
   def body() -> int:
     try:

@@ -34,14 +34,14 @@ IO_ERROR = 1
 _IO_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM)
 
 
-def _define_flags(argv: Sequence[str]) -> flags.FlagValues:
+def run_flags(argv: Sequence[str], config_help: str, workdir_help: str,
+              config_default: str | None = None,
+              workdir_default: str | None = None) -> flags.FlagValues:
+  """New FlagValues with --config (a config file and its args, read from `argv`) and --workdir."""
   flag_values = flags.FlagValues()
-  config_flags.DEFINE_config_file(
-      "config", None, "Config file and args: configs/<family>.py[:key=value,...]; override any "
-      "field with --config.<field>=<value>.", flag_values=flag_values, lock_config=True,
-      sys_argv=list(argv))
-  flags.DEFINE_string("workdir", None, "Run directory (created, or resumed if it exists).",
-                      flag_values=flag_values)
+  config_flags.DEFINE_config_file("config", config_default, config_help, flag_values=flag_values,
+                                  lock_config=True, sys_argv=list(argv))
+  flags.DEFINE_string("workdir", workdir_default, workdir_help, flag_values=flag_values)
   return flag_values
 
 
@@ -110,6 +110,15 @@ def parse_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> str | Non
   return None
 
 
+def parse_tool(argv: Sequence[str] | None, module: str, flag_values: flags.FlagValues,
+               check: Callable[[flags.FlagValues], str | None]) -> tuple[str, str | None]:
+  """A tool's start: (its name, its usage error or None) after parsing `argv` (None: sys.argv)
+  into `flag_values` and then, if that went well, `check(flag_values)`."""
+  argv = list(sys.argv if argv is None else argv)
+  message = parse_flags(flag_values, argv)
+  return prog_name(argv, module), check(flag_values) if message is None else message
+
+
 def prog_name(argv: Sequence[str], module: str) -> str:
   """"attnlab train" under the console script, the module name under `python -m`."""
   prog = argv[0] if argv else module
@@ -162,21 +171,19 @@ def main(argv: Sequence[str] | None = None) -> int:
   """`attnlab train` / `python -m attnlab.main`: returns the exit status."""
   argv = list(sys.argv if argv is None else argv)
   prog = prog_name(argv, "attnlab.main")
-  flag_values = _define_flags(argv)
+  flag_values = run_flags(
+      argv, "Config file and args: configs/<family>.py[:key=value,...]; override any field with "
+      "--config.<field>=<value>.", "Run directory (created, or resumed if it exists).")
   message = parse_flags(flag_values, argv)
   if message is None and flag_values.config is None:
     message = "--config is required, e.g. --config=configs/nadaraya_watson.py:runlocal=True"
   if message is None and not flag_values.workdir:
     message = "--workdir is required: the run directory to create or resume"
-  if message is not None:
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    return USAGE_ERROR
-  setup_logging()
 
   def body() -> None:
     from attnlab import train  # pylint: disable=g-import-not-at-top  (imports JAX)
     train.train_and_evaluate(flag_values.config, flag_values.workdir)
-  return run_tool(prog, body)
+  return launch(prog, message, body)
 
 
 if __name__ == "__main__":

@@ -46,12 +46,13 @@ from typing import Any
 
 from absl import flags
 import ml_collections
-from ml_collections import config_flags
 
 from attnlab import checkpoint
 from attnlab import config_utils
 from attnlab import main as main_lib
-from attnlab.config_utils import UserError
+from attnlab.errors import RunStopped
+from attnlab.errors import TrainingInterrupted
+from attnlab.errors import UserError
 
 _LOG = logging.getLogger("attnlab.sweep")  # not __name__: it is __main__ under python -m
 
@@ -201,10 +202,10 @@ def _run_inprocess(member: Member) -> None:
   try:
     train.train_and_evaluate(member.config, member.workdir)
     member.status = "done"
-  except train.TrainingInterrupted:
+  except TrainingInterrupted:
     member.status, member.error = "failed", "interrupted"
     raise
-  except (UserError, train.RunStopped) as e:
+  except (UserError, RunStopped) as e:
     member.status, member.error = "failed", main_lib.error_line(e)
   except Exception as e:  # a crash in one member must not lose the others
     _LOG.exception("member %s crashed", member.name)
@@ -484,13 +485,9 @@ def write_summary(workdir: str | os.PathLike, members: Sequence[Member],
 
 
 def _define_flags(argv: Sequence[str]) -> flags.FlagValues:
-  flag_values = flags.FlagValues()
-  config_flags.DEFINE_config_file(
-      "config", None, "Base config: configs/<family>.py[:key=value,...]; --config.<field>=<value> "
-      "overrides apply to every member.", flag_values=flag_values, lock_config=True,
-      sys_argv=list(argv))
-  flags.DEFINE_string("workdir", None, "Sweep directory; member i runs in DIR/<key=value,...>/.",
-                      flag_values=flag_values)
+  flag_values = main_lib.run_flags(
+      argv, "Base config: configs/<family>.py[:key=value,...]; --config.<field>=<value> "
+      "overrides apply to every member.", "Sweep directory; member i runs in DIR/<key=value,...>/.")
   flags.DEFINE_multi_string("sweep", [], "key=value1,value2,... (repeat for a cross product).",
                             flag_values=flag_values)
   flags.DEFINE_string("sweep_file", None, "A configs/sweeps/*.py file with get_sweep().",
@@ -515,10 +512,6 @@ def main(argv: Sequence[str] | None = None) -> int:
   prog = main_lib.prog_name(argv, "attnlab.sweep")
   flag_values = _define_flags(argv)
   message = main_lib.parse_flags(flag_values, argv)
-  if message is not None:
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    return main_lib.USAGE_ERROR
-  main_lib.setup_logging()
   fv = flag_values
 
   def body() -> int:
@@ -538,7 +531,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = run(fv.config, axes, workdir=fv.workdir, sweep_file=fv.sweep_file,
                  parallel=fv.parallel, member_index=fv.member_index, summarize_only=fv.summarize)
     return result.report(prog, summary=fv.member_index is None)
-  return main_lib.run_tool(prog, body)
+  return main_lib.launch(prog, message, body)
 
 
 if __name__ == "__main__":

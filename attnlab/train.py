@@ -26,8 +26,6 @@ checkpoints hold all replicas, and each metrics.jsonl record holds the mean over
 from __future__ import annotations
 
 import contextlib
-import copy
-import functools
 import json
 import logging
 import os
@@ -35,48 +33,37 @@ import pathlib
 import signal
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 import flax
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
 
 from attnlab import checkpoint
 from attnlab import config_utils
-from attnlab import errors
 from attnlab import parallel
 from attnlab import state as state_lib
 from attnlab import tasks
 from attnlab.data import assets as assets_lib
-# The state and its replicas (attnlab/state.py), under the names this module always gave them.
-from attnlab.state import ReplicaBatches  # pylint: disable=unused-import
+from attnlab.errors import NonFiniteLossError
+from attnlab.errors import RunStopped
+from attnlab.errors import TrainingInterrupted
+from attnlab.errors import UserError
+from attnlab.errors import WriteFailed
 from attnlab.state import TrainState
 from attnlab.state import abstract_train_state
-from attnlab.state import create_replicas  # pylint: disable=unused-import
-from attnlab.state import create_train_state  # pylint: disable=unused-import
-from attnlab.state import decay_mask  # pylint: disable=unused-import
 from attnlab.state import evaluate
 from attnlab.state import make_optimizer
 from attnlab.state import make_schedule
-from attnlab.state import num_seeds_of  # pylint: disable=unused-import
-from attnlab.state import replica_iterators  # pylint: disable=unused-import
 from attnlab.state import replica_keys
 from attnlab.state import replica_seeds
 from attnlab.state import run_keys
-from attnlab.state import state_shardings_for  # pylint: disable=unused-import
 
 _LOG = logging.getLogger(__name__)
 # One JSON line per start of the run: versions, host, git commit (train.provenance).
 PROVENANCE_FILE = "provenance.jsonl"
-
-# How a run stops early (attnlab/errors.py), under the names this module always gave them.
-RunStopped = errors.RunStopped
-NonFiniteLossError = errors.NonFiniteLossError
-WriteFailed = errors.WriteFailed
-TrainingInterrupted = errors.TrainingInterrupted
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -229,7 +216,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   Returns:
     The final TrainState (params equal those of the last checkpoint).
   Raises:
-    config_utils.UserError: bad config, a workdir holding a different config, a checkpoint that
+    UserError: bad config, a workdir holding a different config, a checkpoint that
       does not fit the model.
     NonFiniteLossError: the loss became NaN/Inf (the last good checkpoint is kept).
     TrainingInterrupted: SIGTERM or Ctrl-C (a checkpoint was saved first).
@@ -305,7 +292,7 @@ def _stop_on_refused_writes(workdir: pathlib.Path):
   could not be written and the last good checkpoint."""
   try:
     yield
-  except (RunStopped, config_utils.UserError):
+  except (RunStopped, UserError):
     raise
   except Exception as e:
     code = checkpoint.write_errno(e, workdir)

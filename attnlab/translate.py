@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from absl import flags
 
 from attnlab import main as main_lib
-from attnlab.config_utils import UserError
+from attnlab.errors import UserError
 
 _LOG = logging.getLogger("attnlab.translate")  # not __name__: it is __main__ under python -m
 

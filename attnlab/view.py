@@ -99,12 +99,8 @@ def view_text(workdir, text: str, target: str | None = None, out: str | os.PathL
 
 def main(argv: Sequence[str] | None = None) -> int:
   """`attnlab view` / `python -m attnlab.view`: returns the exit status."""
-  argv = list(sys.argv if argv is None else argv)
-  prog = main_lib.prog_name(argv, "attnlab.view")
   fv = _define_flags()
-  message = main_lib.parse_flags(fv, argv)
-  if message is None:
-    message = _check(fv)
+  prog, message = main_lib.parse_tool(argv, "attnlab.view", fv, _check)
 
   def body() -> None:
     print(view_text(fv.workdir, fv.text, target=fv.target, out=fv.out, step=fv.step))

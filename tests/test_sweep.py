@@ -8,6 +8,7 @@ import pytest
 
 from attnlab import checkpoint
 from attnlab import config_utils
+from attnlab import errors
 from attnlab import sweep
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -132,7 +133,7 @@ def test_prepare_types_axes_and_applies_overrides():
     ({"axes": {"seed": [0]}, "parallel": 0}, "parallel=0"),
 ])
 def test_run_refuses_bad_arguments_before_running(tmp_path, kwargs, message):
-  with pytest.raises(config_utils.UserError, match=message):
+  with pytest.raises(errors.UserError, match=message):
     sweep.run(SPEC, workdir=tmp_path / "sweep", **kwargs)
   assert not (tmp_path / "sweep").exists()
 

@@ -19,6 +19,7 @@ import pytest
 from attnlab import analysis
 from attnlab import checkpoint
 from attnlab import config_utils
+from attnlab import errors
 from attnlab import main as main_lib
 from attnlab import tasks
 from attnlab import train
@@ -125,7 +126,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
   config.num_train_steps, config.log_every, config.checkpoint_every = 20, 3, 5
   config.eval_every, config.write_plots = 0, False
   config.data.nan_at = 7
-  with pytest.raises(train.NonFiniteLossError) as info:
+  with pytest.raises(errors.NonFiniteLossError) as info:
     train.train_and_evaluate(config, tmp_path)
   message = str(info.value)
   assert "loss is nan at step 7" in message and "last good checkpoint is step 5" in message

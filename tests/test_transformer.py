@@ -157,7 +157,7 @@ def test_cached_cross_attention_matches_numpy():
 def test_config_choices_and_errors():
   config = _config("task=reverse,model.size=tiny,model.num_layers=3")
   assert config.data.name == "reverse" and config.data.max_len == 30  # seq2seq's reverse data
-  model = tf.make_translation_model(config.model, 12, 12, 30)
+  model = tf.from_config(config.model, 12, 12, 30)
   assert (model.num_layers, model.num_heads, model.d_model, model.max_len) == (3, 2, 16, 64)
   # The score name is checked once, where the config is read (config_utils.validate).
   with pytest.raises(config_utils.ConfigError) as e:
@@ -168,7 +168,7 @@ def test_config_choices_and_errors():
                      ("model.position=rope", ["sinusoidal", "learned"]),
                      ("model.d_model=30", ["divisible", "num_heads"])]:
     with pytest.raises(config_utils.ConfigError) as e:
-      tf.make_translation_model(_config(arg).model, 12, 12, 30)
+      tf.from_config(_config(arg).model, 12, 12, 30)
     assert all(w in str(e.value) for w in words), (arg, str(e.value))
   with pytest.raises(config_utils.ConfigError, match="dates, marathi, reverse"):
     _config("data.name=klingon")

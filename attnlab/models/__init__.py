@@ -74,6 +74,14 @@ def from_config(name: str) -> Callable[..., Any]:
   return importlib.import_module(MODELS[name]).from_config
 
 
+def check_choices(model_config: Any, choices: dict[str, tuple[str, ...]]) -> None:
+  """ConfigError naming the valid choices for a field `model.<key>` that is not in choices[key]."""
+  for key, valid in choices.items():
+    if model_config[key] not in valid:
+      raise ConfigError(f"unknown model.{key} {model_config[key]!r}; valid choices: "
+                        f"{', '.join(valid)}")
+
+
 def count_params(params: Any) -> int:
   """Number of scalars in a parameter pytree."""
   import jax  # pylint: disable=g-import-not-at-top  (config files import this package)

@@ -223,9 +223,6 @@ def transfer_encoder(pretrained: Any, target: Any) -> Any:
   return out
 
 
-count_params = models_lib.count_params
-
-
 def config_kwargs(config: Any, vocab_size: int) -> dict[str, Any]:
   """Encoder hyperparameters of `config.model` (checked) as keyword arguments of the BERT models."""
   m = config.model

@@ -138,9 +138,6 @@ def check_config(model: GPT) -> None:
       raise ValueError(f"{name} must be in [0, 1), got {getattr(model, name)}")
 
 
-count_params = models_lib.count_params
-
-
 def from_config(model_cfg: Any, vocab_size: int) -> GPT:
   """The GPT of `config.model`: size preset, explicit dims (0 = from the size) and options.
 

@@ -28,6 +28,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from attnlab import models as models_lib
 from attnlab.attention import core as attn_core
 from attnlab.attention import masks as attn_masks
 from attnlab.attention import scores as attn_scores
@@ -339,11 +340,8 @@ def from_config(model_config: Any, src_vocab_size: int, tgt_vocab_size: int,
   Raises ConfigError (a ValueError) naming the valid choices for an unknown cell, attention or
   window (model.score is checked by config_utils.validate, where the config is read).
   """
-  from attnlab.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  for key, valid in (("cell", CELLS), ("attention", ATTENTIONS), ("window", WINDOWS)):
-    if model_config[key] not in valid:
-      raise ConfigError(f"unknown model.{key} {model_config[key]!r}; valid choices: "
-                        f"{', '.join(valid)}")
+  models_lib.check_choices(model_config,
+                           {"cell": CELLS, "attention": ATTENTIONS, "window": WINDOWS})
   return Seq2Seq(
       src_vocab_size=src_vocab_size,
       tgt_vocab_size=tgt_vocab_size,
@@ -362,7 +360,3 @@ def from_config(model_config: Any, src_vocab_size: int, tgt_vocab_size: int,
       cosine_beta=model_config.cosine_beta,
       dropout_rate=model_config.dropout_rate,
   )
-
-
-# The name the translation task used before the registry (attnlab.models.MODELS).
-make_translation_model = from_config

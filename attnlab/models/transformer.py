@@ -299,9 +299,6 @@ def attention_grids(model: Transformer, params: Any, src: Array, src_lengths: Ar
           "cross": grab("decoder", "cross_attention")}
 
 
-count_params = models_lib.count_params
-
-
 def from_config(model_config: Any, src_vocab_size: int, tgt_vocab_size: int,
                 max_src_len: int) -> Transformer:
   """The Transformer described by a `config.model` group (configs/transformer.py).
@@ -315,12 +312,9 @@ def from_config(model_config: Any, src_vocab_size: int, tgt_vocab_size: int,
   except ValueError as e:
     raise ConfigError(f"model.size: {e}") from None
   pick = lambda key: model_config.get(key, 0) or sizes[key]
-  choices = {"position": ("sinusoidal", "learned"), "share_embeddings": SHARE_EMBEDDINGS,
-             "norm_position": NORM_POSITIONS}
-  for key, valid in choices.items():
-    if model_config[key] not in valid:
-      raise ConfigError(f"unknown model.{key} {model_config[key]!r}; valid choices: "
-                        f"{', '.join(valid)}")
+  models_lib.check_choices(model_config, {"position": ("sinusoidal", "learned"),
+                                          "share_embeddings": SHARE_EMBEDDINGS,
+                                          "norm_position": NORM_POSITIONS})
   try:  # model.score and model.implementation: checked by config_utils.validate
     get_activation(model_config.activation)
   except ValueError as e:
@@ -351,7 +345,3 @@ def from_config(model_config: Any, src_vocab_size: int, tgt_vocab_size: int,
       max_len=max_len,
       weights_layer=model_config.weights_layer,
   )
-
-
-# The name the translation task used before the registry (attnlab.models.MODELS).
-make_translation_model = from_config

@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import ml_collections
 
+from attnlab.data.pipeline import IndexedBatches
 from attnlab.errors import UserError
 from attnlab.tasks.base import BatchIterator
-from attnlab.tasks.base import IndexedBatches
 from attnlab.tasks.base import Task
 
 __all__ = ["BatchIterator", "IndexedBatches", "Task", "build_task", "get_task", "list_tasks",

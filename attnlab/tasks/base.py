@@ -62,10 +62,6 @@ import numpy as np
 
 from attnlab import errors
 from attnlab.data import assets as assets_lib
-# Resumable batches from an index, and the (seed, keys) generators: in data/pipeline.py, and
-# importable from here.
-from attnlab.data.pipeline import IndexedBatches  # pylint: disable=unused-import
-from attnlab.data.pipeline import rng_for  # pylint: disable=unused-import
 
 Params = Any  # a pytree of arrays
 Batch = Any  # a pytree of arrays

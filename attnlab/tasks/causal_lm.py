@@ -55,10 +55,6 @@ PRETRAINED_TOKENIZERS = ("hf", "ids")
 ADDITION_ALPHABET = "0123456789+="
 
 
-# The GPT of `config.model` (attnlab.models.gpt.from_config), under its former name.
-build_model = gpt_lib.from_config
-
-
 @register_task("causal_lm")
 class CausalLMTask(Task):
   """Next-token prediction with attnlab.models.gpt.GPT (see the module docstring)."""
@@ -82,7 +78,7 @@ class CausalLMTask(Task):
     if vocab_size < len(self.tokenizer):
       raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the tokenizer's "
                         f"{len(self.tokenizer)} tokens; raise it or set 0 (the tokenizer's size)")
-    self.model = build_model(config.model, vocab_size)
+    self.model = gpt_lib.from_config(config.model, vocab_size)
     self.block_size = self.model.block_size
     if self.seq_len > self.block_size:
       raise ConfigError(f"addition texts need {self.seq_len} positions but model.block_size is "

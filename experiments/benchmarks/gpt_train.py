@@ -167,6 +167,7 @@ def attnlab_trainer(args):
   """(config, task, run(n), batches): attnlab's GPT stepped by the real trainer's train step."""
   import jax  # pylint: disable=g-import-not-at-top
   from attnlab import tasks, train  # pylint: disable=g-import-not-at-top
+  from attnlab import state as state_lib  # pylint: disable=g-import-not-at-top
 
   arg = (f"size={args.size},model.activation={args.activation},model.position={args.position},"
          f"implementation={args.implementation}")
@@ -177,7 +178,7 @@ def attnlab_trainer(args):
   schedule = train.make_schedule(config.optimizer, config.num_train_steps)
   tx = train.make_optimizer(config.optimizer, schedule)
   init_rng, train_rng = train.run_keys(config.seed)
-  state = [train.create_train_state(task, tx, init_rng)]
+  state = [state_lib.create_train_state(task, tx, init_rng)]
   train_step = train.make_train_step(task, tx, schedule)
   iterator = task.train_iterator()
   batches = [next(iterator) for _ in range(args.steps)]

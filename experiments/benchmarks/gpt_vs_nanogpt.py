@@ -115,6 +115,7 @@ def worker(args) -> None:
   """Times `args.iters` attnlab train steps like nanoGPT's loop; prints them as JSON."""
   import jax  # pylint: disable=g-import-not-at-top
   from attnlab import config_utils, tasks, train  # pylint: disable=g-import-not-at-top
+  from attnlab import state as state_lib  # pylint: disable=g-import-not-at-top
 
   arg = attnlab_arg(args.position, args.implementation, pathlib.Path(args.data_dir), 2000)
   config = config_utils.load_config_file(f"{REPO / 'configs' / 'gpt.py'}:{arg}")
@@ -122,7 +123,7 @@ def worker(args) -> None:
   schedule = train.make_schedule(config.optimizer, config.num_train_steps)
   tx = train.make_optimizer(config.optimizer, schedule)
   init_rng, train_rng = train.run_keys(config.seed)
-  state = train.create_train_state(task, tx, init_rng)
+  state = state_lib.create_train_state(task, tx, init_rng)
   train_step = train.make_train_step(task, tx, schedule)
   iterator = task.train_iterator()
   times = []

@@ -20,7 +20,6 @@ from collections.abc import Sequence
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 from absl import flags  # pylint: disable=g-import-not-at-top
-from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
 from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
 
@@ -28,15 +27,12 @@ KERNELS = ("average", "gaussian", "learned")
 
 
 def _define_flags(argv: Sequence[str]) -> flags.FlagValues:
-  flag_values = flags.FlagValues()
-  config_flags.DEFINE_config_file(
-      "config", str(REPO / "configs" / "nadaraya_watson.py"), "Config of the learned-kernel run "
-      "(model.kernel is set per kernel); override fields with --config.<field>=<value>.",
-      flag_values=flag_values, lock_config=True, sys_argv=list(argv))
-  flags.DEFINE_string("workdir", "runs/nadaraya_watson", "Output directory (the learned-kernel "
-                      "run goes to WORKDIR/learned; re-running resumes it).",
-                      flag_values=flag_values)
-  return flag_values
+  return main_lib.run_flags(
+      argv, "Config of the learned-kernel run (model.kernel is set per kernel); override fields "
+      "with --config.<field>=<value>.", "Output directory (the learned-kernel run goes to "
+      "WORKDIR/learned; re-running resumes it).",
+      config_default=str(REPO / "configs" / "nadaraya_watson.py"),
+      workdir_default="runs/nadaraya_watson")
 
 
 def run_study(config, workdir: pathlib.Path) -> dict[str, dict[str, float]]:
@@ -73,10 +69,6 @@ def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv if argv is None else argv)
   flag_values = _define_flags(argv)
   message = main_lib.parse_flags(flag_values, argv)
-  if message is not None:
-    print(f"run.py: error: {message}", file=sys.stderr)
-    return main_lib.USAGE_ERROR
-  main_lib.setup_logging()
 
   def body() -> None:
     config, workdir = flag_values.config, pathlib.Path(flag_values.workdir).absolute()
@@ -97,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nlearned kernel {verdict} average pooling on test MSE")
     print(f"plots: {workdir / 'fit.png'}, {workdir / 'attention.png'}; "
           f"learned-kernel run: {workdir / 'learned'}")
-  return main_lib.run_tool("run.py", body)
+  return main_lib.launch("run.py", message, body)
 
 
 if __name__ == "__main__":

@@ -71,13 +71,13 @@ def train_seconds(records: list[dict], log_every: int) -> dict[int, float]:
 
 def summarise(workdir: pathlib.Path, metric: str) -> dict:
   from attnlab import analysis  # pylint: disable=g-import-not-at-top
-  from attnlab.models import transformer as tf  # pylint: disable=g-import-not-at-top
+  from attnlab import models as models_lib  # pylint: disable=g-import-not-at-top
   run = analysis.load_run(workdir)
   records = read_records(workdir)
   evals = [r for r in records if r["split"] == "eval"]
   seconds = train_seconds(records, run.config.log_every)
   curve = [(r["step"], seconds_at(seconds, r["step"]), r[metric]) for r in evals]
-  return {"params": tf.count_params(run.params), "final": evals[-1], "curve": curve,
+  return {"params": models_lib.count_params(run.params), "final": evals[-1], "curve": curve,
           "steps": run.step, "seconds": seconds_at(seconds, run.step)}
 
 
