@@ -3,10 +3,18 @@
 Each example is drawn from a NumPy generator seeded by (seed, stream, position in the stream), so an
 epoch is a fresh permutation and the masks and random partners are redrawn every epoch (dynamic
 masking):
-- pair stream: `[CLS] A [SEP] B [SEP]` with A a sentence that has a successor in its document
-  and, with probability 1/2, B that successor (is_next = 1), else a sentence of another random
-  document (is_next = 0). The longer side is cut (at its front or back, at random) until the pair
-  fits `max_len`.
+- pair stream: `[CLS] A [SEP] B [SEP]` with A a sentence that has a successor in its document.
+  Next-sentence prediction (`pair_task="nsp"`): with probability 1/2, B is that successor
+  (is_next = 1), else a sentence of another random document (is_next = 0). Sentence-order
+  prediction (`pair_task="sop"`): A and B are the sentence and its successor, in that order
+  (is_next = 1) or swapped (is_next = 0), with probability 1/2 each. The longer side is cut (at
+  its front or back, at random) until the pair fits `max_len`.
+- sentence stream (corpora without documents, e.g. SST-2's rebuilt sentences): sentence-order
+  prediction on the two halves of one sentence (`sop_halves`): the sentence is cut at a word
+  boundary drawn uniformly between its first and last quarter of words (at least one word each
+  side), and the halves are given in order (is_next = 1) or swapped (is_next = 0). Each half is
+  tokenized as a text of its own (`WordSentence`: the first word of a subword text has no leading
+  "▁"), so the pieces do not tell which half began the sentence.
 - single stream: `[CLS] sentence [SEP]`, MLM only (its NSP weight is 0).
 Masking (`mask_tokens`): `mask_prob` of the ordinary tokens (never [CLS], [SEP] or padding; the
 count rounded stochastically so the expected rate is exact), at most `max_predictions` per
@@ -28,8 +36,63 @@ from attnlab.errors import ConfigError
 
 # Ids below this are special tokens (<pad>, <start>, <end>, <unk>, [CLS], [SEP], [MASK]).
 FIRST_ORDINARY_ID = len(tokenizers.SPECIAL_TOKENS)
-# Stream ids for rng_for: pairs, single sentences, evaluation.
+# Stream ids for rng_for: pairs, single sentences, evaluation, halves of sentences (training and
+# evaluation).
 _PAIR_STREAM, _SINGLE_STREAM, _EVAL_STREAM = 1, 2, 3
+_SENTENCE_STREAM, _SENTENCE_EVAL_STREAM = 4, 5
+# Pair tasks of the document pairs: next-sentence prediction or sentence-order prediction.
+PAIR_TASKS = ("nsp", "sop")
+
+
+class WordSentence(NamedTuple):
+  """A sentence as pieces per word, for cutting it into halves that are texts of their own.
+
+  words[i]: the pieces of word i as inside the text (word 0 as at the start of a text);
+  heads[i]: the pieces of word i as at the start of a text. `sum(words, [])` is the sentence's
+  encoding; a half starting at word k is `heads[k] + words[k + 1] + ...`.
+  """
+  words: list[list[int]]
+  heads: list[list[int]]
+
+
+def encode_words(encode: Any, text: str, cache: dict[str, tuple[list[int], list[int]]] | None = None
+                 ) -> WordSentence:
+  """The WordSentence of `text` (words split at single spaces) under `encode` (str -> ids).
+
+  A word inside a text is encoded as " word" (a subword vocabulary gives its "▁" pieces), a word
+  at the start as "word". Pieces never cross white space, so `sum(words, [])` equals
+  `encode(text)` for texts whose words are separated by single spaces. `cache`: a dict reused
+  across calls ({word: (inside pieces, start pieces)}).
+  """
+  cache = {} if cache is None else cache
+  words, heads = [], []
+  for i, word in enumerate(text.split()):
+    if word not in cache:
+      cache[word] = (list(encode(" " + word)), list(encode(word)))
+    inside, head = cache[word]
+    words.append(list(head if i == 0 else inside))
+    heads.append(list(head))
+  return WordSentence(words, heads)
+
+
+def sop_split_point(num_words: int, rng: np.random.Generator) -> int:
+  """Word index k where a sentence of `num_words` (>= 2) words is cut: uniform in [lo, n - lo]
+  with lo = max(1, n // 4), so each half keeps at least a quarter of the words (and one)."""
+  if num_words < 2:
+    raise ValueError(f"a sentence of {num_words} word(s) has no halves")
+  lo = max(1, num_words // 4)
+  return int(rng.integers(lo, num_words - lo + 1))
+
+
+def sop_halves(sentence: WordSentence, rng: np.random.Generator
+               ) -> tuple[list[int], list[int], int]:
+  """(first segment, second segment, in_order) of a sentence-order example (module docstring)."""
+  k = sop_split_point(len(sentence.words), rng)
+  first = [t for w in sentence.words[:k] for t in w]
+  second = list(sentence.heads[k]) + [t for w in sentence.words[k + 1:] for t in w]
+  if rng.random() < 0.5:
+    return first, second, 1
+  return second, first, 0
 
 
 def word_start_table(tokenizer: tokenizers.Vocab) -> np.ndarray:
@@ -133,23 +196,23 @@ def mask_tokens(ids: Sequence[int], rng: np.random.Generator, *, vocab_size: int
   else:
     candidates = np.flatnonzero(ordinary[ids])  # [num_candidates]
   # Group candidates into words: a new word at a word-start piece or after a non-candidate.
-  words: list[list[int]] = []
-  for pos in candidates:
-    starts = (word_starts is None or bool(word_starts[ids[pos]]) or not words
-              or words[-1][-1] != pos - 1)
-    if starts:
-      words.append([int(pos)])
-    else:
-      words[-1].append(int(pos))
+  if word_starts is None:
+    starts = np.ones((len(candidates),), bool)  # [num_candidates]
+  else:
+    starts = np.asarray(word_starts, bool)[ids[candidates]]  # [num_candidates]
+    starts[1:] |= np.diff(candidates) != 1
+    starts[:1] = True
+  word_begin = np.flatnonzero(starts)  # [num_words] index into candidates
+  word_end = np.append(word_begin[1:], len(candidates))  # [num_words]
   target = int(np.floor(len(candidates) * mask_prob + rng.random()))
   target = min(target, max_predictions)
   chosen: list[int] = []
-  for w in rng.permutation(len(words)):
+  for w in rng.permutation(len(word_begin)):
     if len(chosen) >= target:
       break
-    if len(chosen) + len(words[w]) > target:
+    if len(chosen) + word_end[w] - word_begin[w] > target:
       continue
-    chosen.extend(words[w])
+    chosen.extend(candidates[word_begin[w]:word_end[w]].tolist())
   positions = np.sort(np.asarray(chosen, np.int32))  # [n]
   labels = ids[positions]  # [n]
   masked = ids.copy()
@@ -174,7 +237,11 @@ def pack_example(ids: list[int], segments: list[int], rng: np.random.Generator, 
                                           word_starts=word_starts, mask_id=mask_id,
                                           ordinary=ordinary)
   n, length = len(positions), len(ids)
-  pad = lambda x, size, dtype: np.pad(np.asarray(x, dtype), (0, size - len(x)))
+
+  def pad(x, size, dtype):
+    out = np.zeros((size,), dtype)
+    out[:len(x)] = x
+    return out
   return MaskedExample(
       tokens=pad(masked, max_len, np.int32), segments=pad(segments, max_len, np.int32),
       valid=np.arange(max_len) < length, mlm_positions=pad(positions, max_predictions, np.int32),
@@ -190,33 +257,46 @@ def stack_examples(examples: Sequence[MaskedExample]) -> dict[str, np.ndarray]:
 
 
 class PretrainingData:
-  """Encoded documents and the two example streams (module docstring)."""
+  """Encoded documents, sentences and singles, and their example streams (module docstring)."""
 
   def __init__(self, documents: Sequence[Sequence[Sequence[int]]],
                singles: Sequence[Sequence[int]], *, vocab_size: int, max_len: int,
                mask_prob: float = 0.15, max_predictions: int = 20,
-               word_starts: np.ndarray | None = None, special: dict[str, Any] | None = None):
+               word_starts: np.ndarray | None = None, special: dict[str, Any] | None = None,
+               sentences: Sequence[WordSentence] = (), pair_task: str = "nsp"):
     """documents: encoded sentences per document; singles: encoded extra sentences;
     special: {cls_id, sep_id, mask_id, ordinary} of the tokenizer (`special_ids`; None: attnlab's
-    fixed ids)."""
+    fixed ids); sentences: WordSentences of the sentence stream (those of fewer than two words
+    are dropped); pair_task: "nsp" or "sop" for the document pairs."""
+    if pair_task not in PAIR_TASKS:
+      raise ConfigError(f"unknown pair task {pair_task!r}; valid: {', '.join(PAIR_TASKS)}")
+    self.pair_task = pair_task
     self.documents = [list(map(list, doc)) for doc in documents if len(doc)]
     self.singles = [list(s) for s in singles if len(s)]
+    self.sentences = [WordSentence([list(w) for w in s.words], [list(w) for w in s.heads])
+                      for s in sentences if len(s.words) >= 2]
     # (document, sentence) of every sentence with a successor in its document.
     self.anchors = [(d, s) for d, doc in enumerate(self.documents) for s in range(len(doc) - 1)]
-    if not self.anchors:
+    if not self.anchors and not self.sentences:
       raise ConfigError("the pretraining corpus has no document with two sentences, so no "
                         "next-sentence pair can be built; use more documents (data.max_documents)")
-    if len(self.documents) < 2:
+    if self.anchors and pair_task == "nsp" and len(self.documents) < 2:
       raise ConfigError("random next-sentence partners need at least two documents")
     self.options = dict(vocab_size=vocab_size, max_len=max_len, mask_prob=mask_prob,
                         max_predictions=max_predictions, word_starts=word_starts)
     self.special = dict(special or {})
+    self._orders: dict[tuple[int, ...], np.ndarray] = {}
 
   def pair_example(self, anchor: int, rng: np.random.Generator) -> MaskedExample:
-    """The pair of anchor `anchor`: real successor or random partner with probability 1/2."""
+    """The pair of anchor `anchor`: NSP, real successor or random partner with probability 1/2;
+    SOP, the sentence and its successor in order or swapped with probability 1/2."""
     d, s = self.anchors[anchor]
     a = self.documents[d][s]
-    if rng.random() < 0.5:
+    if self.pair_task == "sop":
+      b, is_next = self.documents[d][s + 1], 1
+      if rng.random() >= 0.5:
+        a, b, is_next = b, a, 0
+    elif rng.random() < 0.5:
       b, is_next = self.documents[d][s + 1], 1
     else:
       other = int(rng.integers(len(self.documents) - 1))
@@ -225,6 +305,12 @@ class PretrainingData:
       b, is_next = doc[int(rng.integers(len(doc)))], 0
     ids, segments = make_pair(a, b, self.options["max_len"], rng, **self._pair_ids())
     return self._pack(ids, segments, rng, is_next=is_next, nsp_weight=1.0)
+
+  def sentence_example(self, index: int, rng: np.random.Generator) -> MaskedExample:
+    """Sentence-order example of sentence `index`: its two halves in order or swapped."""
+    a, b, in_order = sop_halves(self.sentences[index], rng)
+    ids, segments = make_pair(a, b, self.options["max_len"], rng, **self._pair_ids())
+    return self._pack(ids, segments, rng, is_next=in_order, nsp_weight=1.0)
 
   def single_example(self, index: int, rng: np.random.Generator) -> MaskedExample:
     """`[CLS] sentence [SEP]` of extra sentence `index`, MLM only."""
@@ -245,18 +331,46 @@ class PretrainingData:
   def stream(self, kind: int, position: int, seed: int) -> MaskedExample:
     """Example `position` of a stream: epoch = position // size walks a fresh permutation; the
     generator depends on the position itself, so masks and partners change every epoch."""
-    size = len(self.anchors) if kind == _PAIR_STREAM else len(self.singles)
+    examples = {_PAIR_STREAM: (len(self.anchors), self.pair_example),
+                _SINGLE_STREAM: (len(self.singles), self.single_example),
+                _SENTENCE_STREAM: (len(self.sentences), self.sentence_example)}
+    size, make = examples[kind]
+    if size == 0:
+      raise ConfigError("a batch asks for examples of a kind this corpus does not have "
+                        "(pairs, single sentences or sentence halves); check data.corpus and the "
+                        "batch fractions")
     epoch, offset = divmod(position, size)
-    index = int(rng_for(seed, kind, epoch).permutation(size)[offset])
+    index = int(self._permutation(seed, kind, epoch, size)[offset])
     rng = rng_for(seed, kind, epoch, offset, 1)
-    if kind == _PAIR_STREAM:
-      return self.pair_example(index, rng)
-    return self.single_example(index, rng)
+    return make(index, rng)
 
-  def batch(self, index: int, batch_size: int, num_single: int, seed: int) -> dict[str, np.ndarray]:
-    """Training batch `index`: batch_size - num_single pairs, then num_single single sentences."""
-    num_pairs = batch_size - num_single
+  def _permutation(self, seed: int, kind: int, epoch: int, size: int) -> np.ndarray:
+    """The order of epoch `epoch` of a stream (the last few kept: a batch reads one or two)."""
+    key = (seed, kind, epoch, size)
+    if key not in self._orders:
+      if len(self._orders) >= 8:
+        self._orders.pop(next(iter(self._orders)))
+      self._orders[key] = rng_for(seed, kind, epoch).permutation(size)
+    return self._orders[key]
+
+  def batch(self, index: int, batch_size: int, num_single: int, seed: int,
+            num_sentence: int = 0) -> dict[str, np.ndarray]:
+    """Training batch `index`: batch_size - num_single - num_sentence document pairs, then
+    num_sentence sentence-halves examples, then num_single single sentences."""
+    num_pairs = batch_size - num_single - num_sentence
     examples = [self.stream(_PAIR_STREAM, index * num_pairs + j, seed) for j in range(num_pairs)]
+    examples += [self.stream(_SENTENCE_STREAM, index * num_sentence + j, seed)
+                 for j in range(num_sentence)]
     examples += [self.stream(_SINGLE_STREAM, index * num_single + j, seed)
                  for j in range(num_single)]
     return stack_examples(examples)
+
+  def eval_examples(self, num_examples: int, seed: int) -> list[MaskedExample]:
+    """Fixed held-out examples (for a corpus built from held-out text): the document pairs, or the
+    sentence halves when there are no documents; example i cycles over them, with masks and
+    partners drawn from (seed, stream, i)."""
+    if self.anchors:
+      return [self.pair_example(i % len(self.anchors), rng_for(seed, _EVAL_STREAM, i))
+              for i in range(num_examples)]
+    return [self.sentence_example(i % len(self.sentences), rng_for(seed, _SENTENCE_EVAL_STREAM, i))
+            for i in range(num_examples)]

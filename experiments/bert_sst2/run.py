@@ -1,35 +1,71 @@
-"""BERT on SST-2: MLM + NSP pretraining, then [CLS] fine-tuning, against fine-tuning from scratch.
+"""BERT on SST-2: does pretraining (on which text) help a tiny encoder? Four arms, N seeds each.
 
   python experiments/bert_sst2/run.py [--workdir=runs/bert_sst2] [--size=tiny] [--seeds=0,1,2] \
-      [--pretrain_seeds=0,1,2] [--pretrain_args=num_train_steps=6000] \
-      [--finetune_args=num_train_steps=2000] [--manual_dir=../shared/data]
+      [--arms=scratch,shakespeare,sst2,both] [--lrs=1e-4,3e-4,1e-3] [--pretrain_seeds=...] \
+      [--pretrain_args=key=value,...] [--finetune_args=key=value,...] \
+      [--manual_dir=../shared/data] [--publish_dir=experiments/bert_sst2] [--plan]
 
-For each seed s: a pretraining run WORKDIR/pretrain_s<p> (p = pretrain_seeds[i % len], default
-p = s), a fine-tuning run WORKDIR/finetune_s<s> initialised from it, and a from-scratch run
-WORKDIR/scratch_s<s>; all use configs/bert.py with the given size and extra args (any
-`key=value` the config file accepts, comma separated). Every run is an ordinary resumable attnlab
-run: re-running the command skips finished runs. Writes WORKDIR/results.json and
-WORKDIR/results.md (MLM and NSP accuracy on held-out Shakespeare pairs, SST-2 validation
-accuracy of both, mean ± std over seeds, and the wall time of each stage); the head-view and
-[CLS] attention plots are in each run's folder (head_view.png, cls_attention.png).
+Arms (configs/bert.py; every pretraining run with STUDY_PRETRAIN, then --pretrain_args):
+  scratch      no pretraining; the vocabulary of --scratch_corpus (default sst2_sentences)
+  shakespeare  pretrained on Tiny Shakespeare (corpus "shakespeare", sentence-order pairs)
+  sst2         pretrained on SST-2's training sentences rebuilt from its phrases, less a held-out
+               tenth (corpus "sst2_sentences"; sentence-order pairs of sentence halves)
+  both         both corpora, half of each batch from each ("shakespeare+sst2_sentences")
+Whole-word masking and dynamic masking everywhere; each arm's subword vocabulary is learned on
+its own pretraining text (the labels of SST-2 are never read by pretraining).
+
+Per arm: pretraining runs WORKDIR/<arm>/pretrain_s<p> (p = pretrain_seeds[i % len], default the
+fine-tuning seeds); the fine-tuning learning rate chosen among --lrs by fine-tuning (seed
+--select_seed, from the first pretraining run) on SST-2 training phrases and measuring accuracy
+on the held-out sentences of the *training* split (attnlab.data.sst2_corpus: no phrase found only
+in a held-out sentence is trained on; the validation split is not read), runs
+WORKDIR/<arm>/select_lr<lr>; then one fine-tuning run per seed at that rate on the whole
+training split, WORKDIR/<arm>/finetune_s<s>, evaluated on SST-2's validation split (872
+sentences), the reported figure. Every run is an ordinary resumable attnlab run: re-running the
+command continues or skips it.
+
+Writes WORKDIR/results.json ({arm: {"seeds": [...], "sst2_val": [...]}}), WORKDIR/details.json
+(chosen learning rates and held-out accuracies, MLM and sentence-order accuracy of each
+pretraining run, wall time of every run) and WORKDIR/results.md (the table: mean ± std, per-seed
+differences to scratch); with --publish_dir also copies them there, with the head views
+(figures/<arm>_pretrained_head_view.png, figures/<arm>_cls_attention.png). `--plan` prints the
+runs and their steps without running anything.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 
+from absl import flags
+
+from attnlab import main as main_lib
+from attnlab.errors import UserError
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
-
-from absl import flags  # pylint: disable=g-import-not-at-top
-
-from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
-
 CONFIG_FILE = REPO / "configs" / "bert.py"
+
+# Arm -> pretraining corpus (None: no pretraining).
+ARMS = {"scratch": None, "shakespeare": "shakespeare", "sst2": "sst2_sentences",
+        "both": "shakespeare+sst2_sentences"}
+# Pretraining options of every arm (before --pretrain_args, which win): sentence-order pairs,
+# whole-word masking, and the longer schedule of the study (experiments/bert_sst2/README.md).
+STUDY_PRETRAIN = ("data.pair_task=sop,data.whole_word=True,num_train_steps=10000,batch_size=64,"
+                  "optimizer.learning_rate=1e-3,optimizer.warmup_steps=1000,eval_every=1000,"
+                  "checkpoint_every=1000")
+# The head-view sentence, written as SST-2 writes its text (lower case, split clitics and
+# punctuation): the SST-2 vocabularies have no capital letters.
+PLOT_SENTENCE = "the animal did n't cross the street because it was too tired ."
+# Data options a fine-tuning config must share with its pretraining run (the vocabulary's).
+SHARED_DATA_KEYS = ("data.vocab_size", "data.max_documents", "data.max_extra_sentences",
+                    "data.tokenizer_dir")
+# Task of the learning-rate choice runs (registered by `register_selection_task`).
+SELECTION_TASK = "sst2_heldout_classification"
 
 
 def _define_flags() -> flags.FlagValues:
@@ -39,44 +75,212 @@ def _define_flags() -> flags.FlagValues:
   flags.DEFINE_string("size", "tiny", "Encoder size: tiny (BERT-Tiny), mini or test.",
                       flag_values=fv)
   flags.DEFINE_string("score", "scaled_dot", "Attention score name.", flag_values=fv)
-  flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds of the fine-tuning and scratch runs.",
-                    flag_values=fv)
+  flags.DEFINE_list("arms", list(ARMS), f"Arms to run, of {', '.join(ARMS)}.", flag_values=fv)
+  flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds of the fine-tuning runs.", flag_values=fv)
   flags.DEFINE_list("pretrain_seeds", [], "Seeds of the pretraining runs (default: --seeds); "
                     "fine-tuning seed i starts from pretrain_seeds[i % len].", flag_values=fv)
-  flags.DEFINE_string("pretrain_args", "", "Extra key=value,... for the pretraining config.",
+  flags.DEFINE_list("lrs", ["1e-4", "3e-4", "1e-3"], "Fine-tuning learning rates to choose from "
+                    "(on held-out sentences of the training split).", flag_values=fv)
+  flags.DEFINE_integer("select_seed", 0, "Seed of the learning-rate choice runs.", flag_values=fv)
+  flags.DEFINE_string("scratch_corpus", "sst2_sentences", "Corpus whose vocabulary the scratch "
+                      "arm uses.", flag_values=fv)
+  flags.DEFINE_string("pretrain_args", "", "Extra key=value,... for the pretraining configs.",
                       flag_values=fv)
-  flags.DEFINE_string("finetune_args", "", "Extra key=value,... for both SST-2 configs.",
+  flags.DEFINE_string("finetune_args", "", "Extra key=value,... for every SST-2 config.",
                       flag_values=fv)
   flags.DEFINE_string("manual_dir", str(REPO.parent / "shared" / "data"),
                       "Folder with the raw data files ('' = $ATTNLAB_DATA_DIR or download).",
                       flag_values=fv)
   flags.DEFINE_string("data_dir", "", "TFDS data dir for the prepared datasets.", flag_values=fv)
+  flags.DEFINE_string("publish_dir", "", "Also copy results.json/.md, details.json and the "
+                      "figures here (e.g. experiments/bert_sst2).", flag_values=fv)
+  flags.DEFINE_bool("plan", False, "Print the runs and their steps; run nothing.", flag_values=fv)
   return fv
 
 
-def _config(mode: str, fv: flags.FlagValues, seed: int, extra: str):
+# ---------------------------------------------------------------------------------------------
+# The learning-rate choice task
+
+
+def register_selection_task() -> None:
+  """Registers SELECTION_TASK: SST-2 fine-tuning that trains on the training phrases inside the
+  pretraining sentences and evaluates on the held-out sentences of the training split."""
+  from attnlab.data import sst2_corpus  # pylint: disable=g-import-not-at-top
+  from attnlab.tasks import classification  # pylint: disable=g-import-not-at-top
+  from attnlab.tasks import register_task  # pylint: disable=g-import-not-at-top
+
+  @register_task(SELECTION_TASK)
+  class HeldoutSst2(classification.ClassificationTask):
+    """[CLS] fine-tuning for the learning-rate choice (module docstring of run.py)."""
+
+    def _split(self, split: str, limit: int):
+      data = self.config.data
+      kwargs = dict(data_dir=data.data_dir or None, manual_dir=data.manual_dir or None)
+      train, heldout = sst2_corpus.selection_examples(**kwargs)
+      examples = train if split == "train" else heldout
+      if limit > 0:
+        examples = examples[:limit]
+      return classification.encode_sst2(self.tokenizer, examples, data.max_len)
+
+  del HeldoutSst2
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs
+
+
+def _shared_data_args(pretrain_args: str) -> str:
+  """The key=value parts of pretrain_args that fine-tuning must share (SHARED_DATA_KEYS)."""
+  from attnlab import config_utils  # pylint: disable=g-import-not-at-top
+  return ",".join(f"{k}={v}" for k, v in config_utils.parse_arg(pretrain_args)
+                  if k in SHARED_DATA_KEYS)
+
+
+def _config(mode: str, fv: flags.FlagValues, seed: int, *extra: str):
   from attnlab import config_utils  # pylint: disable=g-import-not-at-top
   parts = [f"mode={mode}", f"size={fv.size}", f"score={fv.score}", f"seed={seed}"]
   if fv.manual_dir and pathlib.Path(fv.manual_dir).is_dir():
     parts.append(f"data.manual_dir={pathlib.Path(fv.manual_dir).absolute()}")
   if fv.data_dir:
     parts.append(f"data.data_dir={fv.data_dir}")
-  if extra:
-    parts.append(extra)
-  return config_utils.load_config_file(f"{CONFIG_FILE}:{','.join(parts)}")
+  parts += [e for e in extra if e]
+  config = config_utils.load_config_file(f"{CONFIG_FILE}:{','.join(parts)}")
+  # Set here: the quote in "n't" would start a quoted value in a config arg.
+  config.data.plot_sentence = PLOT_SENTENCE
+  return config
 
 
-def _run(config, workdir: pathlib.Path, timings: dict[str, float]) -> dict[str, float]:
-  """Trains (or resumes/reuses) one run; returns its last eval record."""
+def lr_name(lr: float) -> str:
+  return f"{lr:.0e}".replace("e-0", "e-")
+
+
+def plan(fv: flags.FlagValues) -> list[dict]:
+  """Every run of the study in order: {arm, kind, seed, workdir, config}. The configs of the
+  fine-tuning runs (kind "finetune") have their learning rate set once the choice is made."""
+  workdir = pathlib.Path(fv.workdir).absolute()
+  seeds = [int(s) for s in fv.seeds]
+  pretrain_seeds = [int(s) for s in (fv.pretrain_seeds or fv.seeds)]
+  lrs = [float(x) for x in fv.lrs]
+  unknown = [a for a in fv.arms if a not in ARMS]
+  if unknown:
+    raise UserError(f"unknown arm(s) {', '.join(unknown)}; valid: {', '.join(ARMS)}")
+  shared = _shared_data_args(fv.pretrain_args)
+  runs = []
+  for arm in fv.arms:
+    corpus = ARMS[arm]
+    folder = workdir / arm
+    data_args = f"data.corpus={corpus or fv.scratch_corpus}"
+    if corpus is not None:
+      for p in pretrain_seeds:
+        config = _config("pretrain", fv, p, data_args, STUDY_PRETRAIN, fv.pretrain_args)
+        runs.append({"arm": arm, "kind": "pretrain", "seed": p,
+                     "workdir": folder / f"pretrain_s{p}", "config": config})
+    init = (lambda i: str(folder / f"pretrain_s{pretrain_seeds[i % len(pretrain_seeds)]}")
+            ) if corpus is not None else (lambda i: "")
+    for lr in lrs:
+      config = _config("finetune", fv, fv.select_seed, data_args, shared, fv.finetune_args,
+                       f"optimizer.learning_rate={lr}")
+      config.task = SELECTION_TASK
+      config.init_from = init(0)
+      runs.append({"arm": arm, "kind": "select", "seed": fv.select_seed, "lr": lr,
+                   "workdir": folder / f"select_lr{lr_name(lr)}", "config": config})
+    for i, s in enumerate(seeds):
+      config = _config("finetune", fv, s, data_args, shared, fv.finetune_args)
+      config.init_from = init(i)
+      runs.append({"arm": arm, "kind": "finetune", "seed": s,
+                   "workdir": folder / f"finetune_s{s}", "config": config})
+  return runs
+
+
+def _timings_path(workdir: pathlib.Path) -> pathlib.Path:
+  return workdir / "timings.json"
+
+
+def _run(run: dict, timings: dict[str, float], root: pathlib.Path) -> dict[str, float]:
+  """Trains (or resumes/skips) one run; adds the seconds spent to timings; returns its last
+  eval record."""
   from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
   from attnlab import train  # pylint: disable=g-import-not-at-top
   start = time.time()
-  train.train_and_evaluate(config, workdir)
-  timings[workdir.name] = time.time() - start
-  return checkpoint.last_records(checkpoint.read_metrics(workdir))["eval"]
+  train.train_and_evaluate(run["config"], run["workdir"])
+  name = str(run["workdir"].relative_to(root))
+  timings[name] = timings.get(name, 0.0) + time.time() - start
+  _timings_path(root).write_text(json.dumps(timings, indent=2) + "\n")
+  return checkpoint.last_records(checkpoint.read_metrics(run["workdir"]))["eval"]
 
 
-def _mean_std(values: list[float]) -> str:
+def run_study(fv: flags.FlagValues) -> dict:
+  """Runs every stage; returns {"results": results.json's dict, "details": details.json's}."""
+  register_selection_task()
+  root = pathlib.Path(fv.workdir).absolute()
+  root.mkdir(parents=True, exist_ok=True)
+  path = _timings_path(root)
+  timings = json.loads(path.read_text()) if path.is_file() else {}
+  results, details = {}, {}
+  runs = plan(fv)
+  for arm in fv.arms:
+    arm_runs = [r for r in runs if r["arm"] == arm]
+    info = {"corpus": ARMS[arm] or f"none (vocabulary of {fv.scratch_corpus})", "pretrain": {},
+            "selection": {}}
+    for run in (r for r in arm_runs if r["kind"] == "pretrain"):
+      record = _run(run, timings, root)
+      info["pretrain"][str(run["seed"])] = {"mlm_accuracy": record["mlm_accuracy"],
+                                            "sop_accuracy": record["nsp_accuracy"]}
+    for run in (r for r in arm_runs if r["kind"] == "select"):
+      info["selection"][str(run["lr"])] = _run(run, timings, root)["accuracy"]
+    # The best held-out accuracy; a tie goes to the smaller rate.
+    best = max(info["selection"], key=lambda k: (info["selection"][k], -float(k)))
+    info["lr"] = float(best)
+    seeds, accuracy = [], []
+    for run in (r for r in arm_runs if r["kind"] == "finetune"):
+      run["config"].optimizer.learning_rate = info["lr"]
+      seeds.append(run["seed"])
+      accuracy.append(_run(run, timings, root)["accuracy"])
+    results[arm] = {"seeds": seeds, "sst2_val": accuracy}
+    details[arm] = info
+  details = {"size": fv.size, "score": fv.score, "study_pretrain": STUDY_PRETRAIN,
+             "pretrain_args": fv.pretrain_args, "finetune_args": fv.finetune_args,
+             "arms": details, "seconds": timings}
+  write_outputs(root, results, details)
+  if fv.publish_dir:
+    publish(root, pathlib.Path(fv.publish_dir), fv)
+  return {"results": results, "details": details}
+
+
+def write_outputs(root: pathlib.Path, results: dict, details: dict) -> None:
+  (root / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+  (root / "details.json").write_text(json.dumps(details, indent=2) + "\n")
+  (root / "results.md").write_text(results_table(results, details))
+
+
+def publish(root: pathlib.Path, target: pathlib.Path, fv: flags.FlagValues) -> None:
+  """Copies the results and the head-view figures of seed 0's runs into `target`."""
+  target.mkdir(parents=True, exist_ok=True)
+  for name in ("results.json", "details.json", "results.md"):
+    shutil.copyfile(root / name, target / name)
+  figures = target / "figures"
+  figures.mkdir(exist_ok=True)
+  first = int(fv.seeds[0])
+  pretrain_first = int((fv.pretrain_seeds or fv.seeds)[0])
+  for arm in fv.arms:
+    sources = {f"{arm}_cls_attention.png": root / arm / f"finetune_s{first}" / "cls_attention.png"}
+    if ARMS[arm] is not None:
+      sources[f"{arm}_pretrained_head_view.png"] = (root / arm / f"pretrain_s{pretrain_first}" /
+                                                    "head_view.png")
+    for name, source in sources.items():
+      if source.is_file():
+        shutil.copyfile(source, figures / name)
+
+
+# ---------------------------------------------------------------------------------------------
+# The table
+
+
+def _pct(values: Sequence[float]) -> str:
+  return ", ".join(f"{100 * v:.1f}" for v in values)
+
+
+def _mean_std(values: Sequence[float]) -> str:
   if not values:
     return "-"
   if len(values) == 1:
@@ -84,54 +288,39 @@ def _mean_std(values: list[float]) -> str:
   return f"{100 * statistics.mean(values):.1f} ± {100 * statistics.stdev(values):.1f}"
 
 
-def run_study(fv: flags.FlagValues) -> dict:
-  """Runs every stage; returns the results dict written to results.json."""
-  workdir = pathlib.Path(fv.workdir).absolute()
-  seeds = [int(s) for s in fv.seeds]
-  pretrain_seeds = [int(s) for s in (fv.pretrain_seeds or fv.seeds)]
-  timings: dict[str, float] = {}
-  pretrain = {}
-  for p in pretrain_seeds:
-    pretrain[p] = _run(_config("pretrain", fv, p, fv.pretrain_args), workdir / f"pretrain_s{p}",
-                       timings)
-  rows = []
-  for i, s in enumerate(seeds):
-    p = pretrain_seeds[i % len(pretrain_seeds)]
-    ft_config = _config("finetune", fv, s, fv.finetune_args)
-    ft_config.init_from = str(workdir / f"pretrain_s{p}")
-    finetuned = _run(ft_config, workdir / f"finetune_s{s}", timings)
-    scratch = _run(_config("finetune", fv, s, fv.finetune_args), workdir / f"scratch_s{s}",
-                   timings)
-    rows.append({"seed": s, "pretrain_seed": p, "mlm_accuracy": pretrain[p]["mlm_accuracy"],
-                 "nsp_accuracy": pretrain[p]["nsp_accuracy"],
-                 "sst2_pretrained": finetuned["accuracy"], "sst2_scratch": scratch["accuracy"]})
-  results = {"size": fv.size, "score": fv.score, "pretrain_args": fv.pretrain_args,
-             "finetune_args": fv.finetune_args, "rows": rows, "seconds": timings}
-  (workdir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-  (workdir / "results.md").write_text(results_table(results))
-  return results
-
-
-def results_table(results: dict) -> str:
-  """The markdown table of results.json."""
-  lines = [f"BERT size {results['size']}, score {results['score']}; pretrain args "
-           f"`{results['pretrain_args'] or '-'}`, fine-tune args `{results['finetune_args'] or '-'}`",
-           "",
-           "| seed | pretrain run | MLM acc % | NSP acc % | SST-2 val % (pretrained) | "
-           "SST-2 val % (scratch) |",
-           "|---|---|---|---|---|---|"]
-  rows = results["rows"]
-  for r in rows:
-    lines.append(f"| {r['seed']} | s{r['pretrain_seed']} | {100 * r['mlm_accuracy']:.1f} | "
-                 f"{100 * r['nsp_accuracy']:.1f} | {100 * r['sst2_pretrained']:.1f} | "
-                 f"{100 * r['sst2_scratch']:.1f} |")
-  pretrain_rows = {r["pretrain_seed"]: r for r in rows}.values()
-  lines.append(f"| mean ± std | | {_mean_std([r['mlm_accuracy'] for r in pretrain_rows])} | "
-               f"{_mean_std([r['nsp_accuracy'] for r in pretrain_rows])} | "
-               f"{_mean_std([r['sst2_pretrained'] for r in rows])} | "
-               f"{_mean_std([r['sst2_scratch'] for r in rows])} |")
-  lines += ["", "Wall time per run (s): " + ", ".join(
-      f"{name} {sec:.0f}" for name, sec in results["seconds"].items()), ""]
+def results_table(results: dict, details: dict) -> str:
+  """The markdown table of results.json and details.json."""
+  arms = details["arms"]
+  lines = [f"BERT size {details['size']}, score {details['score']}; pretraining "
+           f"`{details['study_pretrain']}` then `{details['pretrain_args'] or '-'}`; fine-tuning "
+           f"args `{details['finetune_args'] or '-'}`", "",
+           "| arm | pretraining corpus | MLM acc % (held-out) | SOP acc % (held-out) | "
+           "fine-tune lr (held-out acc % per lr) | SST-2 val % per seed | mean ± std | "
+           "difference to scratch per seed | mean difference |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  scratch = results.get("scratch")
+  for arm, result in results.items():
+    info = arms[arm]
+    pre = list(info["pretrain"].values())
+    mlm = _mean_std([p["mlm_accuracy"] for p in pre]) if pre else "-"
+    sop = _mean_std([p["sop_accuracy"] for p in pre]) if pre else "-"
+    choice = ", ".join(f"{float(lr):g}: {100 * acc:.1f}" for lr, acc in info["selection"].items())
+    diff, mean_diff = "-", "-"
+    if scratch is not None and arm != "scratch":
+      by_seed = dict(zip(scratch["seeds"], scratch["sst2_val"]))
+      deltas = [acc - by_seed[s] for s, acc in zip(result["seeds"], result["sst2_val"])
+                if s in by_seed]
+      if deltas:
+        diff = ", ".join(f"{100 * d:+.1f}" for d in deltas)
+        mean_diff = f"{100 * statistics.mean(deltas):+.1f}"
+    lines.append(f"| {arm} | {info['corpus']} | {mlm} | {sop} | **{info['lr']:g}** ({choice}) | "
+                 f"{_pct(result['sst2_val'])} | {_mean_std(result['sst2_val'])} | {diff} | "
+                 f"{mean_diff} |")
+  lines += ["", "MLM and SOP accuracy: held-out sentences of SST-2's training split (arms with "
+            "SST-2 text), Tiny Shakespeare's validation split (shakespeare). Seeds: "
+            + ", ".join(f"{arm} {r['seeds']}" for arm, r in results.items()) + ".",
+            "", "Wall time per run (s): " + ", ".join(
+                f"{name} {sec:.0f}" for name, sec in details["seconds"].items()), ""]
   return "\n".join(lines)
 
 
@@ -149,8 +338,15 @@ def main(argv: Sequence[str] | None = None) -> int:
   main_lib.setup_logging()
 
   def body() -> None:
-    results = run_study(fv)
-    print(results_table(results))
+    if fv.plan:
+      for run in plan(fv):
+        c = run["config"]
+        lr = f", lr {run['lr']:g}" if "lr" in run else ""
+        print(f"{run['workdir']}: {c.task}, corpus {c.data.corpus}, {c.num_train_steps} steps "
+              f"of {c.batch_size}{lr}")
+      return
+    out = run_study(fv)
+    print(results_table(out["results"], out["details"]))
     print(f"results: {pathlib.Path(fv.workdir).absolute() / 'results.md'}")
   return main_lib.run_tool("run.py", body)
 

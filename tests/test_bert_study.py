@@ -1,0 +1,79 @@
+"""experiments/bert_sst2/run.py (issue #17): the table, and a seconds-long study of two arms."""
+
+import importlib.util
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from attnlab import config_utils
+from attnlab import tasks
+from attnlab.data import sst2_corpus
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "experiments" / "bert_sst2" / "run.py"
+
+
+@pytest.fixture(scope="module")
+def study():
+  spec = importlib.util.spec_from_file_location("bert_sst2_run", SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_results_table_mean_std_and_per_seed_differences(study):
+  results = {"scratch": {"seeds": [0, 1, 2], "sst2_val": [0.80, 0.79, 0.81]},
+             "sst2": {"seeds": [0, 1, 2], "sst2_val": [0.83, 0.82, 0.80]}}
+  arms = {"scratch": {"corpus": "none", "pretrain": {}, "selection": {"0.0003": 0.78}, "lr": 3e-4},
+          "sst2": {"corpus": "sst2_sentences", "lr": 1e-4,
+                   "pretrain": {"0": {"mlm_accuracy": 0.30, "sop_accuracy": 0.70}},
+                   "selection": {"0.0001": 0.81, "0.0003": 0.80}}}
+  details = {"size": "tiny", "score": "scaled_dot", "study_pretrain": "x", "pretrain_args": "",
+             "finetune_args": "", "arms": arms, "seconds": {"sst2/pretrain_s0": 12.0}}
+  table = study.results_table(results, details)
+  rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
+  assert "80.0 ± 1.0" in rows["scratch"]
+  assert "81.7 ± 1.5" in rows["sst2"] and "+3.0, +3.0, -1.0" in rows["sst2"]
+  assert "+1.7" in rows["sst2"] and "**0.0001** (0.0001: 81.0, 0.0003: 80.0)" in rows["sst2"]
+  assert "30.0 (one run)" in rows["sst2"] and "sst2/pretrain_s0 12" in table
+
+
+def test_two_arm_study_end_to_end(study, shared_data, tmp_path):
+  """Scratch and in-domain arms, the lr chosen on held-out training sentences; results.json in
+  the issue's format, figures published."""
+  publish = tmp_path / "published"
+  argv = ["run.py", f"--workdir={tmp_path / 'study'}", "--size=test", "--arms=scratch,sst2",
+          "--seeds=0", "--lrs=1e-3,3e-3", f"--manual_dir={shared_data}",
+          f"--data_dir={tmp_path / 'tfds'}", f"--publish_dir={publish}",
+          "--pretrain_args=num_train_steps=4,eval_every=4,checkpoint_every=4,batch_size=8,"
+          "data.vocab_size=300,data.max_extra_sentences=300,data.max_len=32,data.num_eval=16,"
+          f"data.tokenizer_dir={tmp_path / 'tok'},model.max_len=32",
+          "--finetune_args=num_train_steps=3,eval_every=3,checkpoint_every=3,batch_size=8,"
+          "data.max_len=32,model.max_len=32,data.num_train=200,data.num_eval=40"]
+  assert study.main(argv) == 0
+  results = json.loads((tmp_path / "study" / "results.json").read_text())
+  assert set(results) == {"scratch", "sst2"}
+  for arm in results.values():
+    assert arm["seeds"] == [0] and len(arm["sst2_val"]) == 1
+    assert all(0.0 <= a <= 1.0 for a in arm["sst2_val"])
+  details = json.loads((tmp_path / "study" / "details.json").read_text())
+  sst2 = details["arms"]["sst2"]
+  assert set(sst2["selection"]) == {"0.001", "0.003"} and sst2["lr"] in (1e-3, 3e-3)
+  assert set(sst2["pretrain"]) == {"0"}
+  config = json.loads((tmp_path / "study" / "sst2" / "select_lr1e-3" / "config.json").read_text())
+  assert config["task"] == study.SELECTION_TASK and config["init_from"].endswith("pretrain_s0")
+  # The choice runs train on phrases inside pretraining sentences and evaluate on held-out
+  # sentences of the training split (the first 40 here), not on the validation split.
+  task = tasks.get_task(study.SELECTION_TASK)(config_utils.from_jsonable(config))
+  heldout = [task.tokenizer.encode(s) for s in sst2_corpus.heldout_sentences(
+      data_dir=tmp_path / "tfds", manual_dir=shared_data)[:40]]
+  tokens = np.concatenate([b["tokens"] for b in task.eval_batches()])
+  assert len(tokens) == 40  # [CLS] sentence [SEP], cut to data.max_len=32
+  assert [row[1:31][:len(h)].tolist() for row, h in zip(tokens, heldout)] == [h[:30] for h in heldout]
+  finetune = json.loads((tmp_path / "study" / "sst2" / "finetune_s0" / "config.json").read_text())
+  assert finetune["optimizer"]["learning_rate"] == sst2["lr"]
+  assert (publish / "results.json").is_file() and (publish / "results.md").is_file()
+  assert (publish / "figures" / "sst2_pretrained_head_view.png").is_file()
+  assert (publish / "figures" / "scratch_cls_attention.png").is_file()
