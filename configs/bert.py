@@ -148,7 +148,9 @@ def get_config(arg: str | None = None):
   data.data_dir = ""
   # Folder with the raw files (e.g. ../shared/data; "" = $ATTNLAB_DATA_DIR, else download).
   data.manual_dir = ""
-  # Pretraining text (and tokenizer text): shakespeare or shakespeare+sst2 (SST-2 train sentences).
+  # Pretraining text (and tokenizer text): shakespeare, shakespeare+sst2 (SST-2 train phrases),
+  # sst2_sentences (SST-2 train sentences rebuilt from its phrases, a tenth held out) or
+  # shakespeare+sst2_sentences (attnlab/tasks/masked_lm.py).
   data.corpus = "shakespeare+sst2"
   # Subword vocabulary size (sentencepiece unigram, trained on the corpus text).
   data.vocab_size = 8000
@@ -156,7 +158,7 @@ def get_config(arg: str | None = None):
   data.max_documents = 0
   # Use only the first N SST-2 training sentences as extra text (0 = all).
   data.max_extra_sentences = 0
-  # Cache folder of trained tokenizers ("" = ~/.cache/attnlab/bert_tokenizers).
+  # Cache folder of trained tokenizers ("" = ~/.cache/attnlab/tokenizers; a run keeps its own).
   data.tokenizer_dir = ""
   # Tokens per sequence, [CLS] and [SEP]s included (<= model.max_len).
   data.max_len = 64
@@ -173,6 +175,10 @@ def get_config(arg: str | None = None):
     data.whole_word = False
     # Fraction of each batch that is single SST-2 sentences (MLM only; corpus with +sst2).
     data.single_fraction = 0.5
+    # Pairs of the Shakespeare documents: nsp (next-sentence prediction) or sop (sentence order).
+    data.pair_task = "nsp"
+    # Fraction of each batch that is SST-2 sentence halves (corpus shakespeare+sst2_sentences).
+    data.sst2_fraction = 0.5
     # Held-out pairs from Tiny Shakespeare's validation split (fixed masks).
     data.num_eval = 1024
     # Seed of the held-out pairs and masks.

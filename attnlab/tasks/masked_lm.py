@@ -1,21 +1,30 @@
 """BERT pretraining: masked language modelling + next-sentence prediction (task "masked_lm").
 
-Corpus (`data.corpus`): Tiny Shakespeare's training split cut into documents (one speech each, a
-list of sentences: `attnlab.data.shakespeare_documents`), optionally with the SST-2 training
-sentences as extra single-segment text ("shakespeare+sst2"; the labels are never read).
+Corpus (`data.corpus`; SST-2's labels are never read):
+- "shakespeare": Tiny Shakespeare's training split cut into documents (one speech each, a list
+  of sentences: `attnlab.data.shakespeare_documents`);
+- "shakespeare+sst2": the same plus SST-2's training phrases as extra single-segment text;
+- "sst2_sentences": SST-2's training sentences rebuilt from its phrases, less a held-out tenth
+  (attnlab.data.sst2_corpus; in-domain text without documents);
+- "shakespeare+sst2_sentences": both, `data.sst2_fraction` of each batch from SST-2.
 
 Tokenizer: a sentencepiece subword vocabulary (`data.vocab_size`) trained on the corpus text,
-cached under `data.tokenizer_dir` by a key of its options; fine-tuning builds the same one
-(`bert_tokenizer`), so a pretrained encoder and its classifier share their vocabulary.
+cached under `data.tokenizer_dir` by a key of its options and kept in the run's assets folder;
+fine-tuning takes the pretraining run's (or builds the same one, `bert_tokenizer`), so a
+pretrained encoder and its classifier share their vocabulary.
 
-Examples (attnlab/data/mlm.py: pairs, masks, the two streams): `[CLS] A [SEP] B [SEP]` pairs
-with a real or random B (NSP), and with +sst2 single sentences, MLM only, filling
-`data.single_fraction` of each batch; `data.mask_prob` of the ordinary tokens are chosen (whole
-words with `data.whole_word=True`), 80% [MASK], 10% random, 10% kept; redrawn every epoch.
+Examples (attnlab/data/mlm.py: pairs, masks, the streams): `[CLS] A [SEP] B [SEP]` pairs of
+Shakespeare sentences, with a real or random B (`data.pair_task=nsp`) or a sentence and its
+successor in or out of order (`sop`); SST-2's rebuilt sentences (final punctuation dropped) as
+sentence-order pairs of their two halves; with "shakespeare+sst2" single sentences, MLM only,
+filling `data.single_fraction` of each batch. `data.mask_prob` of the ordinary tokens are chosen
+(whole words with `data.whole_word=True`), 80% [MASK], 10% random, 10% kept; redrawn every epoch.
+The "nsp" head and metrics are the sentence-order ones where the pairs are SOP pairs.
 
 Loss: cross-entropy over the masked positions only (gathered: the MLM head never sees the rest)
 + NSP cross-entropy on the pooled [CLS] vector. Metrics: mlm_loss, mlm_accuracy, nsp_loss,
-nsp_accuracy; evaluation on pairs from the validation split of Tiny Shakespeare with fixed masks.
+nsp_accuracy; evaluation with fixed masks on pairs from the validation split of Tiny Shakespeare,
+or, for the corpora with SST-2 sentences, on sentence-order pairs of the held-out sentences.
 
 Plots (`write_plots`): the head view of every layer and head, and the attention of [CLS], for
 `data.plot_sentence`.
@@ -36,14 +45,14 @@ from attnlab import losses as losses_lib
 from attnlab.errors import ConfigError
 from attnlab.layers import sown
 from attnlab.data import hf_tokenizer
+from attnlab.data import sst2_corpus
 from attnlab.data import tokenizers
 from attnlab.data.pipeline import IndexedBatches
-from attnlab.data.pipeline import rng_for
 # The examples (attnlab/data/mlm.py), importable from here as before.
-from attnlab.data.mlm import _EVAL_STREAM
 from attnlab.data.mlm import FIRST_ORDINARY_ID  # pylint: disable=unused-import
 from attnlab.data.mlm import MaskedExample  # pylint: disable=unused-import
 from attnlab.data.mlm import PretrainingData
+from attnlab.data.mlm import encode_words
 from attnlab.data.mlm import make_pair
 from attnlab.data.mlm import mask_tokens  # pylint: disable=unused-import
 from attnlab.data.mlm import pack_example  # pylint: disable=unused-import
@@ -57,8 +66,11 @@ from attnlab.tasks.base import Task
 from attnlab.tasks.base import ratios
 
 
-# Corpora a pretraining run (and the tokenizer) can use.
-CORPORA = ("shakespeare", "shakespeare+sst2")
+# Corpora a pretraining run (and the tokenizer) can use (module docstring).
+CORPORA = ("shakespeare", "shakespeare+sst2", "sst2_sentences", "shakespeare+sst2_sentences")
+# Corpora with Tiny Shakespeare's speeches (document pairs) / SST-2's rebuilt sentences.
+DOCUMENT_CORPORA = ("shakespeare", "shakespeare+sst2", "shakespeare+sst2_sentences")
+SENTENCE_CORPORA = ("sst2_sentences", "shakespeare+sst2_sentences")
 # The sentence of the head-view plots (BERT's "it" coreference example).
 DEFAULT_PLOT_SENTENCE = "The animal didn't cross the street because it was too tired."
 
@@ -76,18 +88,46 @@ def _sst2_split(split: str, limit: int) -> str:
 
 
 def corpus_texts(data: ml_collections.ConfigDict) -> tuple[list[list[str]], list[str]]:
-  """(Shakespeare training documents, extra single sentences) of `data.corpus`."""
+  """(Shakespeare training documents, extra sentences) of `data.corpus`.
+
+  The extra sentences are SST-2's training phrases ("shakespeare+sst2": single-segment MLM
+  text) or its rebuilt sentences less the held-out ones (the "sst2_sentences" corpora:
+  attnlab.data.sst2_corpus; sentence-order pairs of their halves); `data.max_extra_sentences`
+  keeps the first N. The tokenizer is trained on both lists.
+  """
   if data.corpus not in CORPORA:
     raise ConfigError(f"unknown data.corpus {data.corpus!r}; valid corpora: {', '.join(CORPORA)}")
-  documents = data_lib.shakespeare_documents("train", **_data_kwargs(data))
-  if data.max_documents > 0:
-    documents = documents[:data.max_documents]
+  documents: list[list[str]] = []
+  if data.corpus in DOCUMENT_CORPORA:
+    documents = data_lib.shakespeare_documents("train", **_data_kwargs(data))
+    if data.max_documents > 0:
+      documents = documents[:data.max_documents]
+  if data.corpus in SENTENCE_CORPORA:
+    extra = sst2_corpus.pretraining_sentences(**_data_kwargs(data))
+    if data.max_extra_sentences > 0:
+      extra = extra[:data.max_extra_sentences]
+    return documents, extra
   extra: list[str] = []
   if data.corpus == "shakespeare+sst2":
     examples = data_lib.get_dataset("sst2", _sst2_split("train", data.max_extra_sentences),
                                     **_data_kwargs(data))
     extra = [ex["sentence"] for ex in examples]
   return documents, extra
+
+
+def batch_composition(data: ml_collections.ConfigDict, batch_size: int) -> int:
+  """Sentence-halves examples per batch of `data.corpus`: none for the Shakespeare-only corpora,
+  all for "sst2_sentences", round(batch_size * data.sst2_fraction) for
+  "shakespeare+sst2_sentences" (the rest are document pairs)."""
+  if data.corpus not in SENTENCE_CORPORA:
+    return 0
+  if data.corpus not in DOCUMENT_CORPORA:
+    return batch_size
+  fraction = data.get("sst2_fraction", 0.5)
+  if not 0.0 < fraction < 1.0:
+    raise ConfigError(f"data.sst2_fraction must be in (0, 1) for data.corpus={data.corpus}, got "
+                      f"{fraction}")
+  return min(batch_size - 1, max(1, int(round(batch_size * fraction))))
 
 
 # data.tokenizer values: subword (the default: sentencepiece trained on the corpus) or the
@@ -210,6 +250,8 @@ class MaskedLMTask(Task):
                        if data.corpus == "shakespeare+sst2" else 0)
     if self.num_single >= config.batch_size:
       raise ConfigError("data.single_fraction leaves no next-sentence pair in a batch; lower it")
+    # Sentence-halves examples per batch: all of it without documents, else data.sst2_fraction.
+    self.num_sentence = batch_composition(data, config.batch_size)
     self._train_data: PretrainingData | None = None
     self._eval_batches: list[dict[str, np.ndarray]] | None = None
 
@@ -222,15 +264,25 @@ class MaskedLMTask(Task):
     return dict(vocab_size=self.vocab_size, max_len=data.max_len, mask_prob=data.mask_prob,
                 max_predictions=data.max_predictions,
                 word_starts=word_start_table(self.tokenizer) if data.whole_word else None,
-                special=special_ids(self.tokenizer, self.vocab_size))
+                special=special_ids(self.tokenizer, self.vocab_size),
+                pair_task=data.get("pair_task", "nsp"))
+
+  def _encode_sentences(self, sentences: list[str]) -> list[Any]:
+    """WordSentences of sentences (final punctuation dropped: sst2_corpus.strip_final_punctuation)."""
+    cache: dict[str, Any] = {}
+    return [encode_words(self.tokenizer.encode, sst2_corpus.strip_final_punctuation(s), cache)
+            for s in sentences]
 
   @property
   def train_data(self) -> PretrainingData:
     if self._train_data is None:
       documents, extra = corpus_texts(self.config.data)
-      singles = [self.tokenizer.encode(s) for s in extra]
+      if self.config.data.corpus in SENTENCE_CORPORA:
+        singles, sentences = [], self._encode_sentences(extra)
+      else:
+        singles, sentences = [self.tokenizer.encode(s) for s in extra], []
       self._train_data = PretrainingData(self._encode_docs(documents), singles,
-                                         **self._data_options())
+                                         sentences=sentences, **self._data_options())
     return self._train_data
 
   def init(self, rng: jax.Array) -> Any:
@@ -241,18 +293,24 @@ class MaskedLMTask(Task):
 
   def train_iterator(self) -> IndexedBatches:
     data, seed = self.train_data, self.config.seed
-    return IndexedBatches(lambda i: data.batch(i, self.config.batch_size, self.num_single, seed))
+    return IndexedBatches(lambda i: data.batch(i, self.config.batch_size, self.num_single, seed,
+                                               num_sentence=self.num_sentence))
 
   def eval_batches(self) -> list[dict[str, np.ndarray]]:
-    """Fixed pairs (and masks) from the validation split of Tiny Shakespeare."""
+    """Fixed examples (and masks): pairs from the validation split of Tiny Shakespeare, or, for
+    the corpora with SST-2's rebuilt sentences, sentence halves of the held-out sentences
+    (sst2_corpus.heldout_sentences: never in the pretraining text)."""
     if self._eval_batches is None:
       data = self.config.data
-      documents = data_lib.shakespeare_documents("validation", **_data_kwargs(data))
-      held_out = PretrainingData(self._encode_docs(documents), [], **self._data_options())
+      if data.corpus in SENTENCE_CORPORA:
+        sentences = sst2_corpus.heldout_sentences(**_data_kwargs(data))
+        held_out = PretrainingData([], [], sentences=self._encode_sentences(sentences),
+                                   **self._data_options())
+      else:
+        documents = data_lib.shakespeare_documents("validation", **_data_kwargs(data))
+        held_out = PretrainingData(self._encode_docs(documents), [], **self._data_options())
       n, size = data.num_eval, data.eval_batch_size
-      examples = [held_out.pair_example(i % len(held_out.anchors),
-                                        rng_for(data.eval_seed, _EVAL_STREAM, i))
-                  for i in range(n)]
+      examples = held_out.eval_examples(n, data.eval_seed)
       self._eval_batches = [stack_examples(examples[i:i + size]) for i in range(0, n, size)]
     return self._eval_batches
 
