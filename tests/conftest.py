@@ -14,3 +14,24 @@ def shared_data() -> pathlib.Path:
   if not SHARED_DATA.is_dir():
     pytest.skip(f"{SHARED_DATA} not found: the shared data folder must sit beside the repository")
   return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def numbered_corpus():
+  """numbered_corpus(seed, num_documents) -> (documents, owner): documents of 1-4 sentences whose
+  sentence g is [7 + g, 7 + g], and owner[7 + g] = (document, index), so a pair's sentences can
+  be identified."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  def make(seed: int, num_documents: int):
+    rng = np.random.default_rng(seed)
+    documents, owner, g = [], {}, 0
+    for d in range(num_documents):
+      doc = []
+      for _ in range(int(rng.integers(1, 5))):
+        doc.append([7 + g, 7 + g])
+        owner[7 + g] = (d, len(doc) - 1)
+        g += 1
+      documents.append(doc)
+    return documents, owner
+  return make

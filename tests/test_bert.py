@@ -120,22 +120,8 @@ def test_truncate_pair_fits_and_keeps_order():
 # ------------------------------------------------------------------------------ NSP pairs
 
 
-def _numbered_corpus():
-  """Documents whose sentence g is [7 + g, 7 + g]: a pair's sentences can be identified."""
-  rng = np.random.default_rng(4)
-  documents, owner, g = [], {}, 0
-  for d in range(40):
-    doc = []
-    for _ in range(int(rng.integers(1, 5))):
-      doc.append([7 + g, 7 + g])
-      owner[7 + g] = (d, len(doc) - 1)
-      g += 1
-    documents.append(doc)
-  return documents, owner
-
-
-def test_nsp_pairs_half_real_half_random():
-  documents, owner = _numbered_corpus()
+def test_nsp_pairs_half_real_half_random(numbered_corpus):
+  documents, owner = numbered_corpus(4, 40)
   data = masked_lm.PretrainingData(documents, [], vocab_size=VOCAB, max_len=16, mask_prob=0.0)
   real = 0
   n = 3000

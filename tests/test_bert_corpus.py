@@ -245,16 +245,8 @@ def test_sentence_stream_examples():
       np.testing.assert_array_equal(getattr(x, f), getattr(y, f))
 
 
-def test_document_sop_pairs_are_consecutive_sentences_in_or_out_of_order():
-  documents, owner, g = [], {}, 0
-  rng = np.random.default_rng(5)
-  for d in range(30):
-    doc = []
-    for _ in range(int(rng.integers(1, 5))):
-      doc.append([7 + g, 7 + g])
-      owner[7 + g] = (d, len(doc) - 1)
-      g += 1
-    documents.append(doc)
+def test_document_sop_pairs_are_consecutive_sentences_in_or_out_of_order(numbered_corpus):
+  documents, owner = numbered_corpus(5, 30)
   data = mlm.PretrainingData(documents, [], vocab_size=1000, max_len=16, mask_prob=0.0,
                              pair_task="sop")
   in_order = 0
