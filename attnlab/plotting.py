@@ -37,17 +37,17 @@ def _installed_devanagari_fonts() -> tuple[str, ...]:
 def font_family(text: str) -> list[str]:
   """matplotlib font.family for labels containing `text`: with Devanagari fallbacks when it
   needs them (use as `with matplotlib.rc_context({"font.family": font_family(text)}):`)."""
-  family = list(matplotlib.rcParams["font.family"])
   if any("\u0900" <= ch <= "\u097f" for ch in text):
-    family = ["DejaVu Sans", *_installed_devanagari_fonts()]
-  return family
+    return ["DejaVu Sans", *_installed_devanagari_fonts()]
+  return list(matplotlib.rcParams["font.family"])
 
 
-def _save(fig, path):
+def _save(fig, path, dpi=120, bbox_inches="tight"):
+  """Saves `fig` as `path` (parent folders created) unless `path` is None; returns `fig`."""
   if path is not None:
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    fig.savefig(path, dpi=dpi, bbox_inches=bbox_inches)
   return fig
 
 
@@ -144,8 +144,4 @@ def plot_sinusoidal(length: int, dim: int, path: str | pathlib.Path | None = Non
   ax.set_ylabel("position")
   ax.set_title(f"sinusoidal position encoding ({length} x {dim})")
   fig.colorbar(image, ax=ax)
-  if path is not None:
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-  return fig
+  return _save(fig, path, dpi=None, bbox_inches=None)  # matplotlib's savefig defaults
