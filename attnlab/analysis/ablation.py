@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import pathlib
 from typing import Any
 
 import flax.linen as nn
+from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from attnlab.analysis import alignment as alignment_lib
 from attnlab.analysis import capture as capture_lib
+from attnlab.layers import sown
 
 __all__ = ["AblationResult", "MODES", "head_ablation", "plot_head_ablation"]
 
@@ -77,19 +78,18 @@ class _MaskedModel:
     return getattr(self._model, name)
 
 
-def _task_with(task, model):
-  clone = copy.copy(task)
-  clone.model = model
-  return clone
+def _loss_fn(run, head_mask=None, record: list | None = None):
+  """run.task.loss_fn on a copy of the task whose model is _MaskedModel(run.model, ...)."""
+  task = copy.copy(run.task)
+  task.model = _MaskedModel(run.model, head_mask, record)
+  return task.loss_fn
 
 
 def _eval_batches(run, max_batches: int, num_examples: int) -> list[Any]:
   task = run.task
   if run.config.task == "translation":
-    split = run.config.data.eval_split
-    examples = task.examples(split)[:num_examples]
-    arrays = alignment_lib.translation_arrays(task, examples)
-    return [{k: v for k, v in arrays.items()}]
+    examples = task.examples(run.config.data.eval_split)[:num_examples]
+    return [alignment_lib.translation_arrays(task, examples)]
   batches = list(task.eval_batches())[:max_batches]
   if not batches:
     raise ValueError(f"task {run.config.task!r} has no evaluation batches; pass batches=[...]")
@@ -99,11 +99,7 @@ def _eval_batches(run, max_batches: int, num_examples: int) -> list[Any]:
 def _heads(run, batch) -> dict[str, tuple[int, int]]:
   """{MultiHeadAttention path: (heads, head_dim)} found by one abstract pass of loss_fn."""
   record: list[Any] = []
-
-  def fn(params, batch):
-    return _task_with(run.task, _MaskedModel(run.model, None, record)).loss_fn(params, batch, None)
-
-  jax.eval_shape(fn, run.params, batch)
+  jax.eval_shape(_loss_fn(run, record=record), run.params, batch, None)
   found = {}
   flat = jax.tree_util.tree_flatten_with_path(record[0], is_leaf=lambda x: isinstance(x, tuple))[0]
   for key_path, value in flat:
@@ -111,29 +107,17 @@ def _heads(run, batch) -> dict[str, tuple[int, int]]:
     if names[-1] == "context":  # [batch, heads, q_len, head_dim] of a MultiHeadAttention
       shape = value[-1].shape
       found["/".join(names[:-1])] = (shape[1], shape[3])
-  return {p: found[p] for p in sorted(found, key=capture_lib.natural_key)}
-
-
-def _nest(flat: dict[str, Any]) -> dict[str, Any]:
-  tree: dict[str, Any] = {}
-  for path, value in flat.items():
-    node = tree
-    names = path.split("/")
-    for name in names[:-1]:
-      node = node.setdefault(name, {})
-    node[names[-1]] = value
-  return tree
+  return {p: found[p] for p in sorted(found, key=sown.natural_key)}
 
 
 def _mean_contexts(run, batches, paths) -> dict[str, np.ndarray]:
   """{path: mean context [heads, head_dim]} over every query position of `batches`."""
   def fn(params, batch):
     record: list[Any] = []
-    _task_with(run.task, _MaskedModel(run.model, None, record)).loss_fn(params, batch, None)
-    inter = record[0]
+    _loss_fn(run, record=record)(params, batch, None)
     out = {}
     for path in paths:
-      node = inter
+      node = record[0]
       for name in path.split("/"):
         node = node[name]
       out[path] = jnp.mean(node["context"][-1], axis=(0, 2))  # [heads, head_dim]
@@ -173,8 +157,7 @@ def head_ablation(run, *, metric: str = "loss", mode: str = "zero", batches: lis
   paths = list(heads)
 
   def metrics_fn(params, head_mask, batch):
-    loss, metrics = _task_with(run.task, _MaskedModel(run.model, head_mask)).loss_fn(
-        params, batch, None)
+    loss, metrics = _loss_fn(run, head_mask)(params, batch, None)
     return {**metrics, "loss": loss}
 
   jitted = jax.jit(metrics_fn)
@@ -182,7 +165,7 @@ def head_ablation(run, *, metric: str = "loss", mode: str = "zero", batches: lis
               for p, (h, d) in heads.items()}
 
   def evaluate(flat_mask) -> float:
-    mask = _nest(flat_mask)
+    mask = traverse_util.unflatten_dict(flat_mask, sep="/")
     values = [jax.device_get(jitted(run.params, mask, b)) for b in batches]
     if metric not in values[0]:
       raise ValueError(f"unknown metric {metric!r}; task {run.config.task!r} reports: "
@@ -226,9 +209,4 @@ def plot_head_ablation(result: AblationResult, *, title: str | None = None, path
   ax.set_title(title or f"{result.metric} change with the head removed ({result.mode}); "
                f"baseline {result.baseline:.4g}", fontsize=9)
   fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
-  if path is not None:
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-  del plotting
-  return fig
+  return plotting._save(fig, path)  # pylint: disable=protected-access

@@ -28,6 +28,7 @@ compare shift=0 with shift=1 before reading a low accuracy as a failure to align
 
 from __future__ import annotations
 
+import collections
 import datetime
 import string
 from collections.abc import Sequence
@@ -133,27 +134,12 @@ def score_counts(counts: dict[str, int]) -> dict[str, float]:
 
 def translation_arrays(task, examples: Sequence[dict[str, str]]) -> dict[str, np.ndarray]:
   """Raw {"source", "target"} examples as one 0-padded batch in the task's training format."""
-  src = [task.encode_source(ex["source"]) for ex in examples]
-  tgt = [task.encode_target(ex["target"]) for ex in examples]
-  n, s, t = len(examples), max(map(len, src)), max(map(len, tgt))
-  out = {"source": np.zeros((n, s), np.int32), "target": np.zeros((n, t), np.int32),
-         "source_length": np.array([len(x) for x in src], np.int32),
-         "target_length": np.array([len(x) for x in tgt], np.int32),
-         "example_mask": np.ones((n,), bool)}
-  for i, (a, b) in enumerate(zip(src, tgt)):
-    out["source"][i, :len(a)] = a
-    out["target"][i, :len(b)] = b
-  out["source_mask"] = np.arange(s)[None] < out["source_length"][:, None]
-  out["target_mask"] = np.arange(t)[None] < out["target_length"][:, None]
-  return out
-
-
-def _bins(edges: Sequence[int]) -> list[tuple[str, int, int]]:
-  bins, low = [], 1
-  for high in edges:
-    bins.append((f"len_{low:02d}_{int(high):02d}", low, int(high)))
-    low = int(high) + 1
-  return bins
+  src, src_len = capture_lib.pad_ids([task.encode_source(ex["source"]) for ex in examples])
+  tgt, tgt_len = capture_lib.pad_ids([task.encode_target(ex["target"]) for ex in examples])
+  return {"source": src, "target": tgt, "source_length": src_len, "target_length": tgt_len,
+          "example_mask": np.ones((len(examples),), bool),
+          "source_mask": np.arange(src.shape[1])[None] < src_len[:, None],
+          "target_mask": np.arange(tgt.shape[1])[None] < tgt_len[:, None]}
 
 
 def shift_gold(gold: Gold, shift: int, src_len: int) -> Gold:
@@ -196,38 +182,30 @@ def evaluate_alignment(run, *, num_examples: int = 200, split: str | None = None
   maps = capture_lib.capture_batch(
       run, {k: arrays[k] for k in ("source", "source_length", "target", "target_length")})
   cross = {p: w for p, w in maps.items() if capture_lib.layer_info(run, p)[1] == "cross"}
-  edges = run.config.data.length_bins if bins is None else bins
-  bin_list = [("all", 1, 10 ** 9)] + _bins(edges)
+  bin_list, low = [("all", 1, 10 ** 9)], 1
+  for high in map(int, run.config.data.length_bins if bins is None else bins):
+    bin_list.append((f"len_{low:02d}_{high:02d}", low, high))
+    low = high + 1
   golds = []
-  for i, ex in enumerate(examples):
-    if name == "dates":
-      golds.append(gold_alignment(name, ex["source"], ex["target"]))
-    else:
-      src = task.src_tok.split(task.prepare_text(ex["source"]))
-      tgt = task.tgt_tok.split(task.prepare_text(ex["target"]))
-      golds.append(gold_alignment(name, src, tgt))
-  golds = [shift_gold(g, shift, int(n)) for g, n in zip(golds, arrays["source_length"])]
+  for ex, s_len in zip(examples, arrays["source_length"]):
+    src, tgt = ex["source"], ex["target"]
+    if name != "dates":  # copy/reverse: gold links between tokens, not characters
+      src, tgt = (task.src_tok.split(task.prepare_text(src)),
+                  task.tgt_tok.split(task.prepare_text(tgt)))
+    golds.append(shift_gold(gold_alignment(name, src, tgt), shift, int(s_len)))
   report = {}
   for path, w in cross.items():  # [batch, heads, t, s]
-    n_heads = w.shape[1]
-    totals = {b[0]: {"scored": 0, "correct": 0, "sure_hits": 0, "sure": 0, "examples": 0}
-              for b in bin_list}
-    head_totals = [{"scored": 0, "correct": 0, "sure_hits": 0, "sure": 0} for _ in range(n_heads)]
+    totals = {label: collections.Counter() for label, _, _ in bin_list}
+    head_totals = [collections.Counter() for _ in range(w.shape[1])]
     for i, gold in enumerate(golds):
       s_len = int(arrays["source_length"][i])
-      c = alignment_counts(w[i].mean(axis=0)[:, :s_len], gold)
-      for label, low, high in bin_list:
-        if low <= s_len <= high:
-          for key, value in c.items():
-            totals[label][key] += value
-          totals[label]["examples"] += 1
-      for h in range(n_heads):
-        for key, value in alignment_counts(w[i, h, :, :s_len], gold).items():
-          head_totals[h][key] += value
-    entry: dict[str, Any] = {}
-    for label, _, _ in bin_list:
-      if totals[label]["examples"]:
-        entry[label] = {**score_counts(totals[label]), "examples": totals[label]["examples"]}
-    entry["head_accuracy"] = [score_counts(t)["accuracy"] for t in head_totals]
-    report[path] = entry
+      counts = alignment_counts(w[i].mean(axis=0)[:, :s_len], gold)
+      for label, shortest, longest in bin_list:
+        if shortest <= s_len <= longest:
+          totals[label].update(counts, examples=1)
+      for h, head_total in enumerate(head_totals):
+        head_total.update(alignment_counts(w[i, h, :, :s_len], gold))
+    report[path] = {label: {**score_counts(t), "examples": t["examples"]}
+                    for label, t in totals.items() if t["examples"]}
+    report[path]["head_accuracy"] = [score_counts(t)["accuracy"] for t in head_totals]
   return report

@@ -40,9 +40,10 @@ The default path (extras=False) computes nothing beyond the forward pass.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -58,8 +59,6 @@ from attnlab.layers.attention import MultiHeadAttention
 from attnlab.layers.transformer import TransformerBlock
 
 __all__ = ["Capture", "capture", "capture_batch", "capture_text", "layer_info", "SUPPORTED_TASKS"]
-
-EXTRA_NAMES = ("queries", "keys", "values", "scores", "context", "output")
 
 
 @dataclasses.dataclass
@@ -86,17 +85,23 @@ class _Prepared:
   lengths: dict[str, np.ndarray]  # side -> [batch]
 
 
-natural_key = sown.natural_key
-
-
-def _as_batch(x: Any, name: str, dtype=np.int32) -> np.ndarray:
-  x = np.asarray(x, dtype)
+def _as_batch(x: Any, name: str) -> np.ndarray:
+  x = np.asarray(x, np.int32)
   if x.ndim == 1:
     x = x[None]
   if x.ndim != 2 or x.shape[1] == 0:
     raise ValueError(f"inputs[{name!r}] must be ids [len] or [batch, len] with len >= 1; got "
                      f"shape {x.shape}")
   return x
+
+
+def pad_ids(rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+  """Id lists as one 0-padded int32 batch `[len(rows), longest]` and their lengths `[len(rows)]`."""
+  lengths = np.array([len(r) for r in rows], np.int32)
+  ids = np.zeros((len(rows), lengths.max()), np.int32)
+  for i, row in enumerate(rows):
+    ids[i, :len(row)] = row
+  return ids, lengths
 
 
 def _length(x: np.ndarray) -> np.ndarray:
@@ -154,13 +159,8 @@ def _greedy_targets(run, src: np.ndarray, src_len: np.ndarray) -> tuple[np.ndarr
   rows = []
   for row in np.asarray(tokens):
     ids = [int(i) for i in row]
-    ids = ids[:ids.index(end) + 1] if end in ids else ids
-    rows.append([task.tgt_tok.start_id] + ids)
-  width = max(len(r) for r in rows)
-  tgt = np.zeros((len(rows), width), np.int32)
-  for i, r in enumerate(rows):
-    tgt[i, :len(r)] = r
-  return tgt, np.asarray([len(r) for r in rows], np.int32)
+    rows.append([task.tgt_tok.start_id] + (ids[:ids.index(end) + 1] if end in ids else ids))
+  return pad_ids(rows)
 
 
 def _prepare_causal_lm(run, inputs) -> _Prepared:
@@ -219,8 +219,14 @@ class _Family:
   info: Callable[[str], tuple[tuple[str, str], str]]
   # Text -> inputs (None: no text form).
   encode_text: Callable[[Any, str, str | None], Any] | None
-  # Side -> id-to-string of its tokens.
-  labels: Callable[[Any, str, np.ndarray], list[str]]
+  # (run, side) -> the tokenizer of that side's ids (None: the inputs are numbers, not ids).
+  tokenizer: Callable[[Any, str], Any] | None
+
+  def labels(self, run, side: str, ids: np.ndarray) -> list[str]:
+    if self.tokenizer is None:
+      return [f"{float(x):.3g}" for x in ids]
+    tok = self.tokenizer(run, side)
+    return [tok.id_to_token(int(i)) for i in ids]
 
 
 def _translation_text(run, text: str, target: str | None) -> dict[str, Any]:
@@ -250,31 +256,23 @@ def _bert_text(run, text: str, target: str | None) -> dict[str, np.ndarray]:
   return {"tokens": np.asarray(ids, np.int32), "segments": np.asarray(segments, np.int32)}
 
 
-def _token_labels(tokenizer_of: Callable[[Any, str], Any]):
-  def labels(run, side: str, ids: np.ndarray) -> list[str]:
-    tok = tokenizer_of(run, side)
-    return [tok.id_to_token(int(i)) for i in ids]
-  return labels
-
-
-def _number_labels(run, side: str, values: np.ndarray) -> list[str]:
-  return [f"{float(x):.3g}" for x in values]
+def _task_tokenizer(run, side: str):
+  return run.task.tokenizer
 
 
 _BERT = _Family(_prepare_bert, lambda p: (("tokens", "tokens"), "self"), _bert_text,
-                _token_labels(lambda run, side: run.task.tokenizer))
+                _task_tokenizer)
 # config.task -> how its model is fed and its layers are named.
 _FAMILIES: dict[str, _Family] = {
     "translation": _Family(
         _prepare_translation, _translation_info, _translation_text,
-        _token_labels(lambda run, side: run.task.src_tok if side == "source"
-                      else run.task.tgt_tok)),
+        lambda run, side: run.task.src_tok if side == "source" else run.task.tgt_tok),
     "causal_lm": _Family(_prepare_causal_lm, lambda p: (("tokens", "tokens"), "causal"),
-                         _causal_lm_text, _token_labels(lambda run, side: run.task.tokenizer)),
+                         _causal_lm_text, _task_tokenizer),
     "masked_lm": _BERT,
     "classification": _BERT,
     "regression": _Family(_prepare_regression, lambda p: (("queries", "keys"), "cross"), None,
-                          _number_labels),
+                          None),
 }
 # Tasks whose runs capture() understands.
 SUPPORTED_TASKS: tuple[str, ...] = tuple(_FAMILIES)
@@ -338,12 +336,9 @@ def _is_block(mdl: nn.Module, method_name: str) -> bool:
 
 @functools.partial(jax.jit, static_argnames=("model", "extras"))
 def _forward(model, params, args, extras: bool):
-  if not extras:
-    _, state = model.apply({"params": params}, *args, mutable=["intermediates"])
-    return state["intermediates"]
-  with nn.intercept_methods(_attention_extras):
+  with nn.intercept_methods(_attention_extras) if extras else contextlib.nullcontext():
     _, state = model.apply({"params": params}, *args, mutable=["intermediates"],
-                           capture_intermediates=_is_block)
+                           capture_intermediates=_is_block if extras else False)
   return state["intermediates"]
 
 
@@ -368,9 +363,9 @@ def _collect(intermediates: Any, extras: bool) -> tuple[dict[str, np.ndarray],
       elif value.ndim == 3:  # RNN seq2seq: [batch, tgt_len, src_len], one head
         value = value[:, None]
       weights[path] = value
-    elif extras and name in EXTRA_NAMES[:-1]:
+    elif extras and name in ("queries", "keys", "values", "scores", "context"):
       extra[f"{path}/{name}"] = value
-  order = lambda d: {k: d[k] for k in sorted(d, key=natural_key)}
+  order = lambda d: {k: d[k] for k in sorted(d, key=sown.natural_key)}
   return order(weights), order(extra)
 
 
@@ -385,9 +380,7 @@ def capture_batch(run, inputs: Any = None, *, extras: bool = False) -> dict[str,
 
   Rows of padded positions are kept (trim them with the lengths of the inputs).
   """
-  family = _family(run)
-  weights, _ = _run_forward(run, family.prepare(run, inputs), extras)
-  return weights
+  return _run_forward(run, _family(run).prepare(run, inputs), extras)[0]
 
 
 def capture(run, inputs: Any = None, *, example: int = 0, extras: bool = False) -> Capture:
