@@ -54,11 +54,6 @@ def filter_logits(logits: jax.Array, top_k: int | None = None,
   return logits
 
 
-def _stack_batch_first(tree):
-  """[steps, batch, ...] -> [batch, steps, ...] for every leaf."""
-  return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1), tree)
-
-
 def _decode(step_fn: StepFn, state, start_tokens: jax.Array, rng: jax.Array, num_steps: int,
             pick: Callable[[jax.Array, jax.Array], jax.Array], end_id: int | None,
             pad_id: int) -> Decoded:
@@ -80,7 +75,8 @@ def _decode(step_fn: StepFn, state, start_tokens: jax.Array, rng: jax.Array, num
   (_, _, _, scores), (tokens, aux, was_done) = jax.lax.scan(
       body, init, jax.random.split(rng, num_steps))
   lengths = jnp.sum(~was_done, axis=0).astype(jnp.int32)  # [batch]
-  return Decoded(tokens.T, lengths, scores, _stack_batch_first(aux))
+  aux = jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1), aux)  # [batch, steps, ...]
+  return Decoded(tokens.T, lengths, scores, aux)
 
 
 def greedy(step_fn: StepFn, state, start_tokens: jax.Array, *, max_len: int,

@@ -40,14 +40,10 @@ def _weights(w: Any) -> np.ndarray:
   return w
 
 
-def _check_kind(kind: str) -> None:
-  if kind not in KINDS:
-    raise ValueError(f"unknown attention kind {kind!r}; valid kinds: {', '.join(KINDS)}")
-
-
 def allowed_keys(q_len: int, k_len: int, kind: str = "self") -> np.ndarray:
   """Number of keys each query may attend to `[q_len]`."""
-  _check_kind(kind)
+  if kind not in KINDS:
+    raise ValueError(f"unknown attention kind {kind!r}; valid kinds: {', '.join(KINDS)}")
   if kind != "causal":
     return np.full((q_len,), k_len, np.int64)
   return np.clip(np.arange(q_len) + 1 + max(k_len - q_len, 0), 0, k_len)
@@ -136,8 +132,8 @@ def attention_rollout(layers: Any, side: str | None = None) -> np.ndarray:
 
 
 def _nanmean(x: np.ndarray) -> float:
-  x = np.asarray(x, np.float64)
-  return float(np.mean(x[~np.isnan(x)])) if np.any(~np.isnan(x)) else float("nan")
+  x = x[~np.isnan(x)]
+  return float(x.mean()) if x.size else float("nan")
 
 
 def head_table(capture: Any, specials: Sequence[str] = SPECIAL_TOKENS) -> list[dict[str, Any]]:

@@ -17,8 +17,9 @@ at view time). It shows
     selects that layer and head.
 
 Weights are stored as integers in units of 10**-decimals (4 decimals; 3 or 2 when a page would pass
-PAGE_BUDGET = 1 MiB): 4 layers of 4 heads over 64 tokens make a page of about 180 KiB. The page exposes `window.attnView`
-(current selection, `select(layer, head)`, `weight(q, k)`, `colour(w)`) for scripting and tests.
+PAGE_BUDGET = 1 MiB): 4 layers of 4 heads over 64 tokens make a page of about 180 KiB. The page
+exposes `window.attnView` (current selection, `select(layer, head)`, `weight(q, k)`, `colour(w)`)
+for scripting and tests.
 """
 
 from __future__ import annotations
