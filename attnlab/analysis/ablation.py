@@ -100,14 +100,8 @@ def _heads(run, batch) -> dict[str, tuple[int, int]]:
   """{MultiHeadAttention path: (heads, head_dim)} found by one abstract pass of loss_fn."""
   record: list[Any] = []
   jax.eval_shape(_loss_fn(run, record=record), run.params, batch, None)
-  found = {}
-  flat = jax.tree_util.tree_flatten_with_path(record[0], is_leaf=lambda x: isinstance(x, tuple))[0]
-  for key_path, value in flat:
-    names = [str(getattr(p, "key", p)) for p in key_path]
-    if names[-1] == "context":  # [batch, heads, q_len, head_dim] of a MultiHeadAttention
-      shape = value[-1].shape
-      found["/".join(names[:-1])] = (shape[1], shape[3])
-  return {p: found[p] for p in sorted(found, key=sown.natural_key)}
+  contexts = sown.sown_values(record[0], "context")  # [batch, heads, q_len, head_dim] per call
+  return {p: (v[-1].shape[1], v[-1].shape[3]) for p, v in contexts.items()}
 
 
 def _mean_contexts(run, batches, paths) -> dict[str, np.ndarray]:
@@ -115,13 +109,8 @@ def _mean_contexts(run, batches, paths) -> dict[str, np.ndarray]:
   def fn(params, batch):
     record: list[Any] = []
     _loss_fn(run, record=record)(params, batch, None)
-    out = {}
-    for path in paths:
-      node = record[0]
-      for name in path.split("/"):
-        node = node[name]
-      out[path] = jnp.mean(node["context"][-1], axis=(0, 2))  # [heads, head_dim]
-    return out
+    contexts = sown.sown_values(record[0], "context")
+    return {p: jnp.mean(contexts[p][-1], axis=(0, 2)) for p in paths}  # [heads, head_dim]
 
   jitted = jax.jit(fn)
   sums = None

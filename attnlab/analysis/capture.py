@@ -111,9 +111,7 @@ def _length(x: np.ndarray) -> np.ndarray:
 
 
 def _dict_inputs(inputs: Any, main: str) -> dict[str, Any]:
-  if isinstance(inputs, Mapping):
-    return dict(inputs)
-  return {main: inputs}
+  return dict(inputs) if isinstance(inputs, Mapping) else {main: inputs}
 
 
 def _check_keys(task: str, inputs: Mapping[str, Any], required: tuple[str, ...],
