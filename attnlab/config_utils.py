@@ -21,34 +21,25 @@ Config convention (every model family follows it):
 - `runlocal=True` shrinks the run to seconds: `finalize` applies `RUNLOCAL` (few steps, small
   batches, frequent logs and checkpoints) and then the file's own `runlocal` overrides (small model
   and data); keys given explicitly in `arg` always win over both.
-- Top-level fields (`base_config` documents each): task, seed, num_train_steps, batch_size,
-  log_every, eval_every, checkpoint_every, keep_checkpoints, runlocal, allow_config_change,
-  write_plots, num_seeds, mesh (data, fsdp, fsdp_min_size: see attnlab/parallel.py), optimizer
-  (name, learning_rate, warmup_steps, schedule, end_learning_rate, weight_decay, decay, b1, b2,
-  momentum, grad_clip), model (ConfigDict), data (ConfigDict).
 """
 
 from __future__ import annotations
 
 import ast
-import copy
 import difflib
 import importlib.util
 import json
 import os
 import traceback
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import ml_collections
 
+from attnlab.errors import ConfigError
+from attnlab.errors import UserError
+
 ConfigDict = ml_collections.ConfigDict
-
-
-# The error classes live in attnlab/errors.py; these names stay importable from here.
-from attnlab.errors import ConfigError  # pylint: disable=g-bad-import-order
-from attnlab.errors import UserError  # pylint: disable=g-bad-import-order
-
 
 # Applied by `finalize` when runlocal=True, before the config file's own runlocal overrides.
 RUNLOCAL: dict[str, Any] = {
@@ -176,7 +167,7 @@ def parse_arg(arg: str | None) -> list[tuple[str, str]]:
 # A shortcut stands for a config key ("size" -> "model.size"), or is a function
 # `apply(config, value_text)` that sets what the short key means in that config file (e.g. BERT's
 # `size=mini` sets four model fields) and raises ConfigError for a bad value.
-Shortcut = Any  # str | Callable[[ConfigDict, str], None]
+Shortcut = str | Callable[[ConfigDict, str], None]
 
 # The short keys that mean the same thing in every config file that offers them. A config file
 # takes the ones that apply to its family with `shortcut_table(...)` and passes it to `finalize`.
@@ -216,12 +207,6 @@ def shortcut_table(*names: str, **own: Shortcut) -> dict[str, Shortcut]:
                        f"give {target} another short name")
     table[name] = target
   return table
-
-
-def describe_shortcuts(table: Mapping[str, Shortcut] | None) -> str:
-  """"size (= model.size), mode" for error messages."""
-  return ", ".join(f"{name} (= {target})" if isinstance(target, str) else name
-                   for name, target in (table or {}).items())
 
 
 def arg_value(arg: str | None, key: str, default: str,
@@ -268,7 +253,9 @@ def _unknown_key(key: str, config: ConfigDict,
                        f"{RENAMED[key]}=... instead")
   close = difflib.get_close_matches(key, valid + list(table or {}), n=1)
   hint = f" (did you mean {close[0]!r}?)" if close else ""
-  short = f"; shortcuts: {describe_shortcuts(table)}" if table else ""
+  short = ", ".join(f"{name} (= {target})" if isinstance(target, str) else name
+                    for name, target in (table or {}).items())
+  short = f"; shortcuts: {short}" if short else ""
   return ConfigError(f"unknown config key {key!r}{hint}{short}; valid keys: {', '.join(valid)}")
 
 
@@ -278,26 +265,21 @@ def get_value(config: ConfigDict, key: str) -> Any:
   return node[leaf]
 
 
-def check_override(config: ConfigDict, key: str, text: str | None) -> None:
-  """Raises ConfigError if `key` is not a field of `config` or `text` does not parse to its type."""
-  node, leaf = _lookup(config, key)
-  if text is not None:
-    parse_value(key, text, node[leaf])
-
-
-def _lookup(config: ConfigDict, key: str) -> tuple[ConfigDict, str]:
-  """Returns (parent ConfigDict, leaf name) of a dotted key, or raises ConfigError."""
-  node, parts = config, key.split(".")
-  for part in parts[:-1]:
-    if not isinstance(node, ConfigDict) or part not in node or not isinstance(node[part], ConfigDict):
-      raise _unknown_key(key, config)
-    node = node[part]
-  if parts[-1] not in node:
-    raise _unknown_key(key, config)
-  if isinstance(node[parts[-1]], ConfigDict):
+def _lookup(config: ConfigDict, key: str,
+            table: Mapping[str, Shortcut] | None = None) -> tuple[ConfigDict, str]:
+  """(parent ConfigDict, leaf name) of a dotted key; ConfigError naming `table` if it is unknown."""
+  *groups, leaf = key.split(".")
+  node = config
+  for group in groups:
+    node = node.get(group)
+    if not isinstance(node, ConfigDict):
+      raise _unknown_key(key, config, table)
+  if leaf not in node:
+    raise _unknown_key(key, config, table)
+  if isinstance(node[leaf], ConfigDict):
     raise ConfigError(f"config key {key!r} is a group, not a value; set one of its fields: "
-                      f"{', '.join(sorted(flatten(node[parts[-1]], key + '.')))}")
-  return node, parts[-1]
+                      f"{', '.join(sorted(flatten(node[leaf], key + '.')))}")
+  return node, leaf
 
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
@@ -313,16 +295,11 @@ def parse_value(key: str, text: str, default: Any) -> Any:
     if text.lower() in _FALSE:
       return False
     raise bad("a bool (True or False)")
-  if isinstance(default, int):
+  if isinstance(default, (int, float)):
     try:
-      return int(text)
+      return type(default)(text)
     except ValueError:
-      raise bad("an int") from None
-  if isinstance(default, float):
-    try:
-      return float(text)
-    except ValueError:
-      raise bad("a float") from None
+      raise bad("an int" if isinstance(default, int) else "a float") from None
   if isinstance(default, str):
     return text
   try:
@@ -337,9 +314,13 @@ def parse_value(key: str, text: str, default: Any) -> Any:
   return value
 
 
-def set_value(config: ConfigDict, key: str, value: Any) -> None:
-  """Sets a dotted key to a Python value, checking the key exists and the type matches."""
-  node, leaf = _lookup(config, key)
+def set_value(config: ConfigDict, key: str, value: Any,
+              shortcuts: Mapping[str, Shortcut] | None = None) -> None:
+  """Sets a dotted key to a Python value (or command-line text), checking the key and the type.
+
+  An unknown key raises ConfigError naming the valid keys and the `shortcuts` table's.
+  """
+  node, leaf = _lookup(config, key, shortcuts)
   default = node[leaf]
   if isinstance(value, str) and not isinstance(default, str):  # command-line text
     value = parse_value(key, value, default)
@@ -363,16 +344,6 @@ def _type_ok(value: Any, default: Any) -> bool:
   return isinstance(value, type(default))
 
 
-def _exists(config: ConfigDict, key: str) -> bool:
-  """Whether the dotted `key` names a field or a group of `config`."""
-  node = config
-  for part in key.split("."):
-    if not isinstance(node, ConfigDict) or part not in node:
-      return False
-    node = node[part]
-  return True
-
-
 def apply_args(config: ConfigDict, pairs: Iterable[tuple[str, str]],
                table: Mapping[str, Shortcut] | None = None) -> ConfigDict:
   """Applies parsed `key=value` string pairs, typing each value from the field's default.
@@ -380,15 +351,12 @@ def apply_args(config: ConfigDict, pairs: Iterable[tuple[str, str]],
   A key of the shortcut `table` applies its target: the config key it stands for, or its
   function. An unknown key raises ConfigError naming the shortcuts and the valid keys.
   """
-  table = table or {}
   for key, text in pairs:
-    target = table.get(key, key)
+    target = (table or {}).get(key, key)
     if callable(target):
       target(config, text)
-    elif target == key and not _exists(config, key):
-      raise _unknown_key(key, config, table)
     else:
-      set_value(config, target, text)
+      set_value(config, target, text, table)
   return config
 
 
@@ -417,12 +385,86 @@ def finalize(config: ConfigDict, arg: str | None,
   pairs = parse_arg(arg)
   apply_args(config, pairs, shortcuts)
   if config.runlocal:
-    for key, value in RUNLOCAL.items():
-      node, leaf = _lookup(config, key)
-      set_value(config, key, min(node[leaf], value))
-    apply_overrides(config, dict(runlocal or {}))
+    shrunk = {key: min(get_value(config, key), value) for key, value in RUNLOCAL.items()}
+    apply_overrides(config, {**shrunk, **(runlocal or {})})
     apply_args(config, pairs, shortcuts)
   return config
+
+
+# ---------------------------------------------------------------------------------------------------
+# The translation task's data and decode groups, shared by configs/seq2seq.py and
+# configs/transformer.py so that the RNN and the Transformer read identical data.
+
+
+# data.name -> the data fields that differ from the defaults in `translation_groups`.
+TRANSLATION_DATA: dict[str, dict[str, Any]] = {
+    "dates": {},
+    "marathi": {"tokenizer": "word", "max_tokens": 12, "min_count": 2, "num_eval": 0,
+                "num_train": 0, "buckets": (6, 9), "length_bins": (4, 6, 8, 12)},
+    "reverse": {"length_bins": (5, 10, 15, 20, 25, 30), "max_len": 30},
+}
+TRANSLATION_DATA["copy"] = TRANSLATION_DATA["reverse"]
+
+
+def translation_groups(config: ConfigDict, arg: str | None,
+                       shortcuts: Mapping[str, Shortcut]) -> str:
+  """Fills `config.data` for the data set `arg` names (default dates) and adds `config.decode`.
+
+  The data set is read from `arg` first (data.name, or a shortcut of it) because it picks the data
+  defaults (TRANSLATION_DATA); the caller applies its own per-data-set presets and then `finalize`.
+  Returns the data set's name.
+  """
+  dataset = check_choice("data.name", arg_value(arg, "data.name", "dates", shortcuts),
+                         TRANSLATION_DATA, "datasets")
+  data = config.data
+  # Dataset: dates (synthetic), marathi (anki_mar_eng), reverse, copy (synthetic).
+  data.name = dataset
+  # Tokenizer of source and target: char, word (punctuation split off) or subword (sentencepiece).
+  data.tokenizer = "char"
+  # Subword vocabulary size, or the word vocabulary's cap (0: subword 4000, words uncapped).
+  data.tokenizer_size = 0
+  # Words seen fewer times in training become <unk> (word tokenizer).
+  data.min_count = 1
+  # Lower-case words (word tokenizer).
+  data.lower = True
+  # Training examples (synthetic: generated; marathi: the first N of the split, 0 = all).
+  data.num_train = 50000
+  # Evaluation examples (synthetic: generated; marathi: the first N of the split, 0 = all).
+  data.num_eval = 1000
+  # Seed of the synthetic data (fixed, so runs with different seeds see the same examples).
+  data.seed = 0
+  # reverse/copy: fewest and most symbols per sequence.
+  data.min_len = 1
+  # reverse/copy: most symbols per sequence.
+  data.max_len = 10
+  # reverse/copy: alphabet size.
+  data.symbols = 10
+  # marathi: en-mr (English -> Marathi) or mr-en.
+  data.direction = "en-mr"
+  # Drop pairs with more whitespace-separated words (punctuation counted) on either side (0: keep).
+  data.max_tokens = 0
+  # Padded lengths to group training batches by (): pad everything to the longest.
+  data.buckets = ()
+  # Upper edges of source-length bins for per-length metrics, e.g. (5, 10, 15) (): none.
+  data.length_bins = ()
+  # Split evaluated during training.
+  data.eval_split = "validation"
+  # Examples per evaluation and decoding batch.
+  data.eval_batch_size = 250
+  # TFDS data dir of prepared real datasets ("": $TFDS_DATA_DIR or ~/tensorflow_datasets).
+  data.data_dir = ""
+  # Folder with the raw files of a real dataset ("": $ATTNLAB_DATA_DIR, else download).
+  data.manual_dir = ""
+  data.update(TRANSLATION_DATA[dataset])
+
+  config.decode = ConfigDict()
+  # 1: greedy decoding; > 1: beam search with this many beams.
+  config.decode.beam_size = 1
+  # GNMT length penalty alpha of beam search (0: none).
+  config.decode.length_penalty = 0.0
+  # Most output tokens, <end> included (0: the longest training target + 1).
+  config.decode.max_len = 0
+  return dataset
 
 
 def validate(config: ConfigDict) -> None:
@@ -452,16 +494,13 @@ def validate(config: ConfigDict) -> None:
     need(data == -1 or data >= 1, f"mesh.data must be -1 (all devices) or >= 1, got {data}")
     need(fsdp >= 1, f"mesh.fsdp must be >= 1 (1: parameters replicated), got {fsdp}")
   opt = config.optimizer
-  need(opt.name in OPTIMIZERS,
-       f"unknown optimizer.name {opt.name!r}; valid optimizers: {', '.join(OPTIMIZERS)}")
-  need(opt.schedule in SCHEDULES,
-       f"unknown optimizer.schedule {opt.schedule!r}; valid schedules: {', '.join(SCHEDULES)}")
+  check_choice("optimizer.name", opt.name, OPTIMIZERS, "optimizers")
+  check_choice("optimizer.schedule", opt.schedule, SCHEDULES, "schedules")
   need(opt.warmup_steps >= 0, f"optimizer.warmup_steps must be >= 0, got {opt.warmup_steps}")
   need(opt.weight_decay == 0 or opt.name == "adamw",
        f"optimizer.weight_decay={opt.weight_decay} is only used by adamw; set optimizer.name=adamw "
        f"or optimizer.weight_decay=0")
-  need(opt.get("decay", "all") in DECAYS,
-       f"unknown optimizer.decay {opt.get('decay')!r}; valid: {', '.join(DECAYS)}")
+  check_choice("optimizer.decay", opt.get("decay", "all"), DECAYS)
   _validate_attention(config.get("model"))
 
 
@@ -477,18 +516,13 @@ def _validate_attention(model: ConfigDict | None) -> None:
   # Imported here: reading a config file stays free of JAX.
   from attnlab.attention import core  # pylint: disable=g-import-not-at-top
   from attnlab.attention import scores  # pylint: disable=g-import-not-at-top
-  score = model.get("score")
-  if score is not None and score not in scores.SCORE_FNS:
-    raise ConfigError(f"unknown model.score {score!r}; valid scores: "
-                      f"{', '.join(scores.SCORE_FNS)}")
-  implementation = model.get("implementation")
+  score, implementation = model.get("score"), model.get("implementation")
+  if score is not None:
+    check_choice("model.score", score, scores.SCORE_FNS, "scores")
   if implementation is None:
     return
-  if implementation not in core.IMPLEMENTATIONS:
-    raise ConfigError(f"unknown model.implementation {implementation!r}; valid implementations: "
-                      f"{', '.join(core.IMPLEMENTATIONS)}")
-  if implementation not in ("auto", "reference") and score is not None \
-      and score not in core.FAST_SCORES:
+  check_choice("model.implementation", implementation, core.IMPLEMENTATIONS, "implementations")
+  if implementation not in ("auto", "reference") and score not in (None, *core.FAST_SCORES):
     raise ConfigError(f"model.implementation={implementation} supports only the scores "
                       f"{', '.join(core.FAST_SCORES)}, not {score!r}; use implementation=auto "
                       f"or reference for other scores")
@@ -515,7 +549,7 @@ def run_python_file(path: str, module_name: str, what: str, function: str,
 
   A file that fails to import, lacks `function`, or whose `function` raises something other than
   a UserError raises ConfigError naming the file, the line in it and the Python error, e.g.
-  "config file 'bad.py' failed: line 1: SyntaxError: invalid syntax".
+  "config file 'bad.py' failed to import: line 1: SyntaxError: invalid syntax".
   """
   module_spec = importlib.util.spec_from_file_location(module_name, path)
   module = importlib.util.module_from_spec(module_spec)
@@ -571,8 +605,8 @@ RENAMED: dict[str, str] = {
 
 
 def rename_old_keys(data: Mapping[str, Any]) -> dict[str, Any]:
-  """A copy of the nested dict `data` with the RENAMED keys under their current names."""
-  out = copy.deepcopy(dict(data.to_dict() if isinstance(data, ConfigDict) else data))
+  """`to_jsonable(data)` with the RENAMED keys under their current names."""
+  out = to_jsonable(data)
 
   def group_of(key: str, create: bool) -> tuple[dict[str, Any] | None, str]:
     node, parts = out, key.split(".")
@@ -604,18 +638,11 @@ RESUMABLE_KEYS = ("allow_config_change", "write_plots", "mesh.data", "mesh.fsdp"
                   "mesh.fsdp_min_size")
 
 
-def config_diff(old: Mapping[str, Any], new: Mapping[str, Any],
-                ignore: Iterable[str] = RESUMABLE_KEYS) -> list[str]:
-  """Human-readable differences "key: old -> new" between two JSON-able configs."""
-  flat_old = flatten(to_jsonable(rename_old_keys(old)))
-  flat_new = flatten(to_jsonable(rename_old_keys(new)))
-  flat_old = {**ADDED_DEFAULTS, **flat_old}
-  flat_new = {**ADDED_DEFAULTS, **flat_new}
-  skip = set(ignore)
+def config_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+  """Differences "key: old -> new" between two configs, but in RESUMABLE_KEYS."""
+  flat_old, flat_new = ({**ADDED_DEFAULTS, **flatten(rename_old_keys(c))} for c in (old, new))
   lines = []
-  for key in sorted(set(flat_old) | set(flat_new)):
-    if key in skip:
-      continue
+  for key in sorted((set(flat_old) | set(flat_new)) - set(RESUMABLE_KEYS)):
     a, b = flat_old.get(key, "<absent>"), flat_new.get(key, "<absent>")
     if a != b:
       lines.append(f"{key}: {a!r} -> {b!r}")

@@ -27,8 +27,7 @@ _LOG = logging.getLogger("attnlab.generate")  # not __name__: it is __main__ und
 
 
 def _define_flags() -> flags.FlagValues:
-  fv = flags.FlagValues()
-  flags.DEFINE_string("workdir", None, "Run directory of a causal_lm run.", flag_values=fv)
+  fv = main_lib.tool_flags("Run directory of a causal_lm run.", step=True)
   flags.DEFINE_string("prompt", "", "Text to continue (default: the dataset's usual prompt).",
                       flag_values=fv)
   flags.DEFINE_integer("num_tokens", 300, "Tokens to generate.", flag_values=fv)
@@ -38,8 +37,6 @@ def _define_flags() -> flags.FlagValues:
   flags.DEFINE_float("top_p", 1.0, "Nucleus sampling: the smallest set with this probability "
                      "(1: all).", flag_values=fv)
   flags.DEFINE_integer("seed", 0, "Sampling seed.", flag_values=fv)
-  flags.DEFINE_string("step", "latest", "Checkpoint step to restore, or 'latest'.",
-                      flag_values=fv)
   flags.DEFINE_bool("use_cache", True, "Use the KV cache (--nouse_cache runs a full forward pass "
                     "per token).", flag_values=fv)
   flags.DEFINE_bool("timing", False, "Print tokens/s to stderr.", flag_values=fv)
@@ -57,9 +54,7 @@ def _check(fv: flags.FlagValues) -> str | None:
     return f"--top_k must be >= 0 (0: no top-k filter), got {fv.top_k}"
   if not 0.0 < fv.top_p <= 1.0:
     return f"--top_p must be in (0, 1], got {fv.top_p}"
-  if fv.step != "latest" and not fv.step.isdigit():
-    return f"--step must be a checkpoint step number or 'latest', got {fv.step!r}"
-  return None
+  return main_lib.step_error(fv.step)
 
 
 def generate_text(workdir: str, prompt: str = "", *, num_tokens: int = 300,

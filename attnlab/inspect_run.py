@@ -20,22 +20,18 @@ from absl import flags
 
 from attnlab import checkpoint
 from attnlab import config_utils
-from attnlab import errors
 from attnlab import main as main_lib
+from attnlab.errors import DamagedCheckpoints
 
 
 def _define_flags() -> flags.FlagValues:
-  flag_values = flags.FlagValues()
-  flags.DEFINE_string("workdir", None, "Run directory to inspect.", flag_values=flag_values)
+  flag_values = main_lib.tool_flags("Run directory to inspect.")
   flags.DEFINE_integer("step", None, "Also restore this checkpoint and summarise its parameters.",
                        flag_values=flag_values)
   flags.DEFINE_bool("verify", False, "Restore every checkpoint into the model (slower: builds the "
                     "task), beyond checking that its files are complete and readable.",
                     flag_values=flag_values)
   return flag_values
-
-
-DamagedCheckpoints = errors.DamagedCheckpoints
 
 
 def check_checkpoints(workdir: pathlib.Path, config, steps: list[int],

@@ -34,14 +34,31 @@ IO_ERROR = 1
 _IO_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM)
 
 
+def tool_flags(workdir_help: str, *, workdir_default: str | None = None,
+               step: bool = False) -> flags.FlagValues:
+  """New FlagValues with --workdir and, with `step`, --step (the checkpoint a tool restores)."""
+  flag_values = flags.FlagValues()
+  flags.DEFINE_string("workdir", workdir_default, workdir_help, flag_values=flag_values)
+  if step:
+    flags.DEFINE_string("step", "latest", "Checkpoint step to restore, or 'latest'.",
+                        flag_values=flag_values)
+  return flag_values
+
+
+def step_error(step: str) -> str | None:
+  """The usage error of a --step value that is neither 'latest' nor a step number, or None."""
+  if step != "latest" and not step.isdigit():
+    return f"--step must be a checkpoint step number or 'latest', got {step!r}"
+  return None
+
+
 def run_flags(argv: Sequence[str], config_help: str, workdir_help: str,
               config_default: str | None = None,
               workdir_default: str | None = None) -> flags.FlagValues:
-  """New FlagValues with --config (a config file and its args, read from `argv`) and --workdir."""
-  flag_values = flags.FlagValues()
+  """`tool_flags` with --config too (a config file and its args, read from `argv`)."""
+  flag_values = tool_flags(workdir_help, workdir_default=workdir_default)
   config_flags.DEFINE_config_file("config", config_default, config_help, flag_values=flag_values,
                                   lock_config=True, sys_argv=list(argv))
-  flags.DEFINE_string("workdir", workdir_default, workdir_help, flag_values=flag_values)
   return flag_values
 
 
@@ -84,7 +101,9 @@ def check_config_args(argv: Sequence[str]) -> str | None:
     for arg in argv:
       if arg.startswith(("--config.", "-config.")):
         key, eq, value = arg.lstrip("-")[len("config."):].partition("=")
-        config_utils.check_override(config, key, value if eq else None)
+        default = config_utils.get_value(config, key)
+        if eq:
+          config_utils.parse_value(key, value, default)
   except UserError as e:
     return str(e)
   return None
@@ -167,18 +186,21 @@ def run_tool(prog: str, body: Callable[[], int | None]) -> int:
     return e.exit_code
 
 
+def _check(fv: flags.FlagValues) -> str | None:
+  if fv.config is None:
+    return "--config is required, e.g. --config=configs/nadaraya_watson.py:runlocal=True"
+  if not fv.workdir:
+    return "--workdir is required: the run directory to create or resume"
+  return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """`attnlab train` / `python -m attnlab.main`: returns the exit status."""
   argv = list(sys.argv if argv is None else argv)
-  prog = prog_name(argv, "attnlab.main")
   flag_values = run_flags(
       argv, "Config file and args: configs/<family>.py[:key=value,...]; override any field with "
       "--config.<field>=<value>.", "Run directory (created, or resumed if it exists).")
-  message = parse_flags(flag_values, argv)
-  if message is None and flag_values.config is None:
-    message = "--config is required, e.g. --config=configs/nadaraya_watson.py:runlocal=True"
-  if message is None and not flag_values.workdir:
-    message = "--workdir is required: the run directory to create or resume"
+  prog, message = parse_tool(argv, "attnlab.main", flag_values, _check)
 
   def body() -> None:
     from attnlab import train  # pylint: disable=g-import-not-at-top  (imports JAX)

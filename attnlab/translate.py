@@ -32,11 +32,7 @@ _LOG = logging.getLogger("attnlab.translate")  # not __name__: it is __main__ un
 
 
 def _define_flags() -> flags.FlagValues:
-  flag_values = flags.FlagValues()
-  flags.DEFINE_string("workdir", None, "Run directory of a trained translation run.",
-                      flag_values=flag_values)
-  flags.DEFINE_string("step", "latest", "Checkpoint step to load ('latest' or a number).",
-                      flag_values=flag_values)
+  flag_values = main_lib.tool_flags("Run directory of a trained translation run.", step=True)
   flags.DEFINE_integer("beam_size", None, "Beams (1 = greedy); default: the run's decode.beam_size.",
                        flag_values=flag_values)
   flags.DEFINE_string("output", None, "PNG path of the heatmap (several inputs: suffixed _<i>); "
@@ -65,7 +61,7 @@ def translate(workdir: str, sentences: Sequence[str], *, step: str = "latest",
   from attnlab import analysis  # pylint: disable=g-import-not-at-top  (imports JAX)
   from attnlab.data import tokenizers  # pylint: disable=g-import-not-at-top
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  run = analysis.load_run(workdir, int(step) if step.isdigit() else step)
+  run = analysis.load_run(workdir, step)
   if not hasattr(run.task, "translate"):
     raise UserError(f"{workdir} is a {run.config.task!r} run; translate needs a translation run "
                     f"(configs/seq2seq.py)")
@@ -101,8 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     message = "--workdir is required: the run directory of a trained translation model"
   if message is None and not sentences:
     message = 'give the sentence(s) to translate, e.g. attnlab translate --workdir=DIR "Hello"'
-  if message is None and not (flag_values.step == "latest" or flag_values.step.isdigit()):
-    message = f"--step must be 'latest' or a step number, got {flag_values.step!r}"
+  if message is None:
+    message = main_lib.step_error(flag_values.step)
 
   def body() -> None:
     warn = lambda message: print(f"{prog}: warning: {message}", file=sys.stderr)

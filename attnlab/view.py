@@ -30,15 +30,12 @@ from attnlab.errors import UserError
 
 
 def _define_flags() -> flags.FlagValues:
-  fv = flags.FlagValues()
-  flags.DEFINE_string("workdir", None, "Run directory of a trained run.", flag_values=fv)
+  fv = main_lib.tool_flags("Run directory of a trained run.", step=True)
   flags.DEFINE_string("text", None, "Input text (the source sentence of a translation run).",
                       flag_values=fv)
   flags.DEFINE_string("target", None, "Translation runs: the target text to attend over "
                       "(default: the model's greedy translation).", flag_values=fv)
   flags.DEFINE_string("out", None, "HTML file to write (default: DIR/view.html).", flag_values=fv)
-  flags.DEFINE_string("step", "latest", "Checkpoint step to restore, or 'latest'.",
-                      flag_values=fv)
   return fv
 
 
@@ -51,9 +48,7 @@ def _check(fv: flags.FlagValues) -> str | None:
     return "--text is required and must not be empty, e.g. --text=\"the cat sat\""
   if fv.target is not None and not fv.target.strip():
     return "--target must not be empty; leave it out to use the model's own translation"
-  if fv.step != "latest" and not fv.step.isdigit():
-    return f"--step must be a checkpoint step number or 'latest', got {fv.step!r}"
-  return None
+  return main_lib.step_error(fv.step)
 
 
 def view_text(workdir, text: str, target: str | None = None, out: str | os.PathLike | None = None,
@@ -66,10 +61,7 @@ def view_text(workdir, text: str, target: str | None = None, out: str | os.PathL
   """
   # pylint: disable=g-import-not-at-top  (these import JAX)
   from attnlab import analysis
-  if isinstance(workdir, analysis.Run):
-    run = workdir
-  else:
-    run = analysis.load_run(workdir, int(step) if str(step).isdigit() else step)
+  run = workdir if isinstance(workdir, analysis.Run) else analysis.load_run(workdir, step)
   # (attnlab.analysis also exports a function named `capture`: import the names themselves.)
   from attnlab.analysis.capture import capture_text
   from attnlab.analysis.metrics import head_table

@@ -32,6 +32,7 @@ import os
 
 from attnlab import config_utils
 from attnlab import models
+from attnlab.errors import ConfigError
 
 # Values of the `mode` shortcut -> task name.
 MODES = {"pretrain": "masked_lm", "finetune": "classification"}
@@ -49,13 +50,13 @@ def _pretrained_fields(workdir: str) -> dict:
   """{field: value} of PRETRAINED_FIELDS in the run `workdir` (its config.json)."""
   path = os.path.join(workdir, "config.json")
   if not os.path.isfile(path):
-    raise config_utils.ConfigError(f"pretrained={workdir}: no config.json there; give the "
-                                   f"--workdir of a masked_lm run or of `attnlab import-hf`")
+    raise ConfigError(f"pretrained={workdir}: no config.json there; give the --workdir of a "
+                      f"masked_lm run or of `attnlab import-hf`")
   with open(path, encoding="utf-8") as f:
     stored = config_utils.flatten(config_utils.rename_old_keys(json.load(f)))
   if stored.get("task") != "masked_lm":
-    raise config_utils.ConfigError(f"pretrained={workdir} is a {stored.get('task')!r} run; a "
-                                   f"masked_lm run (BERT pretraining or import) is needed")
+    raise ConfigError(f"pretrained={workdir} is a {stored.get('task')!r} run; a masked_lm run "
+                      f"(BERT pretraining or import) is needed")
   return {key: stored[key] for key in PRETRAINED_FIELDS if key in stored}
 
 
@@ -73,7 +74,7 @@ def _set_size(config, size: str) -> None:
 def _set_pretrained(config, workdir: str) -> None:
   """pretrained=DIR: init_from=DIR and DIR's encoder and tokenizer fields (PRETRAINED_FIELDS)."""
   if config.task != MODES["finetune"]:
-    raise config_utils.ConfigError("pretrained=DIR goes with mode=finetune")
+    raise ConfigError("pretrained=DIR goes with mode=finetune")
   config.init_from = workdir
   for key, value in _pretrained_fields(workdir).items():
     section, field = key.split(".")

@@ -21,7 +21,9 @@ Shortcuts in the arg (besides any field; the same names as in the other config f
 
 The dataset is chosen in the arg (`task=marathi`, `dataset=marathi` or `data.name=marathi`): it
 picks that dataset's defaults (tokenizer, sizes, steps) before the other keys apply. Setting
-`--config.data.name` afterwards switches the data but keeps the dates defaults.
+`--config.data.name` afterwards switches the data but keeps the dates defaults. The `data.*` and
+`decode.*` fields, shared with configs/transformer.py, are documented in
+attnlab.config_utils.translation_groups.
 """
 
 from attnlab import config_utils
@@ -29,17 +31,10 @@ from attnlab import config_utils
 # Short arg keys (config_utils.SHORTCUTS: one meaning in every config file).
 SHORTCUTS = config_utils.shortcut_table("task", "dataset", "attention", "score")
 
-# data.name -> {key: value} applied over the defaults below before the arg.
+# data.name -> {key: value} applied over the defaults below (and the data set's data fields of
+# config_utils.TRANSLATION_DATA) before the arg.
 PRESETS = {
-    "dates": {},
     "marathi": {
-        "data.tokenizer": "word",
-        "data.max_tokens": 12,
-        "data.min_count": 2,
-        "data.num_eval": 0,
-        "data.num_train": 0,
-        "data.buckets": (6, 9),
-        "data.length_bins": (4, 6, 8, 12),
         "model.embed_dim": 128,
         "model.hidden_dim": 128,
         "model.attn_dim": 128,
@@ -51,8 +46,6 @@ PRESETS = {
         "optimizer.learning_rate": 2e-3,
     },
     "reverse": {
-        "data.length_bins": (5, 10, 15, 20, 25, 30),
-        "data.max_len": 30,
         "model.embed_dim": 16,
         "model.hidden_dim": 64,
         "model.bidirectional": False,
@@ -61,9 +54,9 @@ PRESETS = {
         "checkpoint_every": 1000,
     },
 }
-PRESETS["copy"] = dict(PRESETS["reverse"])
+PRESETS["copy"] = PRESETS["reverse"]
 
-# Overrides of runlocal=True per dataset (after config_utils.RUNLOCAL): tiny model and data.
+# Overrides of runlocal=True (after config_utils.RUNLOCAL): tiny model and data.
 RUNLOCAL = {
     "data.num_train": 200,
     "data.num_eval": 16,
@@ -76,10 +69,8 @@ RUNLOCAL = {
 
 def get_config(arg: str | None = None):
   """`arg`: key=value,... typed from the defaults below (e.g. "task=reverse,runlocal=True")."""
-  dataset = config_utils.check_choice(
-      "data.name", config_utils.arg_value(arg, "data.name", "dates", SHORTCUTS), PRESETS,
-      "datasets")
   config = config_utils.base_config()
+  dataset = config_utils.translation_groups(config, arg, SHORTCUTS)
   config.task = "translation"
   config.num_train_steps = 1500
   config.batch_size = 64
@@ -124,52 +115,5 @@ def get_config(arg: str | None = None):
   # Weight of the REINFORCE loss that trains hard attention's scores (unused otherwise).
   config.model.reinforce_weight = 1.0
 
-  # Dataset: dates (synthetic), marathi (anki_mar_eng), reverse, copy (synthetic).
-  config.data.name = dataset
-  # Tokenizer of source and target: char, word (punctuation split off) or subword (sentencepiece).
-  config.data.tokenizer = "char"
-  # Subword vocabulary size, or the word vocabulary's cap (0: subword 4000, words uncapped).
-  config.data.tokenizer_size = 0
-  # Words seen fewer times in training become <unk> (word tokenizer).
-  config.data.min_count = 1
-  # Lower-case words (word tokenizer).
-  config.data.lower = True
-  # Training examples (synthetic: generated; marathi: the first N of the split, 0 = all).
-  config.data.num_train = 50000
-  # Evaluation examples (synthetic: generated; marathi: the first N of the split, 0 = all).
-  config.data.num_eval = 1000
-  # Seed of the synthetic data (fixed, so runs with different seeds see the same examples).
-  config.data.seed = 0
-  # reverse/copy: fewest and most symbols per sequence.
-  config.data.min_len = 1
-  # reverse/copy: most symbols per sequence.
-  config.data.max_len = 10
-  # reverse/copy: alphabet size.
-  config.data.symbols = 10
-  # marathi: en-mr (English -> Marathi) or mr-en.
-  config.data.direction = "en-mr"
-  # Drop pairs with more whitespace-separated words (punctuation counted) on either side (0: keep).
-  config.data.max_tokens = 0
-  # Padded lengths to group training batches by (): pad everything to the longest.
-  config.data.buckets = ()
-  # Upper edges of source-length bins for per-length metrics, e.g. (5, 10, 15) (): none.
-  config.data.length_bins = ()
-  # Split evaluated during training.
-  config.data.eval_split = "validation"
-  # Examples per evaluation and decoding batch.
-  config.data.eval_batch_size = 250
-  # TFDS data dir of prepared real datasets ("": $TFDS_DATA_DIR or ~/tensorflow_datasets).
-  config.data.data_dir = ""
-  # Folder with the raw files of a real dataset ("": $ATTNLAB_DATA_DIR, else download).
-  config.data.manual_dir = ""
-
-  config.decode = config_utils.ConfigDict()
-  # 1: greedy decoding; > 1: beam search with this many beams.
-  config.decode.beam_size = 1
-  # GNMT length penalty alpha of beam search (0: none).
-  config.decode.length_penalty = 0.0
-  # Most output tokens, <end> included (0: the longest training target + 1).
-  config.decode.max_len = 0
-
-  config_utils.apply_overrides(config, PRESETS[dataset])
+  config_utils.apply_overrides(config, PRESETS.get(dataset, {}))
   return config_utils.finalize(config, arg, runlocal=RUNLOCAL, shortcuts=SHORTCUTS)

@@ -20,26 +20,18 @@ Shortcuts in the arg (besides any field; the same names as in the other config f
   implementation=NAME             = model.implementation (auto, reference, xla, blocked, cudnn)
 
 The dataset is chosen in the arg (`task=marathi`, `dataset=marathi` or `data.name=marathi`): it
-picks that dataset's data settings, which are those of configs/seq2seq.py (loaded from it, so the
-RNN and the Transformer read identical data; the `data.*` and `decode.*` fields are documented
-there), then this file's model and training defaults for that dataset, then the other keys of the
-arg.
+picks that dataset's data settings, the same as configs/seq2seq.py's (both come from
+attnlab.config_utils.translation_groups, which documents the `data.*` and `decode.*` fields), then
+this file's model and training defaults for that dataset, then the other keys of the arg.
 """
-
-import pathlib
 
 from attnlab import config_utils
 
 # Short arg keys (config_utils.SHORTCUTS: one meaning in every config file).
 SHORTCUTS = config_utils.shortcut_table("task", "dataset", "size", "score", "implementation")
 
-# The RNN translation config whose data and decode groups this config shares.
-SEQ2SEQ_CONFIG = pathlib.Path(__file__).resolve().parent / "seq2seq.py"
-DATASETS = ("dates", "marathi", "reverse", "copy")
-
 # data.name -> {key: value} applied over the defaults below before the arg.
 PRESETS = {
-    "dates": {},
     "marathi": {
         "model.size": "medium",
         "model.dropout_rate": 0.1,
@@ -56,7 +48,7 @@ PRESETS = {
         "checkpoint_every": 1000,
     },
 }
-PRESETS["copy"] = dict(PRESETS["reverse"])
+PRESETS["copy"] = PRESETS["reverse"]
 
 # Overrides of runlocal=True (after config_utils.RUNLOCAL): tiny model and data.
 RUNLOCAL = {
@@ -70,11 +62,8 @@ RUNLOCAL = {
 
 def get_config(arg: str | None = None):
   """`arg`: key=value,... typed from the defaults below (e.g. "task=reverse,runlocal=True")."""
-  dataset = config_utils.check_choice(
-      "data.name", config_utils.arg_value(arg, "data.name", "dates", SHORTCUTS), DATASETS,
-      "datasets")
-  shared = config_utils.load_config_file(f"{SEQ2SEQ_CONFIG}:data.name={dataset}")
   config = config_utils.base_config()
+  dataset = config_utils.translation_groups(config, arg, SHORTCUTS)
   config.task = "translation"
   config.num_train_steps = 1500
   config.batch_size = 64
@@ -123,9 +112,5 @@ def get_config(arg: str | None = None):
   # Decoder layer whose head-averaged cross-attention is plotted by the task (-1: the last).
   config.model.weights_layer = -1
 
-  # The translation task's data and decoding fields, as configs/seq2seq.py defines them.
-  config.data = shared.data
-  config.decode = shared.decode
-
-  config_utils.apply_overrides(config, PRESETS[dataset])
+  config_utils.apply_overrides(config, PRESETS.get(dataset, {}))
   return config_utils.finalize(config, arg, runlocal=RUNLOCAL, shortcuts=SHORTCUTS)
