@@ -14,7 +14,8 @@ Config convention (every model family follows it):
   to `finalize`. The shared ones mean the same thing in every family that has them (SHORTCUTS):
   `dataset=`/`task=` (data.name), `attention=` (model.attention), `score=` (model.score), `size=`
   (model.size), `implementation=`, `tokenizer=`; a family may add its own (BERT: `mode=`,
-  `pretrained=`; Nadaraya-Watson: `kernel=`). The file's docstring lists its table.
+  `pretrained=`; Nadaraya-Watson: `kernel=`). The file's docstring lists its table. `attnlab
+  sweep` axes may be named by the shared ones too (`--sweep=score=dot,cosine`).
 - One name per concept across families: data.num_train / data.num_eval (examples used),
   model.dropout_rate / model.attention_dropout_rate; modules take `deterministic=` (Flax's name).
   Keys renamed since older runs (RENAMED) still load from their config.json.
@@ -181,11 +182,9 @@ SHORTCUTS: dict[str, str] = {
     "attention": "model.attention",
     # Attention score function (attnlab.attention.scores).
     "score": "model.score",
-    # Size preset of the model.
     "size": "model.size",
     # attend() implementation: auto, reference, xla, blocked, cudnn.
     "implementation": "model.implementation",
-    # Tokenizer of the data.
     "tokenizer": "data.tokenizer",
 }
 
@@ -416,54 +415,57 @@ def translation_groups(config: ConfigDict, arg: str | None,
   """
   dataset = check_choice("data.name", arg_value(arg, "data.name", "dates", shortcuts),
                          TRANSLATION_DATA, "datasets")
-  data = config.data
-  # Dataset: dates (synthetic), marathi (anki_mar_eng), reverse, copy (synthetic).
-  data.name = dataset
-  # Tokenizer of source and target: char, word (punctuation split off) or subword (sentencepiece).
-  data.tokenizer = "char"
-  # Subword vocabulary size, or the word vocabulary's cap (0: subword 4000, words uncapped).
-  data.tokenizer_size = 0
-  # Words seen fewer times in training become <unk> (word tokenizer).
-  data.min_count = 1
-  # Lower-case words (word tokenizer).
-  data.lower = True
-  # Training examples (synthetic: generated; marathi: the first N of the split, 0 = all).
-  data.num_train = 50000
-  # Evaluation examples (synthetic: generated; marathi: the first N of the split, 0 = all).
-  data.num_eval = 1000
-  # Seed of the synthetic data (fixed, so runs with different seeds see the same examples).
-  data.seed = 0
-  # reverse/copy: fewest and most symbols per sequence.
-  data.min_len = 1
-  # reverse/copy: most symbols per sequence.
-  data.max_len = 10
-  # reverse/copy: alphabet size.
-  data.symbols = 10
-  # marathi: en-mr (English -> Marathi) or mr-en.
-  data.direction = "en-mr"
-  # Drop pairs with more whitespace-separated words (punctuation counted) on either side (0: keep).
-  data.max_tokens = 0
-  # Padded lengths to group training batches by (): pad everything to the longest.
-  data.buckets = ()
-  # Upper edges of source-length bins for per-length metrics, e.g. (5, 10, 15) (): none.
-  data.length_bins = ()
-  # Split evaluated during training.
-  data.eval_split = "validation"
-  # Examples per evaluation and decoding batch.
-  data.eval_batch_size = 250
-  # TFDS data dir of prepared real datasets ("": $TFDS_DATA_DIR or ~/tensorflow_datasets).
-  data.data_dir = ""
-  # Folder with the raw files of a real dataset ("": $ATTNLAB_DATA_DIR, else download).
-  data.manual_dir = ""
-  data.update(TRANSLATION_DATA[dataset])
-
-  config.decode = ConfigDict()
-  # 1: greedy decoding; > 1: beam search with this many beams.
-  config.decode.beam_size = 1
-  # GNMT length penalty alpha of beam search (0: none).
-  config.decode.length_penalty = 0.0
-  # Most output tokens, <end> included (0: the longest training target + 1).
-  config.decode.max_len = 0
+  config.data = ConfigDict({
+      # Dataset: dates (synthetic), marathi (anki_mar_eng), reverse, copy (synthetic).
+      "name": dataset,
+      # Tokenizer of source and target: char, word (punctuation split off) or subword
+      # (sentencepiece).
+      "tokenizer": "char",
+      # Subword vocabulary size, or the word vocabulary's cap (0: subword 4000, words uncapped).
+      "tokenizer_size": 0,
+      # Words seen fewer times in training become <unk> (word tokenizer).
+      "min_count": 1,
+      # Lower-case words (word tokenizer).
+      "lower": True,
+      # Training examples (synthetic: generated; marathi: the first N of the split, 0 = all).
+      "num_train": 50000,
+      # Evaluation examples (synthetic: generated; marathi: the first N of the split, 0 = all).
+      "num_eval": 1000,
+      # Seed of the synthetic data (fixed, so runs with different seeds see the same examples).
+      "seed": 0,
+      # reverse/copy: fewest symbols per sequence.
+      "min_len": 1,
+      # reverse/copy: most symbols per sequence.
+      "max_len": 10,
+      # reverse/copy: alphabet size.
+      "symbols": 10,
+      # marathi: en-mr (English -> Marathi) or mr-en.
+      "direction": "en-mr",
+      # Drop pairs with more whitespace-separated words (punctuation counted) on either side
+      # (0: keep).
+      "max_tokens": 0,
+      # Padded lengths to group training batches by (): pad everything to the longest.
+      "buckets": (),
+      # Upper edges of source-length bins for per-length metrics, e.g. (5, 10, 15) (): none.
+      "length_bins": (),
+      # Split evaluated during training.
+      "eval_split": "validation",
+      # Examples per evaluation and decoding batch.
+      "eval_batch_size": 250,
+      # TFDS data dir of prepared real datasets ("": $TFDS_DATA_DIR or ~/tensorflow_datasets).
+      "data_dir": "",
+      # Folder with the raw files of a real dataset ("": $ATTNLAB_DATA_DIR, else download).
+      "manual_dir": "",
+      **TRANSLATION_DATA[dataset],
+  })
+  config.decode = ConfigDict({
+      # 1: greedy decoding; > 1: beam search with this many beams.
+      "beam_size": 1,
+      # GNMT length penalty alpha of beam search (0: none).
+      "length_penalty": 0.0,
+      # Most output tokens, <end> included (0: the longest training target + 1).
+      "max_len": 0,
+  })
   return dataset
 
 

@@ -16,6 +16,8 @@ trains, as DIR is while the sweep runs). Members that already finished are skipp
 the command completes an interrupted sweep. At the end DIR/summary.csv and DIR/summary.md hold one
 row per setting with the final metrics as mean ± std (sample std, ddof=1) over the `seed` values.
 
+An axis is named by its config key or, as in the config arg, by a shared shortcut of it
+(config_utils.SHORTCUTS: `--sweep=score=dot,cosine` is model.score, in DIR/model.score=dot,...).
 A sweep file (configs/sweeps/*.py) defines `get_sweep()` returning {"config": "path.py[:args]"
 (relative to the sweep file), "axes": {key: [values]}}; --config and --sweep flags add to it.
 With --parallel=N the members run as N concurrent subprocesses (logs in each member's log.txt);
@@ -127,8 +129,8 @@ def load_sweep_file(path: str | os.PathLike) -> tuple[str | None, dict[str, list
 
 
 def _format(value: Any) -> str:
-  text = str(value).replace(" ", "").replace(os.sep, "_")
-  return text
+  """`value` as a member's directory name shows it."""
+  return str(value).replace(" ", "").replace(os.sep, "_")
 
 
 def expand(base: ml_collections.ConfigDict, axes: Mapping[str, Sequence[Any]],
@@ -139,20 +141,18 @@ def expand(base: ml_collections.ConfigDict, axes: Mapping[str, Sequence[Any]],
   for key, values in axes.items():
     if not values:
       raise UserError(f"sweep axis {key!r} has no values")
-  members = []
+  members: dict[str, Member] = {}
   for combo in itertools.product(*axes.values()):
     values = dict(zip(axes, combo))
     config = copy.deepcopy(base)
     config_utils.apply_overrides(config, values)
     name = ",".join(f"{key}={_format(value)}" for key, value in values.items())
-    members.append(Member(name, values, config, pathlib.Path(workdir).absolute() / name))
-  seen: dict[str, Member] = {}
-  for member in members:  # two members in one directory would write into each other's run
-    if member.name in seen:
-      raise UserError(f"sweep members {seen[member.name].values} and {member.values} would share "
-                      f"the run directory {member.workdir}; give each axis distinct values")
-    seen[member.name] = member
-  return members
+    member_dir = pathlib.Path(workdir).absolute() / name
+    if name in members:  # two members in one directory would write into each other's run
+      raise UserError(f"sweep members {members[name].values} and {values} would share the run "
+                      f"directory {member_dir}; give each axis distinct values")
+    members[name] = Member(name, values, config, member_dir)
+  return list(members.values())
 
 
 ConfigSpec = str | os.PathLike | ml_collections.ConfigDict
@@ -165,14 +165,17 @@ def prepare(config: ConfigSpec | None = None, axes: Axes | None = None, *,
             seeds: Sequence[int] | str | None = None, num_seeds: int | None = None,
             overrides: Mapping[str, Any] | None = None
             ) -> tuple[ml_collections.ConfigDict, dict[str, list[Any]]]:
-  """(base config, axes) of the sweep `run` runs with these arguments; nothing runs."""
-  base_spec, swept = load_sweep_file(sweep_file) if sweep_file else (None, {})
-  if isinstance(config, ml_collections.ConfigDict):
-    base = copy.deepcopy(config)  # the caller's config stays as it is
-  elif config is not None:
-    base = config_utils.load_config_file(os.fspath(config))
-  elif base_spec:
-    base = config_utils.load_config_file(base_spec)
+  """(base config, axes by full config key) of the sweep `run` runs with these arguments.
+
+  Nothing runs. An axis may be named by a shared shortcut (config_utils.SHORTCUTS, e.g. `score`
+  for model.score) where the base config has the field it stands for, as in a config arg.
+  """
+  base_spec, file_axes = load_sweep_file(sweep_file) if sweep_file else (None, {})
+  spec = base_spec if config is None else config
+  if isinstance(spec, ml_collections.ConfigDict):
+    base = copy.deepcopy(spec)  # the caller's config stays as it is
+  elif spec:
+    base = config_utils.load_config_file(os.fspath(spec))
   else:
     raise UserError("give the base config: --config=configs/<family>.py[:args] or a "
                     "--sweep_file whose get_sweep() names one")
@@ -180,10 +183,14 @@ def prepare(config: ConfigSpec | None = None, axes: Axes | None = None, *,
   if num_seeds is not None:
     fixed["num_seeds"] = num_seeds
   config_utils.apply_overrides(base, fixed)
-  for key, values in (axes or {}).items():
+  fields = config_utils.flatten(base)
+  swept: dict[str, list[Any]] = {}
+  for key, values in [*file_axes.items(), *(axes or {}).items()]:
     if not isinstance(values, (str, Sequence)):
       raise UserError(f"sweep axis {key!r}: give a list of values or 'value1,value2' text, got "
                       f"{values!r}")
+    if config_utils.SHORTCUTS.get(key) in fields:
+      key = config_utils.SHORTCUTS[key]
     swept[key] = parse_axis(key, values, base) if isinstance(values, str) else list(values)
   if seeds is not None:
     if SEED_KEY in swept:
@@ -228,11 +235,19 @@ def _run_subprocess(member: Member) -> None:
     member.error = f"exit status {result.returncode}: {lines[-1] if lines else ''} (see {log_path})"
 
 
-def _mark_finished(members: Sequence[Member]) -> None:
+def _to_run(members: Sequence[Member]) -> list[Member]:
+  """Prepares the members' run directories (a changed config is refused before anything runs) and
+  marks the complete ones skipped; returns the others."""
   for member in members:
-    if (member.status == "pending" and
-        checkpoint.is_complete(member.workdir, member.config.num_train_steps)):
+    checkpoint.prepare_workdir(member.workdir, member.config)
+  todo = []
+  for member in members:
+    if checkpoint.is_complete(member.workdir, member.config.num_train_steps):
       member.status = "skipped"
+      _LOG.info("%s: complete, skipped", member.name)
+    else:
+      todo.append(member)
+  return todo
 
 
 def run_sweep(base: ml_collections.ConfigDict, axes: Mapping[str, Sequence[Any]],
@@ -256,19 +271,16 @@ def run_sweep(base: ml_collections.ConfigDict, axes: Mapping[str, Sequence[Any]]
   workdir = pathlib.Path(workdir).absolute()
   members = expand(base, axes, workdir)
   if summarize_only:
-    _mark_finished(members)
+    for member in members:
+      if checkpoint.is_complete(member.workdir, member.config.num_train_steps):
+        member.status = "skipped"
     write_summary(workdir, members, list(axes))
     return members
   if member_index is not None:
     if not 0 <= member_index < len(members):
       raise UserError(f"--member_index={member_index} is out of range: the sweep has "
                       f"{len(members)} members, indices 0..{len(members) - 1} (see --list)")
-    member = members[member_index]
-    checkpoint.prepare_workdir(member.workdir, member.config)
-    if checkpoint.is_complete(member.workdir, member.config.num_train_steps):
-      member.status = "skipped"
-      _LOG.info("%s: complete, skipped", member.name)
-    else:
+    for member in _to_run([members[member_index]]):
       _LOG.info("member %d/%d: %s", member_index, len(members), member.name)
       _run_inprocess(member)
     return members
@@ -280,15 +292,7 @@ def run_sweep(base: ml_collections.ConfigDict, axes: Mapping[str, Sequence[Any]]
 def _run_members(members: list[Member], axes: Mapping[str, Sequence[Any]],
                  workdir: pathlib.Path, parallel: int, inprocess: bool) -> None:
   """Runs the members that are not complete (in this process, or `parallel` subprocesses)."""
-  for member in members:  # refuse a changed config before anything runs
-    checkpoint.prepare_workdir(member.workdir, member.config)
-  todo = []
-  for member in members:
-    if checkpoint.is_complete(member.workdir, member.config.num_train_steps):
-      member.status = "skipped"
-      _LOG.info("%s: complete, skipped", member.name)
-    else:
-      todo.append(member)
+  todo = _to_run(members)
   _LOG.info("sweep %s: %d members, %d to run", workdir, len(members), len(todo))
   try:
     if inprocess:
@@ -354,7 +358,8 @@ def run(config: ConfigSpec | None = None, axes: Axes | None = None, *,
     config: the base config: "configs/<family>.py[:key=value,...]" or a ConfigDict (copied); None
       when `sweep_file` names one.
     axes: {config key: [values]} or {config key: "value1,value2"} (text typed from the config);
-      the members are their cross product, in this order (after the sweep file's axes).
+      the members are their cross product, in this order (after the sweep file's axes). A key
+      may be a shared shortcut (`prepare`).
     workdir: the sweep directory; member i runs in workdir/<key=value,...>/.
     sweep_file: a configs/sweeps/*.py file (get_sweep(): base config and axes); `config` and
       `axes` add to it as --config and --sweep do.
@@ -381,27 +386,17 @@ def run(config: ConfigSpec | None = None, axes: Axes | None = None, *,
 # Summary
 
 
-def final_metrics(workdir: str | os.PathLike) -> dict[str, float]:
-  """{"eval/<name>": value} of the last evaluation and "train/loss" of the last train log."""
-  last = checkpoint.last_records(checkpoint.read_metrics(workdir))
-  metrics = {}
-  for split, record in sorted(last.items()):
-    for name, value in record.items():
-      if name in _NOT_METRICS or not isinstance(value, (int, float)):
-        continue
-      if split == "eval" or name == "loss":
-        metrics[f"{split}/{name}"] = float(value)
-  return metrics
-
-
 def final_metrics_per_seed(workdir: str | os.PathLike) -> list[dict[str, float]]:
-  """`final_metrics` of each replica of a run: one dict, or N for a run with num_seeds=N."""
+  """{"eval/<name>": value} of the last evaluation and "train/loss" of the last train log, for each
+  replica of the run: one dict, or N for a run with num_seeds=N."""
   last = checkpoint.last_records(checkpoint.read_metrics(workdir))
   per_seed = {split: r["per_seed"] for split, r in last.items()
               if isinstance(r.get("per_seed"), Mapping)}
-  if not per_seed:
-    return [final_metrics(workdir)]
-  count = max(len(v) for values in per_seed.values() for v in values.values())
+  if not per_seed:  # a run of one replica: its records' values
+    per_seed = {split: {name: [value] for name, value in record.items()
+                        if name not in _NOT_METRICS and isinstance(value, (int, float))}
+                for split, record in last.items()}
+  count = max((len(v) for values in per_seed.values() for v in values.values()), default=1)
   replicas: list[dict[str, float]] = [{} for _ in range(count)]
   for split, values in sorted(per_seed.items()):
     for name, series in values.items():
@@ -430,19 +425,21 @@ def summarize(members: Sequence[Member], keys: Sequence[str]) -> list[dict[str, 
   for setting, group in groups.items():
     finished = [m for m in group if m.status in ("done", "skipped")]
     per_member = [metrics for m in finished for metrics in final_metrics_per_seed(m.workdir)]
-    names = sorted(set().union(*per_member)) if per_member else []
-    row: dict[str, Any] = dict(zip(group_keys, setting))
-    row["seeds"] = len(per_member)
-    row["failed"] = sum(m.status == "failed" for m in group)
-    for name in names:
-      values = [metrics[name] for metrics in per_member if name in metrics]
-      row[name] = _mean_std(values)
+    row: dict[str, Any] = {**dict(zip(group_keys, setting)), "seeds": len(per_member),
+                           "failed": sum(m.status == "failed" for m in group)}
+    for name in sorted(set().union(*per_member)):
+      row[name] = _mean_std([metrics[name] for metrics in per_member if name in metrics])
     rows.append(row)
   return rows
 
 
 def _fmt_number(x: float) -> str:
   return "" if math.isnan(x) else f"{x:.4g}"
+
+
+def _fmt_mean_std(mean: float, std: float) -> str:
+  """"0.1234 ± 0.01" as summary.md shows it (no ± with a single seed)."""
+  return _fmt_number(mean) + ("" if math.isnan(mean) or math.isnan(std) else f" ± {std:.2g}")
 
 
 def write_summary(workdir: str | os.PathLike, members: Sequence[Member],
@@ -453,25 +450,18 @@ def write_summary(workdir: str | os.PathLike, members: Sequence[Member],
   group_keys = [key for key in keys if key != SEED_KEY]
   metric_names = sorted({k for row in rows for k in row} - set(group_keys) - {"seeds", "failed"})
   csv_path, md_path = workdir / SUMMARY_CSV, workdir / SUMMARY_MD
+  header = [*group_keys, "seeds", "failed"]
+  lines = ["| " + " | ".join(header + metric_names) + " |",
+           "|" + "---|" * (len(header) + len(metric_names))]
   with open(csv_path, "w", newline="") as f:
     writer = csv.writer(f)
-    writer.writerow([*group_keys, "seeds", "failed",
-                     *[f"{name}_{stat}" for name in metric_names for stat in ("mean", "std")]])
+    writer.writerow(header + [f"{name}_{s}" for name in metric_names for s in ("mean", "std")])
     for row in rows:
-      cells = [row[k] for k in group_keys] + [row["seeds"], row["failed"]]
-      for name in metric_names:
-        mean, std = row.get(name, (math.nan, math.nan))
-        cells += [_fmt_number(mean), _fmt_number(std)]
-      writer.writerow(cells)
-  header = [*group_keys, "seeds", "failed", *metric_names]
-  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-  for row in rows:
-    cells = [str(row[k]) for k in group_keys] + [str(row["seeds"]), str(row["failed"])]
-    for name in metric_names:
-      mean, std = row.get(name, (math.nan, math.nan))
-      cells.append("" if math.isnan(mean) else
-                   _fmt_number(mean) + ("" if math.isnan(std) else f" ± {std:.2g}"))
-    lines.append("| " + " | ".join(cells) + " |")
+      cells = [row[k] for k in header]
+      stats = [row.get(name, (math.nan, math.nan)) for name in metric_names]
+      writer.writerow(cells + [_fmt_number(x) for mean_std in stats for x in mean_std])
+      md_cells = [*map(str, cells), *(_fmt_mean_std(mean, std) for mean, std in stats)]
+      lines.append("| " + " | ".join(md_cells) + " |")
   seeds = f" over `{SEED_KEY}`" if SEED_KEY in keys else ""
   if any(m.config.get("num_seeds", 1) > 1 for m in members):
     seeds += " and over the replicas of each `num_seeds` run"
@@ -485,42 +475,40 @@ def write_summary(workdir: str | os.PathLike, members: Sequence[Member],
 
 
 def _define_flags(argv: Sequence[str]) -> flags.FlagValues:
-  flag_values = main_lib.run_flags(
+  fv = main_lib.run_flags(
       argv, "Base config: configs/<family>.py[:key=value,...]; --config.<field>=<value> "
       "overrides apply to every member.", "Sweep directory; member i runs in DIR/<key=value,...>/.")
-  flags.DEFINE_multi_string("sweep", [], "key=value1,value2,... (repeat for a cross product).",
-                            flag_values=flag_values)
+  flags.DEFINE_multi_string("sweep", [], "key=value1,value2,... (repeat for a cross product); key "
+                            "may be a shared shortcut such as score or dataset.", flag_values=fv)
   flags.DEFINE_string("sweep_file", None, "A configs/sweeps/*.py file with get_sweep().",
-                      flag_values=flag_values)
+                      flag_values=fv)
   flags.DEFINE_integer("parallel", 1, "Members to run at once (>1: as subprocesses).",
-                       flag_values=flag_values)
+                       flag_values=fv)
   flags.DEFINE_string("member", None, "Internal: run the member whose config.json is in this "
-                      "directory (used by --parallel).", flag_values=flag_values)
+                      "directory (used by --parallel).", flag_values=fv)
   flags.DEFINE_integer("member_index", None, "Run only member i (0-based, in --list order) and "
                        "write no summary: one cluster array task per member, e.g. "
-                       "--member_index=$SLURM_ARRAY_TASK_ID.", flag_values=flag_values)
+                       "--member_index=$SLURM_ARRAY_TASK_ID.", flag_values=fv)
   flags.DEFINE_bool("list", False, "Print the index and name of every member and exit.",
-                    flag_values=flag_values)
+                    flag_values=fv)
   flags.DEFINE_bool("summarize", False, "Run nothing; write the summary of the finished members "
-                    "(after the array tasks are done).", flag_values=flag_values)
-  return flag_values
+                    "(after the array tasks are done).", flag_values=fv)
+  return fv
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   """`attnlab sweep` / `python -m attnlab.sweep`: returns the exit status."""
   argv = list(sys.argv if argv is None else argv)
-  prog = main_lib.prog_name(argv, "attnlab.sweep")
-  flag_values = _define_flags(argv)
-  message = main_lib.parse_flags(flag_values, argv)
-  fv = flag_values
+  fv = _define_flags(argv)
+  prog, message = main_lib.parse_tool(
+      argv, "attnlab.sweep", fv,
+      lambda fv: None if fv.workdir or fv.member else "--workdir is required: the sweep directory")
 
   def body() -> int:
     if fv.member:
       from attnlab import train  # pylint: disable=g-import-not-at-top
       train.train_and_evaluate(checkpoint.read_config(fv.member), fv.member)
       return 0
-    if not fv.workdir:
-      raise UserError("--workdir is required: the sweep directory")
     axes = dict(split_sweep_arg(text) for text in fv.sweep)  # typed by `prepare`
     if fv.list:
       members = expand(*prepare(fv.config, axes, sweep_file=fv.sweep_file), fv.workdir)

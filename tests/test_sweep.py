@@ -79,6 +79,26 @@ def test_sweep_file_declares_config_and_axes():
   assert len(members) == 9 and members[-1].name == "model.kernel=learned,seed=2"
 
 
+def test_axes_may_use_the_shared_shortcuts_of_the_config_arg():
+  seq2seq = str(REPO / "configs" / "seq2seq.py")
+  base, axes = sweep.prepare(f"{seq2seq}:runlocal=True", {"score": "dot,general",
+                                                          "task": ["reverse"]}, seeds=[3])
+  assert axes == {"model.score": ["dot", "general"], "data.name": ["reverse"], "seed": [3]}
+  members = sweep.expand(base, axes, "/tmp/unused")
+  assert [m.name for m in members] == ["model.score=dot,data.name=reverse,seed=3",
+                                       "model.score=general,data.name=reverse,seed=3"]
+  expected = [{"model.score": "dot", "data.name": "reverse", "seed": 3},
+              {"model.score": "general", "data.name": "reverse", "seed": 3}]
+  for member, keys in zip(members, expected):
+    flat = config_utils.flatten(member.config)
+    assert {key: flat[key] for key in keys} == keys and member.values == keys
+    assert flat["model.attention"] == "bahdanau" and flat["runlocal"] is True
+  # A shortcut whose field the config lacks stays the key it is: `task` of nadaraya_watson.py.
+  base, axes = sweep.prepare(SPEC, {"task": "regression"})
+  assert axes == {"task": ["regression"]}
+  assert sweep.expand(base, axes, "/tmp/unused")[0].config.task == "regression"
+
+
 def test_sweep_without_axes_is_one_line_error(tmp_path, capsys):
   assert sweep.main(["attnlab sweep", f"--config={SPEC}", f"--workdir={tmp_path}"]) == 2
   err = capsys.readouterr().err.strip().splitlines()
