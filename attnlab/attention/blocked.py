@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from attnlab.attention import core
 from attnlab.attention import masks as masks_lib
 
 Array = jax.Array
@@ -149,6 +150,16 @@ def _fit_block(length: int, target: int) -> int:
   return min(-(-block // 8) * 8, target)
 
 
+def _tile(x: Array, index: Any, size: int, axis: int = 1) -> Array:
+  """Tile `index` (of length `size`) of x along `axis`."""
+  return lax.dynamic_slice_in_dim(x, index * size, size, axis=axis)
+
+
+def _put(x: Array, tile: Array, index: Any, axis: int = 1) -> Array:
+  """x with tile `index` along `axis` replaced by `tile`."""
+  return lax.dynamic_update_slice_in_dim(x, tile, index * tile.shape[axis], axis=axis)
+
+
 def _tile_mask(t: _Tiling, mask: Array | None, i: Any, j: Any) -> Array:
   """Which entries of score tile (i, j) may attend: bool broadcastable to [G, bq, bk]."""
   bq, bk = t.block_q, t.block_k
@@ -163,9 +174,9 @@ def _tile_mask(t: _Tiling, mask: Array | None, i: Any, j: Any) -> Array:
   if t.has_mask:
     m = mask  # [G|1, q_pad|1, k_pad|1]
     if t.mask_q:
-      m = lax.dynamic_slice_in_dim(m, i * bq, bq, axis=1)
+      m = _tile(m, i, bq, axis=1)
     if t.mask_k:
-      m = lax.dynamic_slice_in_dim(m, j * bk, bk, axis=2)
+      m = _tile(m, j, bk, axis=2)
     ok = m if ok is None else ok & m  # [G|1, bq|1, bk|1]
   return ok
 
@@ -208,13 +219,12 @@ def _forward_group(t: _Tiling, q: Array, k: Array, v: Array,
 
   def q_step(i, carry):
     out, lse = carry
-    q_i = lax.dynamic_slice_in_dim(q, i * bq, bq, axis=1)  # [G, bq, d]
+    q_i = _tile(q, i, bq)  # [G, bq, d]
 
     def make_step(masked: bool):
       def k_step(j, c):
         m, l, acc = c
-        k_j = lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)  # [G, bk, d]
-        v_j = lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)  # [G, bk, d_v]
+        k_j, v_j = _tile(k, j, bk), _tile(v, j, bk)  # [G, bk, d], [G, bk, d_v]
         s = jnp.einsum("gqd,gkd->gqk", q_i, k_j)  # [G, bq, bk]
         ok = _tile_mask(t, mask, i, j) if masked else None
         if ok is not None:
@@ -244,9 +254,7 @@ def _forward_group(t: _Tiling, q: Array, k: Array, v: Array,
     l_safe = jnp.where(seen, l, 1.0)
     out_i = acc / l_safe[..., None]  # [G, bq, d_v]
     lse_i = jnp.where(seen, m + jnp.log(l_safe), jnp.inf)  # [G, bq]; +inf: p = 0 in bwd
-    out = lax.dynamic_update_slice_in_dim(out, out_i, i * bq, axis=1)
-    lse = lax.dynamic_update_slice_in_dim(lse, lse_i, i * bq, axis=1)
-    return out, lse
+    return _put(out, out_i, i), _put(lse, lse_i, i)
 
   init = (jnp.zeros((g, t.q_pad, d_v), dt), jnp.zeros((g, t.q_pad), dt))
   return lax.fori_loop(0, t.num_q_blocks, q_step, init)
@@ -270,17 +278,14 @@ def _backward_group(t: _Tiling, q: Array, k: Array, v: Array, mask: Array | None
 
   def k_step(j, carry):
     dq_t, dk, dv = carry
-    k_j = lax.dynamic_slice_in_dim(k, j * bk, bk, axis=1)  # [G, bk, d]
-    k_t_j = lax.dynamic_slice_in_dim(k_t, j * bk, bk, axis=2)  # [G, d, bk]
-    v_j = lax.dynamic_slice_in_dim(v, j * bk, bk, axis=1)  # [G, bk, d_v]
+    k_j, v_j = _tile(k, j, bk), _tile(v, j, bk)  # [G, bk, d], [G, bk, d_v]
+    k_t_j = _tile(k_t, j, bk, axis=2)  # [G, d, bk]
 
     def make_step(masked: bool):
       def q_step(i, c):
         dk_j, dv_j, dq_t = c
-        q_i = lax.dynamic_slice_in_dim(q, i * bq, bq, axis=1)  # [G, bq, d]
-        do_i = lax.dynamic_slice_in_dim(do, i * bq, bq, axis=1)  # [G, bq, d_v]
-        lse_i = lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=1)  # [G, bq]
-        delta_i = lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=1)  # [G, bq]
+        # [G, bq, d], [G, bq, d_v], [G, bq], [G, bq]
+        q_i, do_i, lse_i, delta_i = (_tile(x, i, bq) for x in (q, do, lse, delta))
         s_t = jnp.einsum("gkd,gqd->gkq", k_j, q_i)  # [G, bk, bq]
         ok = _tile_mask(t, mask, i, j) if masked else None
         if ok is not None:
@@ -290,10 +295,8 @@ def _backward_group(t: _Tiling, q: Array, k: Array, v: Array, mask: Array | None
         dp_t = jnp.einsum("gkd,gqd->gkq", v_j, do_i)  # [G, bk, bq]
         ds_t = p_t * (dp_t - delta_i[:, None, :])  # [G, bk, bq]
         dk_j = dk_j + jnp.einsum("gkq,gqd->gkd", ds_t, q_i)  # [G, bk, d]
-        dq_t_i = lax.dynamic_slice_in_dim(dq_t, i * bq, bq, axis=2)  # [G, d, bq]
-        dq_t_i = dq_t_i + jnp.einsum("gdk,gkq->gdq", k_t_j, ds_t)
-        dq_t = lax.dynamic_update_slice_in_dim(dq_t, dq_t_i, i * bq, axis=2)
-        return dk_j, dv_j, dq_t
+        dq_t_i = _tile(dq_t, i, bq, axis=2) + jnp.einsum("gdk,gkq->gdq", k_t_j, ds_t)  # [G, d, bq]
+        return dk_j, dv_j, _put(dq_t, dq_t_i, i, axis=2)
       return q_step
 
     # query tiles [lo, hi) run masked, [full_lo, nq) unmasked (hi = full_lo without a user mask)
@@ -306,9 +309,7 @@ def _backward_group(t: _Tiling, q: Array, k: Array, v: Array, mask: Array | None
     init = (jnp.zeros((g, bk, d), dt), jnp.zeros((g, bk, d_v), dt), dq_t)
     c = _loop(lo, hi, make_step(True), init)
     dk_j, dv_j, dq_t = _loop(full_lo, t.num_q_blocks, make_step(False), c)
-    dk = lax.dynamic_update_slice_in_dim(dk, dk_j, j * bk, axis=1)
-    dv = lax.dynamic_update_slice_in_dim(dv, dv_j, j * bk, axis=1)
-    return dq_t, dk, dv
+    return dq_t, _put(dk, dk_j, j), _put(dv, dv_j, j)
 
   init = (jnp.zeros((g, d, t.q_pad), dt), jnp.zeros((g, t.k_pad, d), dt),
           jnp.zeros((g, t.k_pad, d_v), dt))
@@ -378,19 +379,14 @@ _blocked.defvjp(_blocked_fwd, _blocked_bwd)
 # ----------------------------------------------------------------------------- public API
 
 
-def _check_block(name: str, value: Any) -> int:
+def _check_positive(name: str, value: Any, what: str = "tile length") -> int:
   if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-    raise ValueError(f"{name} must be a positive int (tile length); got {value!r}")
+    raise ValueError(f"{name} must be a positive int ({what}); got {value!r}")
   return value
 
 
 # row chunks by default (see the module docstring: more chunks measured slower on 2 cores)
 DEFAULT_PARALLEL = 1
-
-
-def default_parallel(rows: int) -> int:
-  """Row chunks by default: DEFAULT_PARALLEL rounded down to a divisor of rows."""
-  return _group_size(rows, DEFAULT_PARALLEL)
 
 
 def _group_size(rows: int, target: int) -> int:
@@ -429,28 +425,19 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
     context and zero gradients. Computation runs in at least float32.
   """
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-  for name, x, want in (("q", q, "[..., q_len, d]"), ("k", k, "[..., k_len, d]"),
-                        ("v", v, "[..., k_len, d_v]")):
-    if x.ndim < 2:
-      raise ValueError(f"{name} must have shape {want}; got {x.shape}")
+  core.check_qkv(q, k, v)
   if q.shape[-1] != k.shape[-1]:
     raise ValueError(f"q and k must share the feature dim d for a dot score; got q {q.shape}, "
                      f"k {k.shape}")
-  if k.shape[-2] != v.shape[-2]:
-    raise ValueError(f"keys and values must have the same length k_len: k {k.shape}, v {v.shape}")
-  try:
-    lead = tuple(jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
-  except ValueError:
-    raise ValueError(f"leading (batch/head) dims of q {q.shape}, k {k.shape}, v {v.shape} do "
-                     "not broadcast; expected equal or size-1 leading dims") from None
+  lead = tuple(jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
   if block_q is None:
     block_q = DEFAULT_CAUSAL_BLOCK if causal else DEFAULT_BLOCK_Q
   if block_k is None:
     block_k = DEFAULT_CAUSAL_BLOCK if causal else DEFAULT_BLOCK_K
-  block_q = _check_block("block_q", block_q)
-  block_k = _check_block("block_k", block_k)
+  block_q = _check_positive("block_q", block_q)
+  block_k = _check_positive("block_k", block_k)
   if head_group is not None:
-    head_group = _check_block("head_group", head_group)
+    head_group = _check_positive("head_group", head_group)
 
   out_dtype = jnp.result_type(q, k, v)
   if not jnp.issubdtype(out_dtype, jnp.floating):
@@ -469,12 +456,8 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
   block_q, block_k = _fit_block(q_len, block_q), _fit_block(k_len, block_k)
   if head_group is None:
     head_group = max(1, DEFAULT_TILE_ELEMENTS // (block_q * block_k))
-  if parallel is None:
-    chunks = default_parallel(rows)
-  else:
-    if not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1:
-      raise ValueError(f"parallel must be a positive int (row chunks); got {parallel!r}")
-    chunks = _group_size(rows, parallel)
+  chunks = _group_size(rows, DEFAULT_PARALLEL if parallel is None
+                       else _check_positive("parallel", parallel, "row chunks"))
   t = _Tiling(
       q_len=q_len, k_len=k_len, block_q=block_q, block_k=block_k,
       head_group=_group_size(rows // chunks, head_group), chunks=chunks,

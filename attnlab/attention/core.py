@@ -64,7 +64,7 @@ def masked_softmax(logits: Array, mask: Array | None = None, axis: int = -1) -> 
 # ----------------------------------------------------------------------------- helpers
 
 
-def _check_qkv(q: Array, k: Array, v: Array) -> tuple[int, ...]:
+def check_qkv(q: Array, k: Array, v: Array) -> tuple[int, ...]:
   """Validates q/k/v ranks and lengths; returns the broadcast leading dims of q and k."""
   for name, x, want in (("q", q, "[..., q_len, d_q]"), ("k", k, "[..., k_len, d_k]"),
                         ("v", v, "[..., k_len, d_v]")):
@@ -82,9 +82,9 @@ def _check_qkv(q: Array, k: Array, v: Array) -> tuple[int, ...]:
 
 def _score_logits(q: Array, k: Array, score: str | Callable, params: Any) -> Array:
   """Logits `[..., q_len, k_len]` from a registry name or a callable fn(q, k, **params)."""
+  params = {} if params is None else params
   if isinstance(score, str):
     fn = scores_lib.get_score_fn(score)
-    params = {} if params is None else params
     missing = [p for p in scores_lib.SCORE_PARAM_NAMES[score] if p not in params]
     if missing:
       raise ValueError(f"score {score!r} needs params {missing}; make them with "
@@ -94,7 +94,7 @@ def _score_logits(q: Array, k: Array, score: str | Callable, params: Any) -> Arr
   else:
     raise ValueError(f"score must be a registry name ({', '.join(sorted(scores_lib.SCORE_FNS))})"
                      f" or a callable fn(q, k, **params); got {score!r}")
-  return fn(q, k, **({} if params is None else params))
+  return fn(q, k, **params)
 
 
 def _attention_mask(mask: Any, causal: bool, logits_shape: tuple[int, ...]) -> Array | None:
@@ -237,7 +237,7 @@ def attend(q: Array, k: Array, v: Array, *, score: str | Callable = "scaled_dot"
     allowed key get a zero context and zero weights.
   """
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-  lead = _check_qkv(q, k, v)
+  lead = check_qkv(q, k, v)
   if isinstance(score, str):
     scores_lib.get_score_fn(score)
   q_len, k_len = q.shape[-2], k.shape[-2]
@@ -303,7 +303,7 @@ def hard_attend(rng: Array, q: Array, k: Array, v: Array, *, score: str | Callab
   context and log_prob 0.
   """
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-  _check_qkv(q, k, v)
+  check_qkv(q, k, v)
   logits = _score_logits(q, k, score, params)  # [..., q_len, k_len]
   full_mask = _attention_mask(mask, causal, logits.shape)
   weights = masked_softmax(logits, full_mask)  # [..., q_len, k_len]
@@ -419,7 +419,7 @@ def local_attend(q: Array, k: Array, v: Array, *, center: Any, half_width: Any,
   """
   _check_half_width(half_width)
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-  _check_qkv(q, k, v)
+  check_qkv(q, k, v)
   logits = _score_logits(q, k, score, params)  # [..., q_len, k_len]
   full_mask = _attention_mask(mask, causal, logits.shape)
   if window_softmax:

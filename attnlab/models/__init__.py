@@ -9,8 +9,8 @@ Each family module has a `from_config`:
                          (the translation task's models: TRANSLATION_MODELS)
   gpt                    from_config(model_config, vocab_size)
   bert                   from_config(config, vocab_size, num_classes=0)
-`SIZES[family][name]` holds the size presets (read by the config files too), `count_params` the
-number of scalars in a parameter pytree.
+`SIZES[family][name]` holds the size presets (read by the config files too; `config_dims` applies
+one to a config), `count_params` the number of scalars in a parameter pytree.
 """
 
 from __future__ import annotations
@@ -65,6 +65,16 @@ def size_config(family: str, name: str) -> dict[str, int]:
   if name not in sizes:
     raise ValueError(f"unknown {_TITLES[family]} size {name!r}; valid sizes: {', '.join(sizes)}")
   return dict(sizes[name])
+
+
+def config_dims(family: str, model_config: Any) -> dict[str, int]:
+  """The hyperparameters of size `model_config.size`, each replaced by the config's field of the
+  same name where that is set (non-zero); ConfigError listing the valid sizes."""
+  try:
+    dims = size_config(family, model_config.size)
+  except ValueError as e:
+    raise ConfigError(f"model.size: {e}") from None
+  return {key: int(model_config.get(key, 0) or value) for key, value in dims.items()}
 
 
 def from_config(name: str) -> Callable[..., Any]:

@@ -22,6 +22,7 @@ Decoding goes through `attnlab.decoding` with `Seq2Seq.init_decode_state` and
 `Seq2Seq.decode_step` (see `make_step_fn`).
 """
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -97,7 +98,51 @@ class Encoder(nn.Module):
     return x, finals
 
 
-class DecoderCell(nn.Module):
+class _Options(nn.Module, kw_only=True):
+  """The recurrent and attention settings that Seq2Seq hands its DecoderCell unchanged
+  (keyword-only, so Seq2Seq keeps its vocabulary sizes as the first positional arguments)."""
+  # Size of every recurrent layer (per direction in the encoder).
+  hidden_dim: int = 128
+  # Recurrent cell: gru or lstm.
+  cell: str = "gru"
+  # Stacked recurrent layers in the encoder and in the decoder.
+  num_layers: int = 1
+  # Whether the encoder also reads the source right to left.
+  bidirectional: bool = False
+  # none | bahdanau | luong.
+  attention: str = "bahdanau"
+  # Score function name from attnlab.attention.scores.
+  score: str = "additive"
+  # global | local (local-p window) | hard (sampled, REINFORCE).
+  window: str = "global"
+  # Hidden size of the additive score and of the local-p position predictor (None: hidden_dim).
+  attn_dim: int | None = None
+  # Half-width D of the local-p window.
+  local_half_width: int = 2
+  # Luong: feed the previous attentional state into the next step.
+  input_feeding: bool = True
+  # Longest source the model accepts (the location score's parameter size).
+  max_src_len: int | None = None
+  # Initial key strength of the cosine score (trainable; cosine alone lies in [-1, 1]).
+  cosine_beta: float = 5.0
+
+  def options(self) -> dict[str, Any]:
+    """These settings as keyword arguments of a DecoderCell."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(_Options)
+            if f.name not in ("parent", "name")}
+
+  @property
+  def enc_dim(self) -> int:
+    """Size of the encoder states: hidden_dim per direction."""
+    return self.hidden_dim * (2 if self.bidirectional else 1)
+
+  @property
+  def key_dim(self) -> int:
+    """Size of the keys the score sees: encoder states, projected when the score needs it."""
+    return self.hidden_dim if self.score in _SAME_SIZE_SCORES else self.enc_dim
+
+
+class DecoderCell(_Options):
   """One decoder time step: attention (per `attention`) + stacked recurrent cells.
 
   Called as `cell(carry, embedded, memory, deterministic=...)` and returns
@@ -105,34 +150,19 @@ class DecoderCell(nn.Module):
   layer, `weights` `[batch, src_len]` are the attention weights (zeros for `none`), `log_prob`
   `[batch]` is the log-probability of the sampled position for hard attention (zeros otherwise).
   """
-  hidden_dim: int
-  enc_dim: int
-  cell: str = "gru"
-  num_layers: int = 1
-  attention: str = "bahdanau"
-  score: str = "additive"
-  window: str = "global"
-  attn_dim: int | None = None
-  local_half_width: int = 2
-  input_feeding: bool = True
-  max_src_len: int | None = None
-  cosine_beta: float = 5.0
 
   def setup(self):
-    _check_choice("attention", self.attention, ATTENTIONS)
-    _check_choice("window", self.window, WINDOWS)
     self.cells = [_make_cell(self.cell, self.hidden_dim, f"cell_{i}")
                   for i in range(self.num_layers)]
     if self.attention == "none":
       return
-    d_k = self.key_dim
     # cosine gets a trainable key strength beta; dot and scaled_dot have no parameters.
     beta = self.cosine_beta if self.score == "cosine" else None
     self.score_params = None
     if self.score in attn_scores.PARAMETRIC_SCORES or beta is not None:
       self.score_params = self.param(
           "score", lambda rng: attn_scores.init_score_params(
-              self.score, rng, self.hidden_dim, d_k, d_attn=self.attn_dim,
+              self.score, rng, self.hidden_dim, self.key_dim, d_attn=self.attn_dim,
               max_len=self.max_src_len, beta=beta))
     if self.window == "local":
       # local-p: p_t = S * sigmoid(v_p^T tanh(W_p h_t)).
@@ -141,11 +171,6 @@ class DecoderCell(nn.Module):
       self.v_p = self.param("v_p", nn.initializers.normal(d_p ** -0.5), (d_p,))
     if self.attention == "luong":
       self.combine = nn.Dense(self.hidden_dim, use_bias=False, name="combine")
-
-  @property
-  def key_dim(self) -> int:
-    """Size of the keys the score sees: encoder states, projected when the score needs it."""
-    return self.hidden_dim if self.score in _SAME_SIZE_SCORES else self.enc_dim
 
   def _attend(self, query: jax.Array, memory: dict[str, jax.Array],
               deterministic: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -207,80 +232,50 @@ class DecoderCell(nn.Module):
     return new_carry, (features, weights, log_prob)
 
 
-class Seq2Seq(nn.Module):
+class Seq2Seq(_Options):
   """Encoder-decoder with a config-chosen cell, attention style, score and window.
 
   `__call__(src, src_lengths, tgt_in, deterministic=...)` runs teacher-forced decoding (dropout
   and hard attention's sampling when deterministic=False) and returns
   `(logits [batch, tgt_len, tgt_vocab], aux)`, aux = {"attention_weights": [batch, tgt_len,
   src_len]} plus, for hard attention, "log_prob" [batch, tgt_len] (log-probability of each sampled
-  position, for REINFORCE). Padding ids are 0 in both vocabularies.
+  position, for REINFORCE). Padding ids are 0 in both vocabularies. The recurrent and attention
+  settings are the keyword-only fields of `_Options`.
   """
   src_vocab_size: int
   tgt_vocab_size: int
   # Size of the token embeddings (source and target).
   embed_dim: int = 64
-  # Size of every recurrent layer (per direction in the encoder).
-  hidden_dim: int = 128
-  # Recurrent cell: gru or lstm.
-  cell: str = "gru"
-  # Stacked recurrent layers in the encoder and in the decoder.
-  num_layers: int = 1
-  # Whether the encoder also reads the source right to left.
-  bidirectional: bool = False
-  # none | bahdanau | luong.
-  attention: str = "bahdanau"
-  # Score function name from attnlab.attention.scores.
-  score: str = "additive"
-  # global | local (local-p window) | hard (sampled, REINFORCE).
-  window: str = "global"
-  # Hidden size of the additive score and of the local-p position predictor (None: hidden_dim).
-  attn_dim: int | None = None
-  # Half-width D of the local-p window.
-  local_half_width: int = 2
-  # Luong: feed the previous attentional state into the next step.
-  input_feeding: bool = True
-  # Longest source the model accepts (the location score's parameter size).
-  max_src_len: int | None = None
-  # Initial key strength of the cosine score (trainable; cosine alone lies in [-1, 1]).
-  cosine_beta: float = 5.0
   # Dropout on embeddings, between layers and before the output layer.
   dropout_rate: float = 0.0
 
   def setup(self):
     _check_choice("attention", self.attention, ATTENTIONS)
     _check_choice("window", self.window, WINDOWS)
-    _check_choice("cell", self.cell, CELLS)
     if self.score == "location" and not self.max_src_len:
       raise ValueError("score='location' needs max_src_len (the longest source length)")
-    enc_dim = self.hidden_dim * (2 if self.bidirectional else 1)
     self.encoder = Encoder(self.src_vocab_size, self.embed_dim, self.hidden_dim, self.cell,
                            self.num_layers, self.bidirectional, self.dropout_rate)
     self.tgt_embed = nn.Embed(self.tgt_vocab_size, self.embed_dim)
-    self.decoder_cell = DecoderCell(
-        self.hidden_dim, enc_dim, self.cell, self.num_layers, self.attention, self.score,
-        self.window, self.attn_dim, self.local_half_width, self.input_feeding, self.max_src_len,
-        self.cosine_beta)
-    if enc_dim != self.hidden_dim:
-      # The encoder's final states (2 * hidden when bidirectional) -> the decoder's first states.
+    self.decoder_cell = DecoderCell(**self.options())
+    if self.bidirectional:
+      # The encoder's final states (2 * hidden) -> the decoder's first states.
       self.bridge = [nn.Dense(self.hidden_dim, name=f"bridge_{i}") for i in range(self.num_layers)]
-    if self.attention != "none" and self.score in _SAME_SIZE_SCORES and enc_dim != self.hidden_dim:
-      self.key_proj = nn.Dense(self.hidden_dim, use_bias=False)
+    # Parameter-free scores compare same-size vectors: project the (2 * hidden) encoder states.
+    self.key_proj = (nn.Dense(self.hidden_dim, use_bias=False)
+                     if self.attention != "none" and self.key_dim != self.enc_dim else None)
     self.dropout = nn.Dropout(self.dropout_rate)
     self.output = nn.Dense(self.tgt_vocab_size)
 
   def encode(self, src: jax.Array, src_lengths: jax.Array, *,
              deterministic: bool = True) -> dict[str, Any]:
     """The decoder's start state: {"carry": {...}, "memory": {...}}, every leaf batch-first."""
-    enc_dim = self.hidden_dim * (2 if self.bidirectional else 1)
     src_lengths = src_lengths.astype(jnp.int32)
     states, finals = self.encoder(src, src_lengths, deterministic=deterministic)  # [b, s, enc]
-    if enc_dim != self.hidden_dim:
+    if self.bidirectional:
       finals = [jax.tree.map(lambda a, bridge=bridge: jnp.tanh(bridge(a)), f)
                 for f, bridge in zip(finals, self.bridge)]
-    keys = states
-    if self.attention != "none" and self.score in _SAME_SIZE_SCORES and enc_dim != self.hidden_dim:
-      keys = self.key_proj(states)  # [batch, src_len, hidden]
+    keys = states if self.key_proj is None else self.key_proj(states)  # [batch, src_len, key_dim]
     mask = attn_masks.padding_mask(src_lengths, src.shape[1])[:, 0]  # [batch, 1, src_len]
     batch = src.shape[0]
     carry = {"rnn": tuple(finals), "feed": jnp.zeros((batch, self.hidden_dim), states.dtype)}
@@ -342,21 +337,7 @@ def from_config(model_config: Any, src_vocab_size: int, tgt_vocab_size: int,
   """
   models_lib.check_choices(model_config,
                            {"cell": CELLS, "attention": ATTENTIONS, "window": WINDOWS})
-  return Seq2Seq(
-      src_vocab_size=src_vocab_size,
-      tgt_vocab_size=tgt_vocab_size,
-      embed_dim=model_config.embed_dim,
-      hidden_dim=model_config.hidden_dim,
-      cell=model_config.cell,
-      num_layers=model_config.num_layers,
-      bidirectional=model_config.bidirectional,
-      attention=model_config.attention,
-      score=model_config.score,
-      window=model_config.window,
-      attn_dim=model_config.attn_dim or None,
-      local_half_width=model_config.local_half_width,
-      input_feeding=model_config.input_feeding,
-      max_src_len=max_src_len,
-      cosine_beta=model_config.cosine_beta,
-      dropout_rate=model_config.dropout_rate,
-  )
+  fields = ("embed_dim", "hidden_dim", "cell", "num_layers", "bidirectional", "attention", "score",
+            "window", "local_half_width", "input_feeding", "cosine_beta", "dropout_rate")
+  return Seq2Seq(src_vocab_size, tgt_vocab_size, attn_dim=model_config.attn_dim or None,
+                 max_src_len=max_src_len, **{key: model_config[key] for key in fields})

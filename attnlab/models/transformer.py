@@ -62,11 +62,6 @@ SIZES: dict[str, dict[str, int]] = models_lib.SIZES["transformer"]
 SHARE_EMBEDDINGS: tuple[str, ...] = ("none", "target", "all")
 
 
-def size_config(name: str) -> dict[str, int]:
-  """The hyperparameters of size `name`; raises ValueError listing the valid sizes."""
-  return models_lib.size_config("transformer", name)
-
-
 class Transformer(nn.Module):
   """Encoder-decoder Transformer (module docstring). Padding id 0 in both vocabularies."""
   # Source vocabulary size.
@@ -208,8 +203,15 @@ class Transformer(nn.Module):
 
   # ------------------------------------------------------------------------------- decoding
 
-  def _unbound(self) -> Transformer:
-    return self.clone(parent=None)
+  def _apply_decoder(self, variables: dict[str, Any], *args, **kwargs) -> Any:
+    """`decode_tokens` applied on an unbound copy to the given variables (e.g. a KV cache)."""
+    return self.clone(parent=None).apply(variables, *args, method=Transformer.decode_tokens,
+                                         **kwargs)
+
+  def _cross_weights(self, intermediates: Any) -> Array:
+    """weights_layer's sown cross-attention weights, head-averaged: `[batch, q_len, src_len]`."""
+    layer = f"decoder_layer_{range(self.decoder_depth)[self.weights_layer]}"
+    return jnp.mean(intermediates[layer]["cross_attention"]["attention_weights"][0], axis=1)
 
   def encode(self, src: Array, src_lengths: Array) -> dict[str, Any]:
     """The decoding state: cross keys/values per layer, source mask, an empty KV cache."""
@@ -222,8 +224,8 @@ class Transformer(nn.Module):
 
     def cache_shapes(params, memory, mask):
       tokens = jnp.zeros((batch, self.max_len), jnp.int32)
-      _, variables = self._unbound().apply({"params": params}, tokens, memory, mask, decode=True,
-                                           method=Transformer.decode_tokens, mutable=["cache"])
+      _, variables = self._apply_decoder({"params": params}, tokens, memory, mask, decode=True,
+                                         mutable=["cache"])
       return variables["cache"]
 
     shapes = jax.eval_shape(cache_shapes, params, memory, mask)
@@ -234,13 +236,11 @@ class Transformer(nn.Module):
                   ) -> tuple[Array, dict[str, Any], Array]:
     """One step for attnlab.decoding: (logits `[b, vocab]`, new state, cross weights `[b, s]`)."""
     variables = {"params": self.variables["params"], "cache": state["cache"]}
-    logits, updated = self._unbound().apply(
+    logits, updated = self._apply_decoder(
         variables, tokens[:, None].astype(jnp.int32), state["memory"], state["mask"],
-        decode=True, method=Transformer.decode_tokens, mutable=["cache", "intermediates"])
-    layer = f"decoder_layer_{range(self.decoder_depth)[self.weights_layer]}"
-    weights = updated["intermediates"][layer]["cross_attention"]["attention_weights"][0]
-    new_state = {**state, "cache": updated["cache"]}
-    return logits[:, 0], new_state, jnp.mean(weights[:, :, 0], axis=1)  # [b, vocab], [b, s]
+        decode=True, mutable=["cache", "intermediates"])
+    weights = self._cross_weights(updated["intermediates"])[:, 0]  # [batch, src_len]
+    return logits[:, 0], {**state, "cache": updated["cache"]}, weights
 
   def encode_uncached(self, src: Array, src_lengths: Array) -> dict[str, Any]:
     """State of the uncached reference decoder: source, lengths, a growing target prefix."""
@@ -256,15 +256,12 @@ class Transformer(nn.Module):
     prefix = jax.vmap(lambda p, t, i: p.at[i].set(t))(state["prefix"], tokens.astype(jnp.int32),
                                                       index)  # [batch, max_len]
     encoded, mask = self.encode_source(state["src"], state["src_lengths"])
-    logits, inter = self._unbound().apply(
-        {"params": self.variables["params"]}, prefix, encoded, mask,
-        method=Transformer.decode_tokens, mutable=["intermediates"])  # [b, max_len, V]
-    layer = f"decoder_layer_{range(self.decoder_depth)[self.weights_layer]}"
-    weights = inter["intermediates"][layer]["cross_attention"]["attention_weights"][0]
-    pick = lambda a, i: a[i]
-    step_logits = jax.vmap(pick)(logits, index)  # [batch, vocab]
-    step_weights = jax.vmap(pick)(jnp.mean(weights, axis=1), index)  # [batch, src_len]
-    return step_logits, {**state, "prefix": prefix, "index": index + 1}, step_weights
+    logits, inter = self._apply_decoder({"params": self.variables["params"]}, prefix, encoded,
+                                        mask, mutable=["intermediates"])  # [b, max_len, V]
+    weights = self._cross_weights(inter["intermediates"])  # [batch, max_len, src_len]
+    pick = jax.vmap(lambda a, i: a[i])
+    return (pick(logits, index), {**state, "prefix": prefix, "index": index + 1},
+            pick(weights, index))  # [batch, vocab], state, [batch, src_len]
 
 
 def make_step_fn(model: Transformer, params: Any, *, use_cache: bool = True):
@@ -307,11 +304,7 @@ def from_config(model_config: Any, src_vocab_size: int, tgt_vocab_size: int,
   max(64, 2 * max_src_len + 2). Raises ConfigError (a ValueError) naming the valid choices.
   """
   from attnlab.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  try:
-    sizes = size_config(model_config.size)
-  except ValueError as e:
-    raise ConfigError(f"model.size: {e}") from None
-  pick = lambda key: model_config.get(key, 0) or sizes[key]
+  dims = models_lib.config_dims("transformer", model_config)
   models_lib.check_choices(model_config, {"position": ("sinusoidal", "learned"),
                                           "share_embeddings": SHARE_EMBEDDINGS,
                                           "norm_position": NORM_POSITIONS})
@@ -319,29 +312,15 @@ def from_config(model_config: Any, src_vocab_size: int, tgt_vocab_size: int,
     get_activation(model_config.activation)
   except ValueError as e:
     raise ConfigError(f"model: {e}") from None
-  num_layers, num_heads, d_model = pick("num_layers"), pick("num_heads"), pick("d_model")
-  if d_model % num_heads:
-    raise ConfigError(f"model.d_model={d_model} must be divisible by model.num_heads={num_heads}")
+  if dims["d_model"] % dims["num_heads"]:
+    raise ConfigError(f"model.d_model={dims['d_model']} must be divisible by "
+                      f"model.num_heads={dims['num_heads']}")
   max_len = model_config.max_len or max(64, 2 * max_src_len + 2)
   if max_len < max_src_len:
     raise ConfigError(f"model.max_len={max_len} is shorter than the longest training source "
                       f"({max_src_len} tokens); raise it or set 0 (automatic)")
-  return Transformer(
-      src_vocab_size=src_vocab_size,
-      tgt_vocab_size=tgt_vocab_size,
-      num_layers=num_layers,
-      num_decoder_layers=model_config.num_decoder_layers or num_layers,
-      num_heads=num_heads,
-      d_model=d_model,
-      mlp_dim=pick("mlp_dim"),
-      dropout_rate=model_config.dropout_rate,
-      attention_dropout_rate=model_config.attention_dropout_rate,
-      score=model_config.score,
-      implementation=model_config.implementation,
-      position=model_config.position,
-      share_embeddings=model_config.share_embeddings,
-      norm_position=model_config.norm_position,
-      activation=model_config.activation,
-      max_len=max_len,
-      weights_layer=model_config.weights_layer,
-  )
+  fields = ("dropout_rate", "attention_dropout_rate", "score", "implementation", "position",
+            "share_embeddings", "norm_position", "activation", "weights_layer")
+  return Transformer(src_vocab_size, tgt_vocab_size, **dims, max_len=max_len,
+                     num_decoder_layers=model_config.num_decoder_layers or dims["num_layers"],
+                     **{key: model_config[key] for key in fields})
