@@ -15,7 +15,7 @@ import argparse
 import sys
 from typing import Any, Sequence
 
-from attnlab.data import builders, synthetic
+from attnlab.data import builders, dataset_names, synthetic
 from attnlab.data.errors import DataError
 
 # Longest string shown for one field of an example.
@@ -33,14 +33,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
-  names = list(builders.BUILDERS) + list(synthetic.SYNTHETIC)
   parser = _Parser(prog=prog, description="Prepare or show a dataset.")
   sub = parser.add_subparsers(dest="command", metavar="{list,prepare,show}", parser_class=_Parser)
   sub.add_parser("list", help="list the dataset names")
   for command, help_ in (("prepare", "prepare a real dataset (TFDS, array_record) and show it"),
                          ("show", "print a few examples and the split sizes")):
     p = sub.add_parser(command, help=help_)
-    p.add_argument("name", help=f"one of: {', '.join(names)}")
+    p.add_argument("name", help=f"one of: {', '.join(dataset_names())}")
     p.add_argument("--data_dir", default=None,
                    help="TFDS data dir for prepared datasets (default: $TFDS_DATA_DIR)")
     p.add_argument("--manual_dir", default=None,
@@ -114,8 +113,7 @@ def _run(args: argparse.Namespace) -> None:
   elif args.name in builders.BUILDERS:
     _show_real(args, prepare=args.command == "prepare")
   else:
-    names = list(builders.BUILDERS) + list(synthetic.SYNTHETIC)
-    raise DataError(f"unknown dataset {args.name!r}; valid names: {', '.join(names)}")
+    raise DataError(f"unknown dataset {args.name!r}; valid names: {', '.join(dataset_names())}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
+from attnlab.config_utils import check_choice
 from attnlab.data import tokenizers
 from attnlab.data.pipeline import rng_for
 from attnlab.errors import ConfigError
@@ -268,9 +269,7 @@ class PretrainingData:
     special: {cls_id, sep_id, mask_id, ordinary} of the tokenizer (`special_ids`; None: attnlab's
     fixed ids); sentences: WordSentences of the sentence stream (those of fewer than two words
     are dropped); pair_task: "nsp" or "sop" for the document pairs."""
-    if pair_task not in PAIR_TASKS:
-      raise ConfigError(f"unknown pair task {pair_task!r}; valid: {', '.join(PAIR_TASKS)}")
-    self.pair_task = pair_task
+    self.pair_task = check_choice("pair task", pair_task, PAIR_TASKS)
     self.documents = [list(map(list, doc)) for doc in documents if len(doc)]
     self.singles = [list(s) for s in singles if len(s)]
     self.sentences = [WordSentence([list(w) for w in s.words], [list(w) for w in s.heads])
@@ -282,9 +281,12 @@ class PretrainingData:
                         "next-sentence pair can be built; use more documents (data.max_documents)")
     if self.anchors and pair_task == "nsp" and len(self.documents) < 2:
       raise ConfigError("random next-sentence partners need at least two documents")
+    special = special or {}
+    # make_pair's and pack_example's options (an imported tokenizer's own ids where given).
+    self._pair_ids = {k: v for k, v in special.items() if k in ("cls_id", "sep_id")}
     self.options = dict(vocab_size=vocab_size, max_len=max_len, mask_prob=mask_prob,
-                        max_predictions=max_predictions, word_starts=word_starts)
-    self.special = dict(special or {})
+                        max_predictions=max_predictions, word_starts=word_starts,
+                        **{k: v for k, v in special.items() if k in ("mask_id", "ordinary")})
     self._orders: dict[tuple[int, ...], np.ndarray] = {}
 
   def pair_example(self, anchor: int, rng: np.random.Generator) -> MaskedExample:
@@ -303,30 +305,23 @@ class PretrainingData:
       other += other >= d  # any document but d
       doc = self.documents[other]
       b, is_next = doc[int(rng.integers(len(doc)))], 0
-    ids, segments = make_pair(a, b, self.options["max_len"], rng, **self._pair_ids())
-    return self._pack(ids, segments, rng, is_next=is_next, nsp_weight=1.0)
+    return self._example(a, b, rng, is_next=is_next, nsp_weight=1.0)
 
   def sentence_example(self, index: int, rng: np.random.Generator) -> MaskedExample:
     """Sentence-order example of sentence `index`: its two halves in order or swapped."""
     a, b, in_order = sop_halves(self.sentences[index], rng)
-    ids, segments = make_pair(a, b, self.options["max_len"], rng, **self._pair_ids())
-    return self._pack(ids, segments, rng, is_next=in_order, nsp_weight=1.0)
+    return self._example(a, b, rng, is_next=in_order, nsp_weight=1.0)
 
   def single_example(self, index: int, rng: np.random.Generator) -> MaskedExample:
     """`[CLS] sentence [SEP]` of extra sentence `index`, MLM only."""
-    ids, segments = make_pair(self.singles[index], None, self.options["max_len"], rng,
-                              **self._pair_ids())
-    return self._pack(ids, segments, rng, is_next=0, nsp_weight=0.0)
+    return self._example(self.singles[index], None, rng, is_next=0, nsp_weight=0.0)
 
-  def _pair_ids(self) -> dict[str, int]:
-    return {k: self.special[k] for k in ("cls_id", "sep_id") if k in self.special}
-
-  def _pack(self, ids, segments, rng, **kw) -> MaskedExample:
-    opts = self.options
-    masking = {k: self.special[k] for k in ("mask_id", "ordinary") if k in self.special}
-    return pack_example(ids, segments, rng, max_len=opts["max_len"], vocab_size=opts["vocab_size"],
-                        mask_prob=opts["mask_prob"], max_predictions=opts["max_predictions"],
-                        word_starts=opts["word_starts"], **masking, **kw)
+  def _example(self, a: Sequence[int], b: Sequence[int] | None, rng: np.random.Generator, *,
+               is_next: int, nsp_weight: float) -> MaskedExample:
+    """`[CLS] a [SEP] b [SEP]` (`[CLS] a [SEP]` when b is None), masked and padded."""
+    ids, segments = make_pair(a, b, self.options["max_len"], rng, **self._pair_ids)
+    return pack_example(ids, segments, rng, is_next=is_next, nsp_weight=nsp_weight,
+                        **self.options)
 
   def stream(self, kind: int, position: int, seed: int) -> MaskedExample:
     """Example `position` of a stream: epoch = position // size walks a fresh permutation; the

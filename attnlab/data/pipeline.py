@@ -117,6 +117,15 @@ def permuted_batches(arrays: Mapping[str, np.ndarray], batch_size: int,
       for name, value in arrays.items()})
 
 
+def ordered_batches(arrays: Mapping[str, np.ndarray],
+                    batch_size: int) -> list[dict[str, np.ndarray]]:
+  """In-memory arrays (one row per example) cut in order into batches of `batch_size` rows (the
+  last one may be shorter): evaluation batches."""
+  num_rows = len(next(iter(arrays.values())))
+  return [{name: value[start:start + batch_size] for name, value in arrays.items()}
+          for start in range(0, num_rows, batch_size)]
+
+
 def _kind(value: Any) -> str:
   if isinstance(value, str):
     return "str"
@@ -267,7 +276,7 @@ class Batcher:
     """Index arrays of the batches of `epoch`, in serving order."""
     if epoch == self._cached_epoch:
       return self._cached_batches
-    rng = np.random.default_rng([self.seed, epoch])
+    rng = rng_for(self.seed, epoch)
     order = rng.permutation(self._kept) if self.shuffle else self._kept.copy()
     if self._buckets is None:
       groups = [order]

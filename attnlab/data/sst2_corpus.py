@@ -41,12 +41,9 @@ HELDOUT_FRACTION = 0.1
 HELDOUT_SEED = 0
 
 
-def _padded(phrase: str) -> str:
-  return f" {phrase} "
-
-
-def _tokens(phrase: str) -> list[str]:
-  return phrase.split()
+def _normal(phrase: str) -> str:
+  """The phrase with its words separated by single spaces."""
+  return " ".join(phrase.split())
 
 
 class _ContainerIndex:
@@ -59,24 +56,24 @@ class _ContainerIndex:
 
   def add(self, phrase: str) -> None:
     j = len(self._padded)
-    self._padded.append(_padded(phrase))
-    for token in set(_tokens(phrase)):
+    self._padded.append(f" {phrase} ")
+    for token in set(phrase.split()):
       self._by_token[token].append(j)
 
   def contains(self, phrase: str) -> bool:
-    tokens = set(_tokens(phrase))
+    tokens = set(phrase.split())
     if not tokens:
       return True
     # Any container holding the phrase holds its rarest token: only those are compared.
     rare = min(tokens, key=lambda t: (self._counts[t], t))
-    padded = _padded(phrase)
+    padded = f" {phrase} "
     return any(padded in self._padded[j] for j in self._by_token.get(rare, ()))
 
 
 def _token_counts(phrases: Sequence[str]) -> collections.Counter:
   counts: collections.Counter = collections.Counter()
   for p in phrases:
-    counts.update(set(_tokens(p)))
+    counts.update(set(p.split()))
   return counts
 
 
@@ -87,7 +84,7 @@ def maximal_phrases(phrases: Sequence[str]) -> list[int]:
   Of identical phrases (after normalising white space) only the first is kept. Returned in
   row order.
   """
-  normal = [" ".join(_tokens(p)) for p in phrases]
+  normal = [_normal(p) for p in phrases]
   first: dict[str, int] = {}
   for i, p in enumerate(normal):
     if p:
@@ -96,7 +93,7 @@ def maximal_phrases(phrases: Sequence[str]) -> list[int]:
   kept = []
   # Longest first: a phrase is maximal iff no longer maximal phrase holds it (containment is
   # transitive, and two distinct phrases of the same length cannot hold each other).
-  for p in sorted(first, key=lambda q: (-len(_tokens(q)), q)):
+  for p in sorted(first, key=lambda q: (-len(q.split()), q)):
     if not index.contains(p):
       index.add(p)
       kept.append(first[p])
@@ -105,10 +102,11 @@ def maximal_phrases(phrases: Sequence[str]) -> list[int]:
 
 def contained_in(phrases: Sequence[str], containers: Sequence[str]) -> np.ndarray:
   """bool `[len(phrases)]`: phrase i is a token-level substring of (or equal to) a container."""
-  normal = [" ".join(_tokens(p)) for p in phrases]
-  index = _ContainerIndex(_token_counts([" ".join(_tokens(c)) for c in containers] + normal))
+  normal = [_normal(p) for p in phrases]
+  containers = [_normal(c) for c in containers]
+  index = _ContainerIndex(_token_counts(containers + normal))
   for c in containers:
-    index.add(" ".join(_tokens(c)))
+    index.add(c)
   return np.array([bool(p) and index.contains(p) for p in normal], bool)
 
 
@@ -155,7 +153,7 @@ def strip_final_punctuation(sentence: str) -> str:
   Sentence-order pairs are built from the halves of a sentence; a final "." would tell which
   half comes last.
   """
-  words = _tokens(sentence)
+  words = sentence.split()
   while len(words) > 1 and not any(ch.isalnum() for ch in words[-1]):
     words.pop()
   return " ".join(words)
@@ -173,14 +171,11 @@ def _load(data_dir: str | None, manual_dir: str | None) -> tuple[tuple[str, ...]
   return phrases, split_phrases(phrases)
 
 
-def _key(data_dir: Any, manual_dir: Any) -> tuple[str | None, str | None]:
-  return (os.fspath(data_dir) if data_dir else None, os.fspath(manual_dir) if manual_dir else None)
-
-
 def train_phrases(*, data_dir: Any = None, manual_dir: Any = None) -> tuple[tuple[str, ...],
                                                                               PhraseSplit]:
   """(SST-2 training phrases in row order, their PhraseSplit); labels not read."""
-  return _load(*_key(data_dir, manual_dir))
+  return _load(os.fspath(data_dir) if data_dir else None,
+               os.fspath(manual_dir) if manual_dir else None)
 
 
 def pretraining_sentences(*, data_dir: Any = None, manual_dir: Any = None) -> list[str]:
@@ -205,5 +200,4 @@ def selection_examples(*, data_dir: Any = None, manual_dir: Any = None
   from attnlab import data as data_lib  # pylint: disable=g-import-not-at-top
   _, split = train_phrases(data_dir=data_dir, manual_dir=manual_dir)
   examples = data_lib.get_dataset("sst2", "train", data_dir=data_dir, manual_dir=manual_dir)
-  rows = examples.__getitems__(split.selection_train), examples.__getitems__(split.heldout)
-  return list(rows[0]), list(rows[1])
+  return examples.__getitems__(split.selection_train), examples.__getitems__(split.heldout)

@@ -224,7 +224,7 @@ def get_synthetic(name: str, split: str = "train", **options: Any) -> SyntheticD
   if name not in SYNTHETIC:
     raise DataError(f"unknown synthetic task {name!r}; valid names: {', '.join(SYNTHETIC)}")
   fn = SYNTHETIC[name]
-  valid = [p for p in fn.__kwdefaults__ or {}]
+  valid = list(fn.__kwdefaults__ or {})
   unknown = sorted(set(options) - set(valid))
   if unknown:
     raise DataError(f"{name}: unknown option(s) {', '.join(unknown)}; valid options: "

@@ -55,12 +55,6 @@ def prepare(name: str, *, data_dir: PathLike | None = None, manual_dir: PathLike
   return builder
 
 
-def _check_split(cls: type[RawFileBuilder], split: str) -> None:
-  if split.split("[", 1)[0] not in cls.SPLITS:
-    raise DataError(f"{cls.name}: unknown split {split!r}; valid splits: "
-                    f"{', '.join(cls.SPLITS)} (TFDS slices such as 'train[:10%]' work too)")
-
-
 def load_split(name: str, split: str, *, data_dir: PathLike | None = None,
                manual_dir: PathLike | None = None, download: bool = True,
                **options: Any) -> PreparedSplit:
@@ -75,7 +69,9 @@ def load_split(name: str, split: str, *, data_dir: PathLike | None = None,
     valid = ", ".join(cls.EXAMPLE_OPTIONS) or "none"
     raise DataError(f"{name}: unknown option(s) {', '.join(unknown)}; valid options: {valid}")
   cls.check_options(**options)
-  _check_split(cls, split)
+  if split.split("[", 1)[0] not in cls.SPLITS:
+    raise DataError(f"{name}: unknown split {split!r}; valid splits: "
+                    f"{', '.join(cls.SPLITS)} (TFDS slices such as 'train[:10%]' work too)")
   builder = prepare(name, data_dir=data_dir, manual_dir=manual_dir, download=download)
   try:
     source = builder.as_data_source(split=split)

@@ -180,13 +180,21 @@ def extract_zip_members(name: str, archive: pathlib.Path, source: RawSource
   return {f: folder / f for f in source.files}
 
 
-def _decode_line(raw: bytes, path: pathlib.Path, lineno: int) -> str:
+def _decode(path: pathlib.Path) -> str:
+  """The UTF-8 text of a file, a leading BOM dropped.
+
+  Raises:
+    DataFormatError: the file is not valid UTF-8 (the message names file and line).
+  """
+  data = path.read_bytes().removeprefix(b"\xef\xbb\xbf")
   try:
-    return raw.decode("utf-8")
+    return data.decode("utf-8")
   except UnicodeDecodeError as e:
+    lineno = data.count(b"\n", 0, e.start) + 1
+    line_start = data.rfind(b"\n", 0, e.start) + 1
     raise DataFormatError(
-        f"{path}:{lineno}: invalid UTF-8 ({e.reason} at byte {e.start} of the line); "
-        f"re-save the file as UTF-8") from None
+        f"{path}:{lineno}: invalid UTF-8 ({e.reason} at byte {e.start - line_start} of the "
+        f"line); re-save the file as UTF-8") from None
 
 
 def read_lines(path: pathlib.Path) -> tuple[list[tuple[int, str]], int]:
@@ -195,21 +203,13 @@ def read_lines(path: pathlib.Path) -> tuple[list[tuple[int, str]], int]:
   Returns:
     ([(1-based line number, text without its line end)] for the non-blank lines, number of
     blank (empty or whitespace-only) lines skipped).
-
-  Raises:
-    DataFormatError: a line is not valid UTF-8 (the message names file and line).
   """
-  data = path.read_bytes()
-  if data.startswith(b"\xef\xbb\xbf"):
-    data = data[3:]
-  pieces = data.split(b"\n")
-  if pieces and pieces[-1] == b"":
+  pieces = _decode(path).split("\n")
+  if pieces[-1] == "":
     pieces.pop()  # The text after the final line end is not a line.
   lines, blank = [], 0
-  for lineno, raw in enumerate(pieces, start=1):
-    if raw.endswith(b"\r"):
-      raw = raw[:-1]
-    text = _decode_line(raw, path, lineno)
+  for lineno, text in enumerate(pieces, start=1):
+    text = text.removesuffix("\r")
     if text.strip():
       lines.append((lineno, text))
     else:
@@ -219,18 +219,7 @@ def read_lines(path: pathlib.Path) -> tuple[list[tuple[int, str]], int]:
 
 def read_text(path: pathlib.Path) -> str:
   """Reads a whole UTF-8 file, CRLF line ends turned into LF, a leading BOM dropped."""
-  data = path.read_bytes()
-  if data.startswith(b"\xef\xbb\xbf"):
-    data = data[3:]
-  try:
-    text = data.decode("utf-8")
-  except UnicodeDecodeError as e:
-    lineno = data.count(b"\n", 0, e.start) + 1
-    line_start = data.rfind(b"\n", 0, e.start) + 1
-    raise DataFormatError(
-        f"{path}:{lineno}: invalid UTF-8 ({e.reason} at byte {e.start - line_start} of the "
-        f"line); re-save the file as UTF-8") from None
-  return text.replace("\r\n", "\n")
+  return _decode(path).replace("\r\n", "\n")
 
 
 class PreparedSplit(collections.abc.Sequence):
