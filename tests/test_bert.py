@@ -15,6 +15,7 @@ from attnlab import analysis
 from attnlab import checkpoint
 from attnlab import config_utils
 from attnlab import train
+from attnlab.data import mlm
 from attnlab.data import tokenizers
 from attnlab.models import bert
 from attnlab.tasks import classification
@@ -41,9 +42,8 @@ def test_masking_statistics_and_special_tokens_untouched():
   mask_count = random_count = kept_count = 0
   for _ in range(2000):
     ids, segments = _random_pair(rng, int(rng.integers(10, 40)), int(rng.integers(5, 20)))
-    ex = masked_lm.pack_example(ids, segments, rng, max_len=max_len, is_next=1, nsp_weight=1.0,
-                                vocab_size=VOCAB, mask_prob=0.15, max_predictions=20,
-                                word_starts=None)
+    ex = mlm.pack_example(ids, segments, rng, max_len=max_len, is_next=1, nsp_weight=1.0,
+                          vocab_size=VOCAB, mask_prob=0.15, max_predictions=20, word_starts=None)
     ids_np = np.asarray(ids)
     length = len(ids)
     n = int(ex.mlm_weights.sum())
@@ -72,7 +72,7 @@ def test_masking_statistics_and_special_tokens_untouched():
 def test_max_predictions_caps_the_count():
   rng = np.random.default_rng(1)
   ids, _ = _random_pair(rng, 60, 60)
-  counts = [len(masked_lm.mask_tokens(ids, rng, vocab_size=VOCAB, max_predictions=4)[1])
+  counts = [len(mlm.mask_tokens(ids, rng, vocab_size=VOCAB, max_predictions=4)[1])
             for _ in range(50)]
   assert max(counts) == 4
 
@@ -85,8 +85,8 @@ def test_whole_word_masking_masks_whole_words():
   chosen = candidates = 0
   for _ in range(300):
     ids, _ = _random_pair(rng, 30, 15)
-    _, positions, _ = masked_lm.mask_tokens(ids, rng, vocab_size=VOCAB, max_predictions=20,
-                                            word_starts=word_starts)
+    _, positions, _ = mlm.mask_tokens(ids, rng, vocab_size=VOCAB, max_predictions=20,
+                                      word_starts=word_starts)
     # Reference word segmentation: a word starts at a word-start id or right after a special.
     words, current = [], []
     for pos, tok in enumerate(ids):
@@ -112,7 +112,7 @@ def test_whole_word_masking_masks_whole_words():
 def test_truncate_pair_fits_and_keeps_order():
   rng = np.random.default_rng(3)
   a, b = list(range(100, 150)), list(range(200, 210))
-  ta, tb = masked_lm.truncate_pair(a, b, 30, rng)
+  ta, tb = mlm.truncate_pair(a, b, 30, rng)
   assert len(ta) + len(tb) == 30 and tb == b  # only the longer side is cut here
   assert ta == list(range(ta[0], ta[0] + len(ta)))  # a contiguous span of a
 

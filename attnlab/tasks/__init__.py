@@ -21,8 +21,7 @@ from attnlab.errors import UserError
 from attnlab.tasks.base import BatchIterator
 from attnlab.tasks.base import Task
 
-__all__ = ["BatchIterator", "IndexedBatches", "Task", "build_task", "get_task", "list_tasks",
-           "register_task"]
+__all__ = ["BatchIterator", "IndexedBatches", "Task", "build_task", "get_task", "register_task"]
 
 _REGISTRY: dict[str, type[Task]] = {}
 # Modules of this package that are not tasks.
@@ -44,14 +43,11 @@ def register_task(name: str) -> Callable[[type[Task]], type[Task]]:
   return decorator
 
 
-def _task_modules() -> list[str]:
-  return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _NOT_TASK_MODULES)
-
-
 def _import_all() -> dict[str, str]:
   """Imports every task module; returns {module: error} for those that failed."""
   failed = {}
-  for module in _task_modules():
+  for module in sorted(m.name for m in pkgutil.iter_modules(__path__)
+                       if m.name not in _NOT_TASK_MODULES):
     try:
       importlib.import_module(f"{__name__}.{module}")
     except Exception as e:  # a broken module must not hide the others' names
@@ -73,12 +69,6 @@ def get_task(name: str) -> type[Task]:
     return _REGISTRY[name]
   note = "".join(f"; module {m} failed to import ({err})" for m, err in failed.items())
   raise UserError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(_REGISTRY))}{note}")
-
-
-def list_tasks() -> list[str]:
-  """All registered task names (imports every task module)."""
-  _import_all()
-  return sorted(_REGISTRY)
 
 
 def build_task(config: ml_collections.ConfigDict, assets: str | os.PathLike | None = None) -> Task:

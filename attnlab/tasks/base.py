@@ -185,6 +185,11 @@ class Task(abc.ABC):
     """Writes the task's figures (PNG) into `workdir` after training; nothing by default."""
 
 
+def data_location(data: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The `data_dir` and `manual_dir` arguments of `attnlab.data.get_dataset` of a data config."""
+  return {"data_dir": data.data_dir or None, "manual_dir": data.manual_dir or None}
+
+
 def ratios(sums: dict[str, tuple[Any, Any]]) -> dict[str, jax.Array]:
   """{name: sum / max(denominator, 1)} of one `metric_sums` result (inside jit: loss_fn)."""
   return {name: value / jnp.maximum(denominator, 1.0)

@@ -38,11 +38,13 @@ from attnlab.data import pipeline
 from attnlab.data import tokenizers as tok_lib
 from attnlab.data.pipeline import IndexedBatches
 from attnlab.data.pipeline import rng_for
+from attnlab.config_utils import check_choice
 from attnlab.errors import ConfigError
 from attnlab.layers import sown
 from attnlab.models import gpt as gpt_lib
 from attnlab.tasks import register_task
 from attnlab.tasks.base import Task
+from attnlab.tasks.base import data_location
 
 # Datasets this task trains on.
 DATASETS = ("tiny_shakespeare", "addition")
@@ -55,6 +57,12 @@ PRETRAINED_TOKENIZERS = ("hf", "ids")
 ADDITION_ALPHABET = "0123456789+="
 
 
+def _windows(ids: np.ndarray, starts: np.ndarray, block: int) -> dict[str, np.ndarray]:
+  """Inputs and next-token targets `[len(starts), block]` of the windows of `ids` at `starts`."""
+  pos = starts[:, None] + np.arange(block)[None, :]  # [windows, block]
+  return {"inputs": ids[pos], "targets": ids[pos + 1]}
+
+
 @register_task("causal_lm")
 class CausalLMTask(Task):
   """Next-token prediction with attnlab.models.gpt.GPT (see the module docstring)."""
@@ -62,11 +70,8 @@ class CausalLMTask(Task):
   def __init__(self, config, assets=None):
     super().__init__(config, assets)
     d = config.data
-    if d.name not in DATASETS:
-      raise ConfigError(f"unknown data.name {d.name!r} for causal_lm; valid: "
-                        f"{', '.join(DATASETS)}")
-    if d.tokenizer not in TOKENIZERS:
-      raise ConfigError(f"unknown data.tokenizer {d.tokenizer!r}; valid: {', '.join(TOKENIZERS)}")
+    check_choice("data.name", d.name, DATASETS)
+    check_choice("data.tokenizer", d.tokenizer, TOKENIZERS)
     try:
       if d.name == "tiny_shakespeare":
         self._setup_shakespeare(d)
@@ -103,9 +108,8 @@ class CausalLMTask(Task):
 
   def _texts(self) -> tuple[str, str]:
     """(training text, validation text) of Tiny Shakespeare."""
-    d = self.config.data
-    kwargs = {"data_dir": d.data_dir or None, "manual_dir": d.manual_dir or None}
-    return tuple(data_lib.get_dataset("tiny_shakespeare", split, **kwargs)[0]["text"]
+    return tuple(data_lib.get_dataset("tiny_shakespeare", split,
+                                      **data_location(self.config.data))[0]["text"]
                  for split in ("train", "validation"))
 
   def _text_ids(self) -> None:
@@ -122,17 +126,15 @@ class CausalLMTask(Task):
     if d.tokenizer in PRETRAINED_TOKENIZERS:
       raise ConfigError(f"data.tokenizer={d.tokenizer} works with tiny_shakespeare only; the "
                         f"addition texts use their own character tokenizer")
-    options = {"min_digits": d.min_digits, "max_digits": d.max_digits}
     seed = d.seed if d.seed >= 0 else self.config.seed
-    train = data_lib.get_dataset("addition", "train", num_examples=d.num_train,
-                                 seed=seed, **options)
-    val = data_lib.get_dataset("addition", "validation", num_examples=d.num_eval,
-                               seed=seed, **options)
     self.tokenizer = tok_lib.CharTokenizer.train([ADDITION_ALPHABET])
     # <start> + a (max_digits) + "+" + b + "=" + sum (max_digits + 1); targets end with <end>.
     self.seq_len = 3 * d.max_digits + 4
-    self.addition_train = self._encode_addition(train)
-    self.addition_val = self._encode_addition(val)
+    options = {"seed": seed, "min_digits": d.min_digits, "max_digits": d.max_digits}
+    self.addition_train = self._encode_addition(
+        data_lib.get_dataset("addition", "train", num_examples=d.num_train, **options))
+    self.addition_val = self._encode_addition(
+        data_lib.get_dataset("addition", "validation", num_examples=d.num_eval, **options))
 
   def _encode_addition(self, examples) -> dict[str, np.ndarray]:
     n, length = len(examples), self.seq_len
@@ -157,11 +159,8 @@ class CausalLMTask(Task):
         raise ConfigError(f"the training text has {len(ids)} tokens, too few for block_size "
                           f"{block}")
 
-      def batch_fn(index: int) -> dict[str, np.ndarray]:
-        starts = rng_for(seed, index).integers(0, len(ids) - block, size=size)  # [batch]
-        pos = starts[:, None] + np.arange(block)[None, :]  # [batch, block]
-        return {"inputs": ids[pos], "targets": ids[pos + 1]}
-      return IndexedBatches(batch_fn)
+      return IndexedBatches(lambda index: _windows(
+          ids, rng_for(seed, index).integers(0, len(ids) - block, size=size), block))
 
     # A fresh permutation of the training sums per epoch.
     arrays = {k: v for k, v in self.addition_train.items() if k != "answer_mask"}
@@ -176,15 +175,12 @@ class CausalLMTask(Task):
       count = (len(ids) - 1) // block
       if self.config.data.eval_windows > 0:
         count = min(count, self.config.data.eval_windows)
-      starts = np.arange(count) * block
-      pos = starts[:, None] + np.arange(block)[None, :]  # [windows, block]
-      arrays = {"inputs": ids[pos], "targets": ids[pos + 1],
+      arrays = {**_windows(ids, np.arange(count) * block, block),
                 "weights": np.ones((count, block), np.float32),
                 "answer_mask": np.zeros((count, block), bool)}
     else:
       arrays = self.addition_val
-    return [{k: v[lo:lo + size] for k, v in arrays.items()}
-            for lo in range(0, len(arrays["inputs"]), size)]
+    return pipeline.ordered_batches(arrays, size)
 
   # ---------------------------------------------------------------------------- model
 

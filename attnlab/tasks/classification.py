@@ -29,6 +29,7 @@ import ml_collections
 import numpy as np
 
 from attnlab import data as data_lib
+from attnlab import losses
 from attnlab.data import assets as assets_lib
 from attnlab.data import pipeline
 from attnlab.errors import ConfigError
@@ -36,6 +37,7 @@ from attnlab.models import bert
 from attnlab.tasks import masked_lm
 from attnlab.tasks import register_task
 from attnlab.tasks.base import Task
+from attnlab.tasks.base import data_location
 from attnlab.tasks.base import ratios
 
 # Model fields that must agree between a pretraining run and the fine-tuning model.
@@ -88,7 +90,7 @@ class ClassificationTask(Task):
     self.tokenizer = self.asset_tokenizer("tokenizer", self._pretraining_tokenizer)
     self.vocab_size = masked_lm.model_vocab_size(config.data, self.tokenizer)
     self.model = bert.from_config(config, self.vocab_size, num_classes=NUM_CLASSES)
-    self._train: tuple[np.ndarray, np.ndarray] | None = None
+    self._train: dict[str, np.ndarray] | None = None
     self._eval: list[dict[str, np.ndarray]] | None = None
 
   def _pretraining_tokenizer(self) -> Any:
@@ -103,28 +105,27 @@ class ClassificationTask(Task):
 
   # ---- data
   def _split(self, split: str, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """`encode_sst2` of the first `limit` sentences of an SST-2 split (all for limit <= 0)."""
     data = self.config.data
-    examples = data_lib.get_dataset("sst2", masked_lm._sst2_split(split, limit),  # pylint: disable=protected-access
-                                    **masked_lm._data_kwargs(data))  # pylint: disable=protected-access
+    examples = data_lib.get_dataset("sst2", masked_lm.sst2_split(split, limit),
+                                    **data_location(data))
     return encode_sst2(self.tokenizer, examples, data.max_len)
+
+  def _arrays(self, split: str, limit: int) -> dict[str, np.ndarray]:
+    ids, labels = self._split(split, limit)
+    return {"tokens": ids, "labels": labels, "weights": np.ones((len(labels),), np.float32)}
 
   def train_iterator(self) -> pipeline.IndexedBatches:
     if self._train is None:
-      self._train = self._split("train", self.config.data.num_train)
-    ids, labels = self._train
-    return pipeline.permuted_batches(
-        {"tokens": ids, "labels": labels, "weights": np.ones((len(labels),), np.float32)},
-        self.config.batch_size, self.config.seed)
+      self._train = self._arrays("train", self.config.data.num_train)
+    return pipeline.permuted_batches(self._train, self.config.batch_size, self.config.seed)
 
   def eval_batches(self) -> list[dict[str, np.ndarray]]:
     """The validation split in batches of data.eval_batch_size (weights 1)."""
     if self._eval is None:
       data = self.config.data
-      ids, labels = self._split("validation", data.num_eval)
-      size = data.eval_batch_size
-      self._eval = [{"tokens": ids[i:i + size], "labels": labels[i:i + size],
-                     "weights": np.ones((len(labels[i:i + size]),), np.float32)}
-                    for i in range(0, len(labels), size)]
+      self._eval = pipeline.ordered_batches(self._arrays("validation", data.num_eval),
+                                            data.eval_batch_size)
     return self._eval
 
   # ---- parameters
@@ -147,8 +148,7 @@ class ClassificationTask(Task):
     deterministic = rng is None
     logits = self.model.apply({"params": params}, batch["tokens"], deterministic=deterministic,
                               rngs=None if deterministic else {"dropout": rng})  # [b, classes]
-    loss, correct, count = masked_lm.weighted_cross_entropy(logits, batch["labels"],
-                                                            batch["weights"])
+    loss, correct, count = losses.weighted_cross_entropy(logits, batch["labels"], batch["weights"])
     return {"loss": (loss, count), "accuracy": (correct, count)}
 
   def loss_fn(self, params, batch, rng):
@@ -156,10 +156,6 @@ class ClassificationTask(Task):
     return metrics["loss"], {"accuracy": metrics["accuracy"]}
 
   def write_plots(self, params, workdir: pathlib.Path) -> None:
-    def apply_fn(tokens):
-      _, state = self.model.apply({"params": params}, tokens, mutable=["intermediates"])
-      return state["intermediates"]
-    title = "fine-tuned BERT" if self.config.init_from else "BERT trained from scratch"
-    masked_lm.plot_head_views(apply_fn, self.tokenizer, self.config.data.plot_sentence,
-                              self.config.data.max_len, workdir, title)
+    masked_lm.plot_head_views(self, params, workdir, "fine-tuned BERT" if self.config.init_from
+                              else "BERT trained from scratch")
 

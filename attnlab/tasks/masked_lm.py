@@ -42,27 +42,23 @@ import numpy as np
 
 from attnlab import data as data_lib
 from attnlab import losses as losses_lib
+from attnlab.config_utils import check_choice
 from attnlab.errors import ConfigError
 from attnlab.layers import sown
 from attnlab.data import hf_tokenizer
 from attnlab.data import sst2_corpus
 from attnlab.data import tokenizers
 from attnlab.data.pipeline import IndexedBatches
-# The examples (attnlab/data/mlm.py), importable from here as before.
-from attnlab.data.mlm import FIRST_ORDINARY_ID  # pylint: disable=unused-import
-from attnlab.data.mlm import MaskedExample  # pylint: disable=unused-import
 from attnlab.data.mlm import PretrainingData
 from attnlab.data.mlm import encode_words
 from attnlab.data.mlm import make_pair
-from attnlab.data.mlm import mask_tokens  # pylint: disable=unused-import
-from attnlab.data.mlm import pack_example  # pylint: disable=unused-import
 from attnlab.data.mlm import special_ids
 from attnlab.data.mlm import stack_examples
-from attnlab.data.mlm import truncate_pair  # pylint: disable=unused-import
 from attnlab.data.mlm import word_start_table
 from attnlab.models import bert
 from attnlab.tasks import register_task
 from attnlab.tasks.base import Task
+from attnlab.tasks.base import data_location
 from attnlab.tasks.base import ratios
 
 
@@ -71,19 +67,14 @@ CORPORA = ("shakespeare", "shakespeare+sst2", "sst2_sentences", "shakespeare+sst
 # Corpora with Tiny Shakespeare's speeches (document pairs) / SST-2's rebuilt sentences.
 DOCUMENT_CORPORA = ("shakespeare", "shakespeare+sst2", "shakespeare+sst2_sentences")
 SENTENCE_CORPORA = ("sst2_sentences", "shakespeare+sst2_sentences")
-# The sentence of the head-view plots (BERT's "it" coreference example).
-DEFAULT_PLOT_SENTENCE = "The animal didn't cross the street because it was too tired."
 
 
 # ---------------------------------------------------------------------------------------------------
 # Tokenizer and corpus
 
 
-def _data_kwargs(data: ml_collections.ConfigDict) -> dict[str, Any]:
-  return dict(data_dir=data.data_dir or None, manual_dir=data.manual_dir or None)
-
-
-def _sst2_split(split: str, limit: int) -> str:
+def sst2_split(split: str, limit: int) -> str:
+  """The TFDS split of the first `limit` examples of `split` (all of it for limit <= 0)."""
   return f"{split}[:{limit}]" if limit > 0 else split
 
 
@@ -95,22 +86,20 @@ def corpus_texts(data: ml_collections.ConfigDict) -> tuple[list[list[str]], list
   attnlab.data.sst2_corpus; sentence-order pairs of their halves); `data.max_extra_sentences`
   keeps the first N. The tokenizer is trained on both lists.
   """
-  if data.corpus not in CORPORA:
-    raise ConfigError(f"unknown data.corpus {data.corpus!r}; valid corpora: {', '.join(CORPORA)}")
+  check_choice("data.corpus", data.corpus, CORPORA, "corpora")
   documents: list[list[str]] = []
+  extra: list[str] = []
   if data.corpus in DOCUMENT_CORPORA:
-    documents = data_lib.shakespeare_documents("train", **_data_kwargs(data))
+    documents = data_lib.shakespeare_documents("train", **data_location(data))
     if data.max_documents > 0:
       documents = documents[:data.max_documents]
   if data.corpus in SENTENCE_CORPORA:
-    extra = sst2_corpus.pretraining_sentences(**_data_kwargs(data))
+    extra = sst2_corpus.pretraining_sentences(**data_location(data))
     if data.max_extra_sentences > 0:
       extra = extra[:data.max_extra_sentences]
-    return documents, extra
-  extra: list[str] = []
-  if data.corpus == "shakespeare+sst2":
-    examples = data_lib.get_dataset("sst2", _sst2_split("train", data.max_extra_sentences),
-                                    **_data_kwargs(data))
+  elif data.corpus == "shakespeare+sst2":
+    examples = data_lib.get_dataset("sst2", sst2_split("train", data.max_extra_sentences),
+                                    **data_location(data))
     extra = [ex["sentence"] for ex in examples]
   return documents, extra
 
@@ -152,8 +141,7 @@ def bert_tokenizer(data: ml_collections.ConfigDict) -> Any:
   (attnlab.data.hf_tokenizer; `data.vocab_size` is then the model's vocabulary size).
   """
   kind = data.get("tokenizer", "subword")
-  if kind not in TOKENIZER_KINDS:
-    raise ConfigError(f"unknown data.tokenizer {kind!r}; valid: {', '.join(TOKENIZER_KINDS)}")
+  check_choice("data.tokenizer", kind, TOKENIZER_KINDS)
   if kind != "subword":
     try:
       tokenizer = hf_tokenizer.load(kind, data.get("tokenizer_path", ""), data.vocab_size)
@@ -175,14 +163,7 @@ def model_vocab_size(data: ml_collections.ConfigDict, tokenizer: Any) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Losses and plots shared with classification
-
-weighted_cross_entropy = losses_lib.weighted_cross_entropy
-
-
-
-# Encoder hyperparameters of a config (attnlab.models.bert.config_kwargs), under the former name.
-model_kwargs = bert.config_kwargs
+# Plots shared with classification
 
 
 def encode_sentence(tokenizer: tokenizers.Vocab, sentence: str,
@@ -199,17 +180,16 @@ def stacked_attention(intermediates: Any) -> np.ndarray:
   return sown.stack_layers(sown.sown_values(intermediates), "encoder/")
 
 
-def plot_head_views(apply_fn, tokenizer: tokenizers.Vocab, sentence: str, max_len: int,
-                    workdir: pathlib.Path, title: str) -> dict[str, pathlib.Path]:
-  """Head view (every layer and head) and [CLS] attention for one sentence, saved as PNGs.
-
-  apply_fn(tokens) runs the model with "intermediates" mutable and returns its intermediates.
-  Returns {"head_view": path, "cls_attention": path}.
-  """
+def plot_head_views(task: Task, params: Any, workdir: pathlib.Path,
+                    title: str) -> dict[str, pathlib.Path]:
+  """Head view (every layer and head) and [CLS] attention of a BERT task's model for
+  `data.plot_sentence`, saved as PNGs; returns {"head_view": path, "cls_attention": path}."""
   from attnlab import plotting  # pylint: disable=g-import-not-at-top  (matplotlib import is slow)
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  ids, labels = encode_sentence(tokenizer, sentence, max_len)
-  weights = stacked_attention(apply_fn(jnp.asarray(ids)))  # [layers, heads, n, n]
+  sentence = task.config.data.plot_sentence
+  ids, labels = encode_sentence(task.tokenizer, sentence, task.config.data.max_len)
+  _, state = task.model.apply({"params": params}, jnp.asarray(ids), mutable=["intermediates"])
+  weights = stacked_attention(state["intermediates"])  # [layers, heads, n, n]
   layers, heads = weights.shape[:2]
   workdir = pathlib.Path(workdir)
   paths = {"head_view": workdir / "head_view.png", "cls_attention": workdir / "cls_attention.png"}
@@ -303,11 +283,11 @@ class MaskedLMTask(Task):
     if self._eval_batches is None:
       data = self.config.data
       if data.corpus in SENTENCE_CORPORA:
-        sentences = sst2_corpus.heldout_sentences(**_data_kwargs(data))
+        sentences = sst2_corpus.heldout_sentences(**data_location(data))
         held_out = PretrainingData([], [], sentences=self._encode_sentences(sentences),
                                    **self._data_options())
       else:
-        documents = data_lib.shakespeare_documents("validation", **_data_kwargs(data))
+        documents = data_lib.shakespeare_documents("validation", **data_location(data))
         held_out = PretrainingData(self._encode_docs(documents), [], **self._data_options())
       n, size = data.num_eval, data.eval_batch_size
       examples = held_out.eval_examples(n, data.eval_seed)
@@ -321,8 +301,8 @@ class MaskedLMTask(Task):
         {"params": params}, batch["tokens"], batch["segments"], batch["valid"],
         batch["mlm_positions"], deterministic=deterministic,
         rngs=None if deterministic else {"dropout": rng})  # [b, P, vocab], [b, 2]
-    mlm = weighted_cross_entropy(mlm_logits, batch["mlm_labels"], batch["mlm_weights"])
-    nsp = weighted_cross_entropy(nsp_logits, batch["is_next"], batch["nsp_weight"])
+    mlm = losses_lib.weighted_cross_entropy(mlm_logits, batch["mlm_labels"], batch["mlm_weights"])
+    nsp = losses_lib.weighted_cross_entropy(nsp_logits, batch["is_next"], batch["nsp_weight"])
     return {"mlm_loss": (mlm[0], mlm[2]), "mlm_accuracy": (mlm[1], mlm[2]),
             "nsp_loss": (nsp[0], nsp[2]), "nsp_accuracy": (nsp[1], nsp[2])}
 
@@ -334,8 +314,4 @@ class MaskedLMTask(Task):
     return {**metrics, "loss": metrics["mlm_loss"] + metrics["nsp_loss"]}
 
   def write_plots(self, params, workdir: pathlib.Path) -> None:
-    def apply_fn(tokens):
-      _, state = self.model.apply({"params": params}, tokens, mutable=["intermediates"])
-      return state["intermediates"]
-    plot_head_views(apply_fn, self.tokenizer, self.config.data.plot_sentence,
-                    self.config.data.max_len, workdir, "pretrained BERT")
+    plot_head_views(self, params, workdir, "pretrained BERT")

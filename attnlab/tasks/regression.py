@@ -23,6 +23,7 @@ import numpy as np
 
 from attnlab.attention import pooling
 from attnlab.data import pipeline
+from attnlab.config_utils import check_choice
 from attnlab.errors import ConfigError
 from attnlab.layers import sown
 from attnlab.tasks import register_task
@@ -72,15 +73,14 @@ class KernelRegression(nn.Module):
   @nn.compact
   def __call__(self, queries: jax.Array, keys: jax.Array, values: jax.Array,
                mask: jax.Array | None = None) -> jax.Array:
+    check_choice("model.kernel", self.kernel, KERNELS, "kernels")
     if self.kernel == "average":
       pred, weights = pooling.average_pooling(queries, keys, values, mask=mask)
     elif self.kernel == "gaussian":
       pred, weights = pooling.nadaraya_watson(queries, keys, values, w=self.init_w, mask=mask)
-    elif self.kernel == "learned":
+    else:
       w = self.param("w", lambda rng: pooling.init_kernel_params(self.init_w)["w"])  # []
       pred, weights = pooling.learned_kernel_pooling({"w": w}, queries, keys, values, mask=mask)
-    else:
-      raise ConfigError(f"unknown model.kernel {self.kernel!r}; valid kernels: {', '.join(KERNELS)}")
     self.sow("intermediates", sown.ATTENTION_WEIGHTS, weights)  # [n_q, n_k]
     return pred  # [n_q]
 
@@ -92,8 +92,7 @@ class RegressionTask(Task):
   def __init__(self, config, assets=None):
     super().__init__(config, assets)
     model, data = config.model, config.data
-    if model.kernel not in KERNELS:
-      raise ConfigError(f"unknown model.kernel {model.kernel!r}; valid kernels: {', '.join(KERNELS)}")
+    check_choice("model.kernel", model.kernel, KERNELS, "kernels")
     self.data_seed = data.seed if data.seed >= 0 else config.seed
     self.data = make_data(data.num_train, data.x_max, data.noise_std, data.test_step,
                           self.data_seed)

@@ -45,11 +45,13 @@ from attnlab import data as data_lib
 from attnlab import decoding
 from attnlab import models
 from attnlab.attention import core as attn_core
+from attnlab.config_utils import check_choice
 from attnlab.errors import ConfigError
 from attnlab.data import pipeline
 from attnlab.data import tokenizers
 from attnlab.tasks import register_task
 from attnlab.tasks.base import Task
+from attnlab.tasks.base import data_location
 
 _LOG = logging.getLogger(__name__)
 
@@ -94,11 +96,8 @@ class TranslationTask(Task):
   def __init__(self, config, assets=None):
     super().__init__(config, assets)
     dc = config.data
-    if dc.name not in DATASETS:
-      raise ConfigError(f"unknown data.name {dc.name!r}; valid datasets: {', '.join(DATASETS)}")
-    if dc.tokenizer not in TOKENIZER_KINDS:
-      raise ConfigError(f"unknown data.tokenizer {dc.tokenizer!r}; valid kinds: "
-                        f"{', '.join(TOKENIZER_KINDS)}")
+    check_choice("data.name", dc.name, DATASETS, "datasets")
+    check_choice("data.tokenizer", dc.tokenizer, TOKENIZER_KINDS, "kinds")
     # Raw and encoded examples by split, read on first use (a reloaded run needs none).
     self._examples: dict[str, list[dict[str, str]]] = {}
     self._encoded: dict[str, list[dict[str, Any]]] = {}
@@ -106,11 +105,9 @@ class TranslationTask(Task):
         [ex["source"] for ex in self.examples("train")]))
     self.tgt_tok = self.asset_tokenizer("target", lambda: self._train_tokenizer(
         [ex["target"] for ex in self.examples("train")]))
-    self.max_src_len = self.asset_size(
-        "max_src_len", lambda: max(len(ex["source"]) for ex in self.encoded("train")))
-    # <start> + tokens + <end>
-    self.max_tgt_len = self.asset_size(
-        "max_tgt_len", lambda: max(len(ex["target"]) for ex in self.encoded("train")))
+    longest = lambda field: max(len(ex[field]) for ex in self.encoded("train"))
+    self.max_src_len = self.asset_size("max_src_len", lambda: longest("source"))
+    self.max_tgt_len = self.asset_size("max_tgt_len", lambda: longest("target"))  # <start>...<end>
     self._buckets = None
     if dc.buckets:
       self._buckets = tuple(sorted(set(dc.buckets) | {max(self.max_src_len, self.max_tgt_len)}))
@@ -146,25 +143,21 @@ class TranslationTask(Task):
         options.update(min_len=dc.min_len, max_len=dc.max_len, vocab_size=dc.symbols)
       examples = list(data_lib.get_dataset(name, split, **options))
     else:
-      examples = list(data_lib.get_dataset(
-          name, split, data_dir=dc.data_dir or None, manual_dir=dc.manual_dir or None,
-          direction=dc.direction))
+      examples = list(data_lib.get_dataset(name, split, direction=dc.direction,
+                                           **data_location(dc)))
       if split == "train" and dc.num_train > 0:
         examples = examples[:dc.num_train]
     if dc.max_tokens > 0:
       # Filtered on whitespace words so the choice does not depend on the tokenizer.
       n = len(examples)
-      examples = [ex for ex in examples if max(len(self._words(ex["source"])),
-                                               len(self._words(ex["target"]))) <= dc.max_tokens]
+      words = lambda text: len(separate_punctuation(text).split())
+      examples = [ex for ex in examples
+                  if max(words(ex["source"]), words(ex["target"])) <= dc.max_tokens]
       _LOG.info("%s/%s: kept %d of %d pairs with <= %d words", dc.name, split, len(examples), n,
                 dc.max_tokens)
     if split != "train" and dc.name not in SYNTHETIC and dc.num_eval > 0:
       examples = examples[:dc.num_eval]
     return [{"source": ex["source"], "target": ex["target"]} for ex in examples]
-
-  @staticmethod
-  def _words(text: str) -> list[str]:
-    return separate_punctuation(text).split()
 
   def prepare_text(self, text: str) -> str:
     """`text` as the tokenizers see it (punctuation split off for word tokens)."""
@@ -191,9 +184,8 @@ class TranslationTask(Task):
     return self.tgt_tok.encode(self.prepare_text(text), add_start=True, add_end=True)
 
   def _encode(self, examples: list[dict[str, str]]) -> list[dict[str, Any]]:
-    return [{"source": self.encode_source(ex["source"]),
-             "target": self.tgt_tok.encode(self.prepare_text(ex["target"]), add_start=True,
-                                           add_end=True)} for ex in examples]
+    return [{"source": self.encode_source(ex["source"]), "target": self.encode_target(ex["target"])}
+            for ex in examples]
 
   def _pad_lengths(self) -> dict[str, int]:
     return {"source": self.max_src_len, "target": self.max_tgt_len}
@@ -205,14 +197,11 @@ class TranslationTask(Task):
 
   def _eval_arrays(self, split: str) -> dict[str, np.ndarray]:
     """The whole split padded to the training lengths (longer inputs are cut)."""
-    encoded = self.encoded(split)
-    size = self.config.data.eval_batch_size
-    batcher = pipeline.Batcher(encoded, size, shuffle=False, num_epochs=1, drop_remainder=False,
-                               pad_to=self._pad_lengths(), max_length=self._pad_lengths(),
-                               length_policy="truncate")
-    batches = list(batcher)
-    arrays = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
-    return arrays
+    batches = list(pipeline.Batcher(
+        self.encoded(split), self.config.data.eval_batch_size, shuffle=False, num_epochs=1,
+        drop_remainder=False, pad_to=self._pad_lengths(), max_length=self._pad_lengths(),
+        length_policy="truncate"))
+    return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
 
   # ----------------------------------------------------------------------------------- model
 
@@ -345,16 +334,18 @@ class TranslationTask(Task):
     max_len = min(max_len, getattr(self.model, "max_decode_len", max_len))
     tokens, weights = self.decode_arrays(params, src, src_len, beam_size, max_len,
                                          batch_size=len(texts))
-    out = []
-    for i, text in enumerate(texts):
-      ids = self._output_ids(tokens[i])
-      out.append(Translation(
-          source=text,
-          source_tokens=[self.src_tok.id_to_token(j) for j in encoded[i]],
-          output_tokens=[self.tgt_tok.id_to_token(j) for j in ids],
-          text=self.tgt_tok.decode(ids),
-          weights=np.asarray(weights[i, :len(ids), :len(encoded[i])])))
-    return out
+    return [self._translation(text, encoded[i], tokens[i], weights[i])
+            for i, text in enumerate(texts)]
+
+  def _translation(self, source: str, src_ids: list[int], tokens: np.ndarray,
+                   weights: np.ndarray) -> Translation:
+    """One decoded row (tokens [max_len], weights [max_len, s]) as a Translation."""
+    ids = self._output_ids(tokens)
+    return Translation(source=source,
+                       source_tokens=[self.src_tok.id_to_token(j) for j in src_ids],
+                       output_tokens=[self.tgt_tok.id_to_token(j) for j in ids],
+                       text=self.tgt_tok.decode(ids),
+                       weights=np.asarray(weights[:len(ids), :len(src_ids)]))
 
   # ----------------------------------------------------------------------------------- evaluation
 
@@ -375,14 +366,10 @@ class TranslationTask(Task):
                      beam_size: int | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Metrics of one split and one record per example (source, reference, output, correct)."""
     split = split or self.config.data.eval_split
-    arrays = self._eval_arrays(split)
+    arrays = self._eval_arrays(split)  # every batch padded to eval_batch_size rows
     examples = self.examples(split)
-    batch_keys = ("source", "source_length", "source_mask", "target", "target_mask",
-                  "target_length", "example_mask")
-    size = self.config.data.eval_batch_size
-    result = self.mean_metrics(params, [{k: arrays[k][start:start + size] for k in batch_keys}
-                                        for start in range(0, len(examples), size)])
-
+    result = self.mean_metrics(
+        params, pipeline.ordered_batches(arrays, self.config.data.eval_batch_size))
     n = len(examples)
     tokens, _ = self.decode_arrays(params, arrays["source"][:n], arrays["source_length"][:n],
                                    beam_size)
@@ -418,16 +405,12 @@ class TranslationTask(Task):
     }
 
   def _length_bins(self) -> list[tuple[int, int]]:
-    edges = list(self.config.data.length_bins)
-    bins, low = [], 1
-    for high in edges:
-      bins.append((low, int(high)))
-      low = int(high) + 1
-    return bins
+    """(low, high) source lengths of each bin: 1..edge 0, edge 0 + 1..edge 1, ..."""
+    edges = [int(high) for high in self.config.data.length_bins]
+    return list(zip([1] + [high + 1 for high in edges], edges))
 
   def evaluate(self, params) -> dict[str, float]:
-    metrics, _ = self.evaluate_split(params)
-    return metrics
+    return self.evaluate_split(params)[0]
 
   # ----------------------------------------------------------------------------------- plots
 
@@ -453,15 +436,9 @@ class TranslationTask(Task):
     # A batch shaped like evaluate's, so its compiled decoder is reused.
     tokens, weights = self.decode_arrays(params, arrays["source"][:len(examples)],
                                          arrays["source_length"][:len(examples)])
-    for i in range(len(examples)):
-      ids = self._output_ids(tokens[i])
+    for i, example in enumerate(examples):
       src_ids = [int(j) for j in arrays["source"][i, :arrays["source_length"][i]]]
-      t = Translation(
-          source=examples[i]["source"],
-          source_tokens=[self.src_tok.id_to_token(j) for j in src_ids],
-          output_tokens=[self.tgt_tok.id_to_token(j) for j in ids],
-          text=self.tgt_tok.decode(ids),
-          weights=np.asarray(weights[i, :len(ids), :len(src_ids)]))
+      t = self._translation(example["source"], src_ids, tokens[i], weights[i])
       plt.close(self.plot_alignment(t, pathlib.Path(workdir) / f"attention_{i}.png"))
 
 
