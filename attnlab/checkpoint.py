@@ -23,7 +23,6 @@ from __future__ import annotations
 import datetime
 import errno
 import fcntl
-import functools
 import gc
 import json
 import logging
@@ -43,8 +42,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from attnlab import config_utils
-from attnlab import errors
-from attnlab.errors import UserError
+from attnlab.errors import CheckpointError
+from attnlab.errors import CheckpointWriteError
+from attnlab.errors import ConfigMismatchError
+from attnlab.errors import CorruptCheckpointError
+from attnlab.errors import WorkdirBusyError
 
 _LOG = logging.getLogger(__name__)
 
@@ -59,14 +61,6 @@ TMP_SUFFIX = ".orbax-checkpoint-tmp"
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
 # errno values of a write refused for want of permission (counted as such inside a workdir only).
 PERMISSION_ERRNOS = (errno.EACCES, errno.EPERM)
-
-
-# The error classes (attnlab/errors.py) under the names this module always gave them.
-CheckpointError = errors.CheckpointError
-CheckpointWriteError = errors.CheckpointWriteError
-ConfigMismatchError = errors.ConfigMismatchError
-CorruptCheckpointError = errors.CorruptCheckpointError
-WorkdirBusyError = errors.WorkdirBusyError
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -97,15 +91,11 @@ def write_errno(exc: BaseException, within: str | os.PathLike | None = None) -> 
     if code in DISK_ERRNOS:
       return code
     if code in PERMISSION_ERRNOS and within is not None:
-      filename = getattr(node, "filename", None) or _file_in_error(str(node)) or ""
-      if filename and _is_inside(filename, within):
+      filename = getattr(node, "filename", None) or _file_in_error(str(node))
+      if filename and pathlib.Path(os.path.abspath(filename)).is_relative_to(
+          os.path.abspath(within)):
         return code
   return None
-
-
-def _is_inside(path: str | os.PathLike, directory: str | os.PathLike) -> bool:
-  path, directory = os.path.abspath(path), os.path.abspath(directory)
-  return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
 
 
 def finished_steps(workdir: str | os.PathLike) -> list[int]:
@@ -119,10 +109,10 @@ def finished_steps(workdir: str | os.PathLike) -> list[int]:
 
 def last_good_checkpoint(workdir: str | os.PathLike) -> str:
   """"the last good checkpoint is step N in DIR" (or that none was saved) for error messages."""
-  directory = pathlib.Path(workdir).absolute() / CHECKPOINT_DIR
   steps = finished_steps(workdir)
   if not steps:
     return "no checkpoint had been saved yet"
+  directory = pathlib.Path(workdir).absolute() / CHECKPOINT_DIR
   return f"the last good checkpoint is step {steps[-1]} in {directory}"
 
 
@@ -144,12 +134,17 @@ def read_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
                           f"command or remove the workdir") from None
 
 
+def _write_atomically(path: pathlib.Path, text: str) -> None:
+  """Writes `path` through a temporary file beside it: a crash leaves the old or the new text."""
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text(text)
+  os.replace(tmp, path)
+
+
 def write_config(workdir: str | os.PathLike, config: ml_collections.ConfigDict) -> None:
   """Writes `workdir/config.json` atomically."""
-  path = pathlib.Path(workdir) / CONFIG_FILE
-  tmp = path.with_suffix(".json.tmp")
-  tmp.write_text(json.dumps(config_utils.to_jsonable(config), indent=2, sort_keys=True) + "\n")
-  os.replace(tmp, path)
+  _write_atomically(pathlib.Path(workdir) / CONFIG_FILE,
+                    json.dumps(config_utils.to_jsonable(config), indent=2, sort_keys=True) + "\n")
 
 
 def prepare_workdir(workdir: str | os.PathLike, config: ml_collections.ConfigDict) -> None:
@@ -195,9 +190,7 @@ def truncate_metrics(workdir: str | os.PathLike, last_step: int) -> None:
   if not path.is_file():
     return
   kept = [r for r in read_metrics(workdir) if r["step"] <= last_step]
-  tmp = path.with_suffix(".jsonl.tmp")
-  tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-  os.replace(tmp, path)
+  _write_atomically(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 def last_records(records: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -228,6 +221,12 @@ def tree_signature(tree: Any) -> dict[str, str]:
           for path, leaf in leaves}
 
 
+def signature_diffs(got: dict[str, str], wanted: dict[str, str], what: str) -> list[str]:
+  """"path: <what> dtype[shape], model dtype[shape]" for each leaf where two signatures differ."""
+  return [f"{k}: {what} {got.get(k, 'absent')}, model {wanted.get(k, 'absent')}"
+          for k in sorted(set(got) | set(wanted)) if got.get(k) != wanted.get(k)]
+
+
 def _file_in_error(message: str) -> str | None:
   found = re.findall(r'local file "([^"]+)"', message)
   return found[-1] if found else None
@@ -240,22 +239,12 @@ def _short(message: str, limit: int = 300) -> str:
   return message if len(message) <= limit else message[:limit] + "..."
 
 
-def _drop_thread_error_logs(record: logging.LogRecord) -> bool:
-  """Filter of the absl logger: orbax's worker threads log a failed write with its traceback
-  before the save re-raises it in the caller, which reports it in one line; drop those records."""
-  return "_SignalingThread.run() raised an exception" not in str(record.msg)
-
-
-def _drop_unretrieved_futures(record: logging.LogRecord) -> bool:
-  """Filter of the asyncio logger: after a refused write, orbax's other write futures and tasks
-  fail too and asyncio logs each as "Future (or Task) exception was never retrieved" when it is
-  collected; the run already reports the failure in one line."""
-  return not str(record.msg).startswith(("Future exception was never retrieved",
-                                         "Task exception was never retrieved"))
-
-
 def _is_closed_loop_error(exc: BaseException | None) -> bool:
   return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+
+
+# The loggers orbax's threads log a failed read or write through.
+_NOISY_LOGGERS = ("absl", "asyncio")
 
 
 class _FailedIoNoiseFilter:
@@ -276,12 +265,16 @@ class _FailedIoNoiseFilter:
     self._installed = False
     self._previous_unraisable: Any = None
     self._previous_except: Any = None
-    # One object each, so that `sys.excepthook is self._except_hook` finds them again; the log
-    # filters are this instance's own, so that removing them leaves another instance's in place.
+    # One object each, so that `sys.excepthook is self._except_hook` finds them again.
     self._unraisable_hook = self._on_unraisable
     self._except_hook = self._on_exception
-    self._absl_filter = functools.partial(_drop_thread_error_logs)
-    self._asyncio_filter = functools.partial(_drop_unretrieved_futures)
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    """The log filter (of the absl and asyncio loggers) that drops the noise records."""
+    message = str(record.msg)
+    return not ("_SignalingThread.run() raised an exception" in message
+                or message.startswith(("Future exception was never retrieved",
+                                       "Task exception was never retrieved")))
 
   def _on_unraisable(self, unraisable: Any) -> None:
     if not (self._installed and _is_closed_loop_error(unraisable.exc_value)):
@@ -294,8 +287,8 @@ class _FailedIoNoiseFilter:
   def install(self) -> None:
     if self._installed:
       return
-    logging.getLogger("absl").addFilter(self._absl_filter)
-    logging.getLogger("asyncio").addFilter(self._asyncio_filter)
+    for logger in _NOISY_LOGGERS:
+      logging.getLogger(logger).addFilter(self)
     self._previous_unraisable, self._previous_except = sys.unraisablehook, sys.excepthook
     sys.unraisablehook, sys.excepthook = self._unraisable_hook, self._except_hook
     self._installed = True
@@ -304,8 +297,8 @@ class _FailedIoNoiseFilter:
     if not self._installed:
       return
     self._installed = False
-    logging.getLogger("absl").removeFilter(self._absl_filter)
-    logging.getLogger("asyncio").removeFilter(self._asyncio_filter)
+    for logger in _NOISY_LOGGERS:
+      logging.getLogger(logger).removeFilter(self)
     if sys.unraisablehook is self._unraisable_hook:
       sys.unraisablehook = self._live_hook(self._previous_unraisable, "_previous_unraisable")
     if sys.excepthook is self._except_hook:
@@ -401,9 +394,6 @@ class Checkpointer:
     except Exception:  # pylint: disable=broad-except  (the listing is re-read on the next call)
       pass
 
-  def _step_dir(self, step: int) -> pathlib.Path:
-    return self.directory / str(step)
-
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
     """(state, data-iterator state) of checkpoint `step`, restored into `abstract_state`.
 
@@ -416,27 +406,30 @@ class Checkpointer:
     if step not in steps:
       raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; available steps: "
                             f"{', '.join(map(str, steps)) or 'none'}")
-    step_dir = self._step_dir(step)
+    step_dir = self.directory / str(step)
+
+    def unreadable(file: Any, e: Exception) -> CorruptCheckpointError:
+      return CorruptCheckpointError(f"checkpoint step {step} is unreadable: file {file}: "
+                                    f"{type(e).__name__}: {_short(str(e))}")
     try:
       meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
       if not isinstance(meta, dict) or "tree" not in meta:
         raise ValueError("item 'meta' lacks the state signature")
     except Exception as e:  # orbax raises many types for a damaged file
-      file = step_dir / "meta" / "metadata"
-      raise CorruptCheckpointError(f"checkpoint step {step} is unreadable: file {file}: "
-                                   f"{type(e).__name__}: {_short(str(e))}") from e
-    wanted = tree_signature(abstract_state)
-    if meta["tree"] != wanted:
-      raise CheckpointError(_mismatch_message(step, step_dir, meta["tree"], wanted))
+      raise unreadable(step_dir / "meta" / "metadata", e) from e
+    diffs = signature_diffs(meta["tree"], tree_signature(abstract_state), "stored")
+    if diffs:
+      raise CheckpointError(
+          f"checkpoint step {step} in {self.directory} does not fit the model built from the "
+          f"config ({'; '.join(diffs[:3])}{' ...' if len(diffs) > 3 else ''}); the model config "
+          f"changed since it was saved: use a new --workdir")
     try:
       state = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract_state))).state
     except Exception as e:
       self._failed = True
       time.sleep(0.2)  # let those callbacks fail now, under the filter, not at interpreter exit
-      file = _file_in_error(str(e)) or str(step_dir / "state")
-      raise CorruptCheckpointError(f"checkpoint step {step} is unreadable: file {file}: "
-                                   f"{type(e).__name__}: {_short(str(e))}") from e
+      raise unreadable(_file_in_error(str(e)) or step_dir / "state", e) from e
     return state, meta["data_iterator"]
 
   def restore_latest(self, abstract_state: Any, *, quarantine: bool = False
@@ -460,7 +453,7 @@ class Checkpointer:
     if target.exists():
       shutil.rmtree(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.move(str(self._step_dir(step)), str(target))
+    shutil.move(str(self.directory / str(step)), str(target))
     self._manager.reload()
     return f" (moved to {target})"
 
@@ -474,23 +467,13 @@ class Checkpointer:
       self._noise_filter.remove()
 
 
-def _mismatch_message(step: int, step_dir: pathlib.Path, stored: dict[str, str],
-                      wanted: dict[str, str]) -> str:
-  diffs = [f"{k}: stored {stored.get(k, 'absent')}, model {wanted.get(k, 'absent')}"
-           for k in sorted(set(stored) | set(wanted)) if stored.get(k) != wanted.get(k)]
-  return (f"checkpoint step {step} in {step_dir.parent} does not fit the model built from the "
-          f"config ({'; '.join(diffs[:3])}{' ...' if len(diffs) > 3 else ''}); the model config "
-          f"changed since it was saved: use a new --workdir")
-
-
 # ---------------------------------------------------------------------------------------------------
 # Checking a checkpoint's files
 
 
 # Files every finished checkpoint has (relative to checkpoints/<step>/); the JSON ones are parsed.
-REQUIRED_FILES = ("_CHECKPOINT_METADATA", "meta/metadata", "state/_METADATA",
-                  "state/manifest.ocdbt")
 _JSON_FILES = ("_CHECKPOINT_METADATA", "meta/metadata", "state/_METADATA")
+REQUIRED_FILES = _JSON_FILES + ("state/manifest.ocdbt",)
 
 
 def check_files(step_dir: str | os.PathLike) -> str | None:
@@ -553,11 +536,6 @@ class WorkdirLock:
 
   def __exit__(self, *exc: Any) -> None:
     self.release()
-
-  @staticmethod
-  def _me() -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid(),
-            "since": datetime.datetime.now().isoformat(timespec="seconds")}
 
   @staticmethod
   def describe(holder: dict[str, Any] | None) -> str:
@@ -646,7 +624,9 @@ class WorkdirLock:
     try:
       os.ftruncate(self._fd, 0)
       os.lseek(self._fd, 0, os.SEEK_SET)
-      os.write(self._fd, (json.dumps(self._me()) + "\n").encode())
+      me = {"host": socket.gethostname(), "pid": os.getpid(),
+            "since": datetime.datetime.now().isoformat(timespec="seconds")}
+      os.write(self._fd, (json.dumps(me) + "\n").encode())
       os.fsync(self._fd)
     except OSError as e:
       raise OSError(e.errno, e.strerror, str(self.path)) from e

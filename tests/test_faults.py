@@ -27,6 +27,7 @@ import pytest
 from attnlab import analysis
 from attnlab import checkpoint
 from attnlab import config_utils
+from attnlab import errors
 from attnlab import main as main_lib
 from attnlab import train
 from attnlab import translate as translate_cli
@@ -278,7 +279,7 @@ def test_lock_is_exclusive_within_a_process_and_released(tmp_path):
   with checkpoint.WorkdirLock(tmp_path):
     data = json.loads((tmp_path / checkpoint.LOCK_FILE).read_text())
     assert data["pid"] == os.getpid()
-    with pytest.raises(checkpoint.WorkdirBusyError, match=f"pid {os.getpid()} on host"):
+    with pytest.raises(errors.WorkdirBusyError, match=f"pid {os.getpid()} on host"):
       checkpoint.WorkdirLock(tmp_path).acquire()
   with checkpoint.WorkdirLock(tmp_path):  # free again
     pass
@@ -295,7 +296,7 @@ def test_lock_without_flock_checks_the_holder_pid(tmp_path, monkeypatch):
   with _warnings_of("attnlab.checkpoint") as warnings:
     with checkpoint.WorkdirLock(tmp_path):
       assert f"pid {dead.pid}" in " ".join(warnings)  # taken over
-      with pytest.raises(checkpoint.WorkdirBusyError, match=f"pid {os.getpid()}"):
+      with pytest.raises(errors.WorkdirBusyError, match=f"pid {os.getpid()}"):
         checkpoint.WorkdirLock(tmp_path).acquire()  # this process is alive
   assert not (tmp_path / checkpoint.LOCK_FILE).exists()
 
