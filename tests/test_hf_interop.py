@@ -19,6 +19,7 @@ import pytest
 
 from attnlab import analysis
 from attnlab import config_utils
+from attnlab import errors
 from attnlab import generate
 from attnlab import import_hf
 from attnlab import tasks
@@ -277,10 +278,10 @@ def test_torch_reader_refuses_other_globals(tmp_path):
   path = tmp_path / "pytorch_model.bin"
   with zipfile.ZipFile(path, "w") as z:
     z.writestr("archive/data.pkl", pickle.dumps({"w": Evil()}, protocol=4))
-  with pytest.raises(torch_pickle.TorchFileError, match="refusing to load builtins.print"):
+  with pytest.raises(errors.TorchFileError, match="refusing to load builtins.print"):
     torch_pickle.load_state_dict(path)
   (tmp_path / "plain.bin").write_bytes(pickle.dumps({"w": 1}))
-  with pytest.raises(torch_pickle.TorchFileError, match="not a zip archive"):
+  with pytest.raises(errors.TorchFileError, match="not a zip archive"):
     torch_pickle.load_state_dict(tmp_path / "plain.bin")
 
 
@@ -289,7 +290,7 @@ def test_export_refuses_architectures_gpt2_lacks(gpt2_run):
   config.model.position = "rotary"
   run = analysis.Run(workdir=gpt2_run.workdir, config=config, task=gpt2_run.task,
                      model=gpt2_run.model, params=gpt2_run.params, step=0)
-  with pytest.raises(hf.HFError, match="position=rotary"):
+  with pytest.raises(errors.HFError, match="position=rotary"):
     hf.export(run, gpt2_run.workdir / "unused")
 
 

@@ -21,11 +21,12 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 from typing import Any, Iterable
 
 import numpy as np
 
-from attnlab.data.errors import DataError
+from attnlab.errors import DataError
 
 PathLike = str | os.PathLike[str]
 
@@ -53,6 +54,25 @@ def has_tokenizer_files(directory: PathLike) -> bool:
   return ((d / "tokenizer.json").is_file()
           or ((d / "vocab.json").is_file() and (d / "merges.txt").is_file())
           or (d / "vocab.txt").is_file())
+
+
+def copy_files(source: PathLike, target: PathLike) -> list[str]:
+  """Copies the TOKENIZER_FILES in `source` into `target` (created); returns their names."""
+  source, target = pathlib.Path(source), pathlib.Path(target)
+  target.mkdir(parents=True, exist_ok=True)
+  names = [n for n in TOKENIZER_FILES if (source / n).is_file()]
+  for name in names:
+    shutil.copyfile(source / name, target / name)
+  return names
+
+
+def _check_id(i: int, size: int) -> None:
+  if not 0 <= i < size:
+    raise DataError(f"token id {i} is outside this vocabulary of {size} tokens")
+
+
+def _flat_ids(ids: Iterable[int] | np.ndarray) -> list[int]:
+  return np.asarray(ids if hasattr(ids, "__array__") else list(ids), np.int64).reshape(-1).tolist()
 
 
 def _read_json(path: pathlib.Path) -> dict[str, Any]:
@@ -87,35 +107,33 @@ class HFTokenizer:
     self.directory = d
     config = {**_read_json(d / "tokenizer_config.json"),
               **_read_json(d / "special_tokens_map.json")}
+    if not has_tokenizer_files(d):
+      raise DataError(f"{d} holds no tokenizer files (tokenizer.json, vocab.json + merges.txt, "
+                      f"or vocab.txt); copy them from the checkpoint or use data.tokenizer=ids")
     try:
       if (d / "tokenizer.json").is_file():
         tok = hf_tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
       elif (d / "vocab.json").is_file() and (d / "merges.txt").is_file():
         tok = hf_tokenizers.ByteLevelBPETokenizer(str(d / "vocab.json"), str(d / "merges.txt"))
-      elif (d / "vocab.txt").is_file():
+      else:
         tok = hf_tokenizers.BertWordPieceTokenizer(
             str(d / "vocab.txt"), lowercase=bool(config.get("do_lower_case", True)))
-      else:
-        raise DataError(f"{d} holds no tokenizer files (tokenizer.json, vocab.json + merges.txt, "
-                        f"or vocab.txt); copy them from the checkpoint or use data.tokenizer=ids")
     except Exception as e:  # the Rust library raises plain Exceptions for damaged files
-      if isinstance(e, DataError):
-        raise
       raise DataError(f"cannot read the tokenizer files in {d}: {e}") from None
     self._tok = tok
     vocab = tok.get_vocab(with_added_tokens=True)
     self._tokens = [""] * (max(vocab.values()) + 1 if vocab else 0)
     for token, i in vocab.items():
       self._tokens[i] = token
-    self.special_ids: dict[str, int | None] = {}
+    special = {}
     for role, names in _SPECIAL_NAMES.items():
       configured = _token_name(config.get(f"{_CONFIG_KEYS.get(role, role)}_token"))
       candidates = ((configured,) if configured else ()) + names
-      self.special_ids[role] = next((vocab[n] for n in candidates if n in vocab), None)
+      special[role] = next((vocab[n] for n in candidates if n in vocab), None)
     self.pad_id, self.start_id, self.end_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (
-        self.special_ids[r] for r in _SPECIAL_NAMES)
+        special.values())
     # Ids of every special token (never masked, dropped by decode).
-    self.all_special_ids = sorted({i for i in self.special_ids.values() if i is not None}
+    self.all_special_ids = sorted({i for i in special.values() if i is not None}
                                   | {i for t, i in vocab.items()
                                      if t.startswith("[unused") or t in (
                                          "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]",
@@ -137,8 +155,7 @@ class HFTokenizer:
     return self.unk_id if i is None else i
 
   def id_to_token(self, i: int) -> str:
-    if not 0 <= i < len(self._tokens):
-      raise DataError(f"token id {i} is outside this vocabulary of {len(self._tokens)} tokens")
+    _check_id(i, len(self))
     return self._tokens[i]
 
   def encode(self, text: str, *, add_start: bool = False, add_end: bool = False) -> list[int]:
@@ -167,8 +184,7 @@ class HFTokenizer:
   def decode(self, ids: Iterable[int] | np.ndarray, *, stop_at_end: bool = False,
              skip_special: bool = True) -> str:
     """Text of `ids`; special tokens dropped unless skip_special=False."""
-    ids = np.asarray(list(ids) if not hasattr(ids, "__array__") else ids,
-                     np.int64).reshape(-1).tolist()
+    ids = _flat_ids(ids)
     if stop_at_end and self.end_id in ids:
       ids = ids[:ids.index(self.end_id)]
     for i in ids:
@@ -194,8 +210,7 @@ class IdTokenizer:
     return [str(i) for i in range(self.vocab_size)]
 
   def id_to_token(self, i: int) -> str:
-    if not 0 <= i < self.vocab_size:
-      raise DataError(f"token id {i} is outside this vocabulary of {self.vocab_size} tokens")
+    _check_id(i, self.vocab_size)
     return str(i)
 
   def encode(self, text: str, **unused: Any) -> list[int]:
@@ -220,8 +235,7 @@ class IdTokenizer:
 
   def decode(self, ids: Iterable[int] | np.ndarray, **unused: Any) -> str:
     """[464, 3290] -> " 464 3290" (a leading space, so that it continues a prompt)."""
-    return "".join(f" {int(i)}" for i in np.asarray(list(ids) if not hasattr(ids, "__array__")
-                                                   else ids).reshape(-1))
+    return "".join(f" {i}" for i in _flat_ids(ids))
 
 
 def load(kind: str, path: PathLike | None, vocab_size: int = 0) -> HFTokenizer | IdTokenizer:

@@ -35,19 +35,22 @@ Export (`export(run_or_dir, out_dir)`): the inverse, writing config.json + model
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import pathlib
+import re
 import shutil
 from typing import Any, Callable
 
+from flax import traverse_util
 import numpy as np
 
-from attnlab import errors
-from attnlab.errors import UserError
 from attnlab.data import assets as assets_lib
 from attnlab.data import hf_tokenizer
+from attnlab.errors import HFError
+from attnlab.errors import TorchFileError
 from attnlab.interop import torch_pickle
 
 _LOG = logging.getLogger(__name__)
@@ -57,12 +60,11 @@ PathLike = str | os.PathLike[str]
 TOKENIZER_DIR = f"{assets_lib.DIRNAME}/tokenizer"
 # Provenance file of an imported run.
 IMPORT_FILE = "import_hf.json"
-# Hugging Face activation names -> attnlab activations.
+# Hugging Face activation names -> attnlab activations, and back (export).
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                "gelu": "gelu", "relu": "relu"}
-
-
-HFError = errors.HFError
+_EXPORT_ACTIVATIONS = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
+_QKV = ("query", "key", "value")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -99,7 +101,7 @@ def _read_weight_file(path: pathlib.Path) -> dict[str, np.ndarray]:
       raise HFError(f"{path}: not a readable safetensors file ({e})") from None
   try:
     return torch_pickle.load_state_dict(path)
-  except torch_pickle.TorchFileError as e:
+  except TorchFileError as e:
     raise HFError(str(e)) from None
 
 
@@ -129,14 +131,11 @@ def read_weights(folder: PathLike) -> dict[str, np.ndarray]:
 class _Tensors:
   """The checkpoint's tensors, taken by name; remembers which were used."""
 
-  def __init__(self, tensors: dict[str, np.ndarray], prefix: str, folder: pathlib.Path):
+  def __init__(self, tensors: dict[str, np.ndarray], prefix: str, folder: PathLike):
     self.tensors = tensors
     self.prefix = prefix
-    self.folder = folder
+    self.folder = pathlib.Path(folder)
     self.used: set[str] = set()
-
-  def has(self, name: str) -> bool:
-    return self.prefix + name in self.tensors
 
   def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
     full = self.prefix + name
@@ -151,6 +150,13 @@ class _Tensors:
     self.used.add(full)
     return x.astype(np.float32)
 
+  def untied(self, full: str, tied: np.ndarray) -> bool:
+    """Whether tensor `full` is there and differs from `tied`, the tensor attnlab ties it to."""
+    if full not in self.tensors:
+      return False
+    self.used.add(full)
+    return not np.array_equal(self.tensors[full], tied)
+
   def check_all_used(self, ignore: Callable[[str], bool]) -> None:
     left = sorted(k for k in self.tensors if k not in self.used and not ignore(k))
     if left:
@@ -159,11 +165,10 @@ class _Tensors:
                     f"checkpoint has options attnlab does not express")
 
 
-def _get(config: dict[str, Any], key: str, default: Any = None) -> Any:
-  value = config.get(key, default)
-  if value is None and default is None:
+def _get(config: dict[str, Any], key: str) -> Any:
+  if config.get(key) is None:
     raise HFError(f"config.json lacks {key!r}, which this architecture needs")
-  return default if value is None else value
+  return config[key]
 
 
 def _activation(name: str) -> str:
@@ -171,6 +176,54 @@ def _activation(name: str) -> str:
     raise HFError(f"activation {name!r} of config.json is not supported; valid: "
                   f"{', '.join(ACTIVATIONS)}")
   return ACTIVATIONS[name]
+
+
+# --------------------------------------------------------------------------------------------------
+# Layouts: which checkpoint tensor holds which attnlab parameter, read one way on import and the
+# other on export
+
+
+# The checkpoint's tensors in reading order, each as (name, shape in the checkpoint, the attnlab
+# param paths it holds, transposed: a PyTorch Linear weight). A tensor with several paths is split
+# evenly along its last axis (GPT-2's fused query | key | value).
+_Layout = list[tuple[str, tuple[int, ...], list[tuple[str, ...]], bool]]
+
+
+def _tensor(name: str, shape: tuple[int, ...], *path: str) -> _Layout:
+  return [(name, shape, [path], False)]
+
+
+def _norm(name: str, path: tuple[str, ...], d: int) -> _Layout:
+  """A LayerNorm: NAME.weight, NAME.bias -> PATH/scale, PATH/bias."""
+  return (_tensor(f"{name}.weight", (d,), *path, "scale")
+          + _tensor(f"{name}.bias", (d,), *path, "bias"))
+
+
+def _dense(name: str, path: tuple[str, ...], i: int, o: int, *, linear: bool,
+           parts: tuple[str, ...] = ()) -> _Layout:
+  """A dense layer: NAME.weight, NAME.bias -> PATH/kernel, PATH/bias, or with `parts` the output
+  axis split into PATH/<part>_kernel, PATH/<part>_bias."""
+  kernels = [path + (f"{p}_kernel",) for p in parts] or [path + ("kernel",)]
+  biases = [path + (f"{p}_bias",) for p in parts] or [path + ("bias",)]
+  return [(f"{name}.weight", (o, i) if linear else (i, o), kernels, linear),
+          (f"{name}.bias", (o,), biases, False)]
+
+
+def _params_from(t: _Tensors, layout: _Layout) -> dict[str, Any]:
+  flat = {}
+  for name, shape, paths, transposed in layout:
+    x = t.take(name, shape)
+    flat.update(zip(paths, np.split(x.T if transposed else x, len(paths), axis=-1)))
+  return traverse_util.unflatten_dict(flat)
+
+
+def _tensors_from(params: Any, layout: _Layout, prefix: str = "") -> dict[str, np.ndarray]:
+  flat = traverse_util.flatten_dict(params)
+  tensors = {}
+  for name, _, paths, transposed in layout:
+    x = np.concatenate([np.asarray(flat[p], np.float32) for p in paths], axis=-1)
+    tensors[prefix + name] = np.ascontiguousarray(x.T if transposed else x)
+  return tensors
 
 
 # --------------------------------------------------------------------------------------------------
@@ -197,115 +250,67 @@ def _gpt2_dims(hf: dict[str, Any]) -> dict[str, Any]:
               attention_dropout_rate=float(hf.get("attn_pdrop", 0.0)))
 
 
+def _gpt2_layout(hf: dict[str, Any]) -> _Layout:
+  """GPT2Model's tensors (GPT2LMHeadModel prefixes them with "transformer.")."""
+  dims = _gpt2_dims(hf)
+  v, d, n = dims["vocab_size"], dims["d_model"], dims["block_size"]
+  f = dims["mlp_ratio"] * d
+  conv1d = functools.partial(_dense, linear=False)
+  layout = (_tensor("wte.weight", (v, d), "embed", "token", "embedding")
+            + _tensor("wpe.weight", (n, d), "embed", "position"))
+  for i in range(dims["num_layers"]):
+    h, block = f"h.{i}", f"block_{i}"
+    layout += (_norm(f"{h}.ln_1", (block, "ln_1"), d)
+               + conv1d(f"{h}.attn.c_attn", (block, "self_attention"), d, 3 * d, parts=_QKV)
+               + conv1d(f"{h}.attn.c_proj", (block, "self_attention", "out"), d, d)
+               + _norm(f"{h}.ln_2", (block, "ln_2"), d)
+               + conv1d(f"{h}.mlp.c_fc", (block, "mlp", "fc"), d, f)
+               + conv1d(f"{h}.mlp.c_proj", (block, "mlp", "proj"), f, d))
+  return layout + _norm("ln_f", ("ln_f",), d)
+
+
 def gpt2_to_params(hf: dict[str, Any], tensors: dict[str, np.ndarray],
                    folder: PathLike = "") -> dict[str, Any]:
   """attnlab GPT params from GPT-2 tensors (GPT2LMHeadModel or GPT2Model names)."""
-  dims = _gpt2_dims(hf)
-  prefix = "transformer." if "transformer.wte.weight" in tensors else ""
-  t = _Tensors(tensors, prefix, pathlib.Path(folder))
-  v, d, n = dims["vocab_size"], dims["d_model"], dims["block_size"]
-  inner = dims["mlp_ratio"] * d
-  ln = lambda name: {"scale": t.take(f"{name}.weight", (d,)), "bias": t.take(f"{name}.bias", (d,))}
-  dense = lambda name, i, o: {"kernel": t.take(f"{name}.weight", (i, o)),
-                              "bias": t.take(f"{name}.bias", (o,))}
-  params: dict[str, Any] = {"embed": {"token": {"embedding": t.take("wte.weight", (v, d))},
-                                      "position": t.take("wpe.weight", (n, d))}}
-  for i in range(dims["num_layers"]):
-    h = f"h.{i}"
-    w = t.take(f"{h}.attn.c_attn.weight", (d, 3 * d))  # [d, 3d]: query | key | value
-    b = t.take(f"{h}.attn.c_attn.bias", (3 * d,))
-    attn = {}
-    for j, name in enumerate(("query", "key", "value")):
-      attn[f"{name}_kernel"] = w[:, j * d:(j + 1) * d]
-      attn[f"{name}_bias"] = b[j * d:(j + 1) * d]
-    attn["out"] = dense(f"{h}.attn.c_proj", d, d)
-    params[f"block_{i}"] = {"ln_1": ln(f"{h}.ln_1"), "self_attention": attn,
-                            "ln_2": ln(f"{h}.ln_2"),
-                            "mlp": {"fc": dense(f"{h}.mlp.c_fc", d, inner),
-                                    "proj": dense(f"{h}.mlp.c_proj", inner, d)}}
-  params["ln_f"] = ln("ln_f")
-  head = tensors.get("lm_head.weight")
-  if head is not None:
-    t.used.add("lm_head.weight")
-    if head.shape != (v, d) or not np.array_equal(head, params["embed"]["token"]["embedding"]):
-      raise HFError("lm_head.weight differs from the token table wte.weight: attnlab's GPT ties "
-                    "its output layer to the token table (tie_word_embeddings=true), so an untied "
-                    "head cannot be imported")
+  layout = _gpt2_layout(hf)
+  t = _Tensors(tensors, "transformer." if "transformer.wte.weight" in tensors else "", folder)
+  params = _params_from(t, layout)
+  if t.untied("lm_head.weight", params["embed"]["token"]["embedding"]):
+    raise HFError("lm_head.weight differs from the token table wte.weight: attnlab's GPT ties "
+                  "its output layer to the token table (tie_word_embeddings=true), so an untied "
+                  "head cannot be imported")
   # Buffers of older checkpoints (the causal mask), not parameters.
   t.check_all_used(lambda k: k.endswith((".attn.bias", ".attn.masked_bias")))
   return params
 
 
-def gpt2_from_params(params: Any) -> dict[str, np.ndarray]:
-  """GPT2LMHeadModel tensors (transformer.* names) from attnlab GPT params."""
-  p = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))
-  out = {"transformer.wte.weight": p(params["embed"]["token"]["embedding"]),
-         "transformer.wpe.weight": p(params["embed"]["position"])}
-
-  def ln(name, tree):
-    out[f"transformer.{name}.weight"] = p(tree["scale"])
-    out[f"transformer.{name}.bias"] = p(tree["bias"])
-
-  def dense(name, tree):
-    out[f"transformer.{name}.weight"] = p(tree["kernel"])
-    out[f"transformer.{name}.bias"] = p(tree["bias"])
-
-  i = 0
-  while f"block_{i}" in params:
-    blk, h = params[f"block_{i}"], f"h.{i}"
-    attn = blk["self_attention"]
-    ln(f"{h}.ln_1", blk["ln_1"])
-    out[f"transformer.{h}.attn.c_attn.weight"] = p(np.concatenate(
-        [attn[f"{n}_kernel"] for n in ("query", "key", "value")], axis=1))  # [d, 3d]
-    out[f"transformer.{h}.attn.c_attn.bias"] = p(np.concatenate(
-        [attn[f"{n}_bias"] for n in ("query", "key", "value")]))
-    dense(f"{h}.attn.c_proj", attn["out"])
-    ln(f"{h}.ln_2", blk["ln_2"])
-    dense(f"{h}.mlp.c_fc", blk["mlp"]["fc"])
-    dense(f"{h}.mlp.c_proj", blk["mlp"]["proj"])
-    i += 1
-  ln("ln_f", params["ln_f"])
-  return out
+def gpt2_from_params(params: Any, hf: dict[str, Any]) -> dict[str, np.ndarray]:
+  """GPT2LMHeadModel tensors (transformer.* names) from attnlab GPT params and their config.json."""
+  return _tensors_from(params, _gpt2_layout(hf), "transformer.")
 
 
 def _gpt2_run_config(hf: dict[str, Any]):
-  dims = _gpt2_dims(hf)
-  config = _base_config("gpt.py", "")
-  m = config.model
-  m.size = "tiny"  # every dimension is set below
-  for key in ("num_layers", "num_heads", "d_model", "block_size", "mlp_ratio", "activation",
-              "dropout_rate", "attention_dropout_rate"):
-    m[key] = dims[key]
-  m.position = "learned"
-  m.use_bias = True
-  m.score = "scaled_dot"
-  # LayerNorm epsilon (GPT-2: 1e-5).
-  m.layer_norm_epsilon = dims["layer_norm_epsilon"]
-  # Rows of the token table (the checkpoint's; 0 would mean the tokenizer's size).
-  m.vocab_size = dims["vocab_size"]
+  # Every dimension is the checkpoint's; model.vocab_size: the rows of its token table.
+  config = _base_config("gpt.py", "", dict(_gpt2_dims(hf), size="tiny", position="learned",
+                                           use_bias=True, score="scaled_dot"))
   config.data.name = "tiny_shakespeare"
-  return config, dims["vocab_size"]
+  return config
 
 
 def _gpt2_export_config(config: Any, params: Any) -> dict[str, Any]:
+  from attnlab.models import gpt  # pylint: disable=g-import-not-at-top
   m = config.model
   v, d = np.shape(params["embed"]["token"]["embedding"])
   n = np.shape(params["embed"]["position"])[0]
-  activation = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}[m.activation]
   num_layers = sum(1 for k in params if k.startswith("block_"))
   return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": int(v),
           "n_positions": int(n), "n_embd": int(d), "n_layer": num_layers,
-          "n_head": int(m.num_heads) or _heads_from_size(config),
-          "n_inner": int(m.mlp_ratio * d), "activation_function": activation,
+          "n_head": int(m.num_heads) or gpt.size_config(m.size)["num_heads"],
+          "n_inner": int(m.mlp_ratio * d), "activation_function": _EXPORT_ACTIVATIONS[m.activation],
           "layer_norm_epsilon": float(m.get("layer_norm_epsilon", 1e-5)),
           "resid_pdrop": float(m.dropout_rate), "embd_pdrop": float(m.dropout_rate),
           "attn_pdrop": float(m.attention_dropout_rate), "tie_word_embeddings": True,
           "scale_attn_weights": True}
-
-
-def _heads_from_size(config: Any) -> int:
-  from attnlab.models import gpt  # pylint: disable=g-import-not-at-top
-  return gpt.size_config(config.model.size)["num_heads"]
 
 
 def _check_gpt_exportable(config: Any) -> None:
@@ -344,132 +349,83 @@ def _bert_dims(hf: dict[str, Any]) -> dict[str, Any]:
               attention_dropout_rate=float(hf.get("attention_probs_dropout_prob", 0.1)))
 
 
-def _bert_names(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """Older BERT checkpoints name LayerNorm parameters gamma/beta; use weight/bias."""
-  out = {}
-  for k, x in tensors.items():
-    if k.endswith(".gamma"):
-      k = k[:-len("gamma")] + "weight"
-    elif k.endswith(".beta"):
-      k = k[:-len("beta")] + "bias"
-    out[k] = x
-  return out
+# Older names of the LayerNorm parameters.
+_NORM_NAMES = {"gamma": ".weight", "beta": ".bias"}
+
+
+def _bert_layout(hf: dict[str, Any], mlm_bias: str = "cls.predictions.bias") -> _Layout:
+  """BertForPreTraining's tensors; `mlm_bias`: the name of the MLM output bias."""
+  dims = _bert_dims(hf)
+  v, d, f, n = dims["vocab_size"], dims["d_model"], dims["mlp_dim"], dims["max_len"]
+  linear = functools.partial(_dense, linear=True)
+  e, c = "bert.embeddings", "cls.predictions"
+  layout = (_tensor(f"{e}.word_embeddings.weight", (v, d), "encoder", "embed", "token", "embedding")
+            + _tensor(f"{e}.position_embeddings.weight", (n, d), "encoder", "embed", "position")
+            + _tensor(f"{e}.token_type_embeddings.weight", (dims["type_vocab_size"], d),
+                      "encoder", "segment", "embedding")
+            + _norm(f"{e}.LayerNorm", ("encoder", "embed_norm"), d))
+  for i in range(dims["num_layers"]):
+    layer, block = f"bert.encoder.layer.{i}", ("encoder", f"block_{i}")
+    for part in _QKV:
+      layout += linear(f"{layer}.attention.self.{part}", block + ("self_attention",), d, d,
+                       parts=(part,))
+    layout += (linear(f"{layer}.attention.output.dense", block + ("self_attention", "out"), d, d)
+               + _norm(f"{layer}.attention.output.LayerNorm", block + ("ln_1",), d)
+               + linear(f"{layer}.intermediate.dense", block + ("mlp", "fc"), d, f)
+               + linear(f"{layer}.output.dense", block + ("mlp", "proj"), f, d)
+               + _norm(f"{layer}.output.LayerNorm", block + ("ln_2",), d))
+  return (layout + linear("bert.pooler.dense", ("encoder", "pooler"), d, d)
+          + _tensor(mlm_bias, (v,), "mlm_bias")
+          + linear(f"{c}.transform.dense", ("mlm_transform",), d, d)
+          + _norm(f"{c}.transform.LayerNorm", ("mlm_norm",), d)
+          + linear("cls.seq_relationship", ("nsp",), d, 2))
 
 
 def bert_to_params(hf: dict[str, Any], tensors: dict[str, np.ndarray],
                    folder: PathLike = "") -> dict[str, Any]:
   """attnlab BertForPretraining params from BertForPreTraining tensors."""
-  dims = _bert_dims(hf)
-  tensors = _bert_names(tensors)
-  t = _Tensors(tensors, "", pathlib.Path(folder))
-  v, d, f, n = dims["vocab_size"], dims["d_model"], dims["mlp_dim"], dims["max_len"]
-  ln = lambda name: {"scale": t.take(f"{name}.weight", (d,)), "bias": t.take(f"{name}.bias", (d,))}
-  # PyTorch Linear weight [out, in] -> Flax kernel [in, out].
-  linear = lambda name, i, o: {"kernel": t.take(f"{name}.weight", (o, i)).T,
-                               "bias": t.take(f"{name}.bias", (o,))}
-  e = "bert.embeddings"
-  encoder: dict[str, Any] = {
-      "embed": {"token": {"embedding": t.take(f"{e}.word_embeddings.weight", (v, d))},
-                "position": t.take(f"{e}.position_embeddings.weight", (n, d))},
-      "segment": {"embedding": t.take(f"{e}.token_type_embeddings.weight",
-                                      (dims["type_vocab_size"], d))},
-      "embed_norm": ln(f"{e}.LayerNorm")}
-  for i in range(dims["num_layers"]):
-    layer = f"bert.encoder.layer.{i}"
-    attn = {}
-    for name in ("query", "key", "value"):
-      lin = linear(f"{layer}.attention.self.{name}", d, d)
-      attn[f"{name}_kernel"], attn[f"{name}_bias"] = lin["kernel"], lin["bias"]
-    attn["out"] = linear(f"{layer}.attention.output.dense", d, d)
-    encoder[f"block_{i}"] = {
-        "self_attention": attn, "ln_1": ln(f"{layer}.attention.output.LayerNorm"),
-        "mlp": {"fc": linear(f"{layer}.intermediate.dense", d, f),
-                "proj": linear(f"{layer}.output.dense", f, d)},
-        "ln_2": ln(f"{layer}.output.LayerNorm")}
-  encoder["pooler"] = linear("bert.pooler.dense", d, d)
+  # Older BERT checkpoints name LayerNorm parameters gamma/beta: use weight/bias.
+  tensors = {re.sub(r"\.(gamma|beta)$", lambda m: _NORM_NAMES[m[1]], k): x
+             for k, x in tensors.items()}
   c = "cls.predictions"
-  if t.has(f"{c}.bias"):
-    mlm_bias = t.take(f"{c}.bias", (v,))
-  else:
-    mlm_bias = t.take(f"{c}.decoder.bias", (v,))
-  for name in (f"{c}.decoder.weight", f"{c}.decoder.bias"):
-    if name in tensors:
-      t.used.add(name)
-      tied = encoder["embed"]["token"]["embedding"] if name.endswith("weight") else mlm_bias
-      if tensors[name].shape != tied.shape or not np.array_equal(tensors[name], tied):
-        raise HFError(f"{name} differs from the tensor it is tied to; attnlab's BERT ties the "
-                      f"MLM decoder to the token table (tie_word_embeddings=true)")
-  params = {"encoder": encoder, "mlm_transform": linear(f"{c}.transform.dense", d, d),
-            "mlm_norm": ln(f"{c}.transform.LayerNorm"), "mlm_bias": mlm_bias,
-            "nsp": linear("cls.seq_relationship", d, 2)}
+  # The MLM output bias; some checkpoints keep it only as the decoder's bias.
+  mlm_bias = f"{c}.bias" if f"{c}.bias" in tensors else f"{c}.decoder.bias"
+  layout = _bert_layout(hf, mlm_bias)
+  t = _Tensors(tensors, "", folder)
+  params = _params_from(t, layout)
+  for name, tied in ((f"{c}.decoder.weight", params["encoder"]["embed"]["token"]["embedding"]),
+                     (f"{c}.decoder.bias", params["mlm_bias"])):
+    if t.untied(name, tied):
+      raise HFError(f"{name} differs from the tensor it is tied to; attnlab's BERT ties the "
+                    f"MLM decoder to the token table (tie_word_embeddings=true)")
   t.check_all_used(lambda k: k.endswith("position_ids"))  # a buffer of 0..max_len-1
   return params
 
 
-def bert_from_params(params: Any) -> dict[str, np.ndarray]:
-  """BertForPreTraining tensors from attnlab BertForPretraining params."""
-  p = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))
-  out: dict[str, np.ndarray] = {}
-
-  def ln(name, tree):
-    out[f"{name}.weight"], out[f"{name}.bias"] = p(tree["scale"]), p(tree["bias"])
-
-  def linear(name, tree):
-    out[f"{name}.weight"], out[f"{name}.bias"] = p(np.asarray(tree["kernel"]).T), p(tree["bias"])
-
-  enc, e = params["encoder"], "bert.embeddings"
-  out[f"{e}.word_embeddings.weight"] = p(enc["embed"]["token"]["embedding"])
-  out[f"{e}.position_embeddings.weight"] = p(enc["embed"]["position"])
-  out[f"{e}.token_type_embeddings.weight"] = p(enc["segment"]["embedding"])
-  ln(f"{e}.LayerNorm", enc["embed_norm"])
-  i = 0
-  while f"block_{i}" in enc:
-    blk, layer = enc[f"block_{i}"], f"bert.encoder.layer.{i}"
-    attn = blk["self_attention"]
-    for name in ("query", "key", "value"):
-      linear(f"{layer}.attention.self.{name}",
-             {"kernel": attn[f"{name}_kernel"], "bias": attn[f"{name}_bias"]})
-    linear(f"{layer}.attention.output.dense", attn["out"])
-    ln(f"{layer}.attention.output.LayerNorm", blk["ln_1"])
-    linear(f"{layer}.intermediate.dense", blk["mlp"]["fc"])
-    linear(f"{layer}.output.dense", blk["mlp"]["proj"])
-    ln(f"{layer}.output.LayerNorm", blk["ln_2"])
-    i += 1
-  linear("bert.pooler.dense", enc["pooler"])
-  linear("cls.predictions.transform.dense", params["mlm_transform"])
-  ln("cls.predictions.transform.LayerNorm", params["mlm_norm"])
-  out["cls.predictions.bias"] = p(params["mlm_bias"])
-  linear("cls.seq_relationship", params["nsp"])
-  return out
+def bert_from_params(params: Any, hf: dict[str, Any]) -> dict[str, np.ndarray]:
+  """BertForPreTraining tensors from attnlab BertForPretraining params and their config.json."""
+  return _tensors_from(params, _bert_layout(hf))
 
 
 def _bert_run_config(hf: dict[str, Any]):
-  dims = _bert_dims(hf)
-  config = _base_config("bert.py", "mode=pretrain")
-  m = config.model
-  for key in ("num_layers", "d_model", "num_heads", "mlp_dim", "max_len", "activation",
-              "dropout_rate", "attention_dropout_rate"):
-    m[key] = dims[key]
-  m.score = "scaled_dot"
-  m.norm_position = "post"
-  # LayerNorm epsilon of the embeddings, blocks and MLM head (BERT: 1e-12).
-  m.layer_norm_epsilon = dims["layer_norm_epsilon"]
-  # Number of segment (token type) ids.
-  m.type_vocab_size = dims["type_vocab_size"]
-  config.data.max_len = min(config.data.max_len, dims["max_len"])
-  config.data.vocab_size = dims["vocab_size"]
-  return config, dims["vocab_size"]
+  model = _bert_dims(hf)
+  vocab_size = model.pop("vocab_size")
+  config = _base_config("bert.py", "mode=pretrain",
+                        dict(model, score="scaled_dot", norm_position="post"))
+  config.data.max_len = min(config.data.max_len, model["max_len"])
+  config.data.vocab_size = vocab_size
+  return config
 
 
 def _bert_export_config(config: Any, params: Any) -> dict[str, Any]:
   m = config.model
   enc = params["encoder"]
   v, d = np.shape(enc["embed"]["token"]["embedding"])
-  activation = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}[m.activation]
   return {"architectures": ["BertForPreTraining"], "model_type": "bert", "vocab_size": int(v),
           "hidden_size": int(d), "num_hidden_layers": int(m.num_layers),
           "num_attention_heads": int(m.num_heads), "intermediate_size": int(m.mlp_dim),
-          "hidden_act": activation, "max_position_embeddings": int(m.max_len),
+          "hidden_act": _EXPORT_ACTIVATIONS[m.activation],
+          "max_position_embeddings": int(m.max_len),
           "type_vocab_size": int(np.shape(enc["segment"]["embedding"])[0]),
           "layer_norm_eps": float(m.get("layer_norm_epsilon", 1e-12)),
           "hidden_dropout_prob": float(m.dropout_rate),
@@ -504,41 +460,29 @@ ARCHITECTURES: dict[str, tuple[Callable, ...]] = {
 TASK_ARCHITECTURES = {"causal_lm": "gpt2", "masked_lm": "bert"}
 
 
-def _configs_dir() -> pathlib.Path:
-  return pathlib.Path(__file__).resolve().parents[2] / "configs"
-
-
-def _base_config(name: str, arg: str):
+def _base_config(name: str, arg: str, model: dict[str, Any]):
+  """The repository's configs/<name>:<arg> with the model fields `model`."""
   from attnlab import config_utils  # pylint: disable=g-import-not-at-top
-  path = _configs_dir() / name
+  path = pathlib.Path(__file__).resolve().parents[2] / "configs" / name
   if not path.is_file():
     raise HFError(f"{path} not found: import-hf builds its run config from the repository's "
                   f"configs/ folder (install attnlab from its repository: pip install -e .)")
-  return config_utils.load_config_file(f"{path}:{arg}" if arg else str(path))
-
-
-def model_type_of(hf: dict[str, Any]) -> str:
-  """The checkpoint's model_type, checked against the supported ones."""
-  model_type = hf.get("model_type")
-  if model_type not in ARCHITECTURES:
-    raise HFError(f"unsupported model_type {model_type!r} in config.json; attnlab imports: "
-                  f"{', '.join(ARCHITECTURES)}")
-  return model_type
+  config = config_utils.load_config_file(f"{path}:{arg}" if arg else str(path))
+  for key, value in model.items():
+    config.model[key] = value
+  return config
 
 
 def load_checkpoint(folder: PathLike) -> tuple[str, dict[str, Any], Any]:
   """(model_type, the attnlab run config, attnlab params) of a checkpoint folder."""
   hf = read_hf_config(folder)
-  model_type = model_type_of(hf)
+  model_type = hf.get("model_type")
+  if model_type not in ARCHITECTURES:
+    raise HFError(f"unsupported model_type {model_type!r} in config.json; attnlab imports: "
+                  f"{', '.join(ARCHITECTURES)}")
   to_params, _, run_config, _, _ = ARCHITECTURES[model_type]
-  config, _ = run_config(hf)  # checks the config before the (large) weights are read
-  params = to_params(hf, read_weights(folder), folder)
-  return model_type, config, params
-
-
-def _abstract_params(task: Any) -> Any:
-  import jax  # pylint: disable=g-import-not-at-top
-  return jax.eval_shape(task.init, jax.random.key(0))
+  config = run_config(hf)  # checks the config before the (large) weights are read
+  return model_type, config, to_params(hf, read_weights(folder), folder)
 
 
 def import_checkpoint(folder: PathLike, workdir: PathLike, *, overwrite: bool = False
@@ -569,29 +513,23 @@ def import_checkpoint(folder: PathLike, workdir: PathLike, *, overwrite: bool = 
         target.unlink()
   workdir.mkdir(parents=True, exist_ok=True)
 
-  # Tokenizer: the checkpoint's files, copied into the run; else token ids.
-  copied = [n for n in hf_tokenizer.TOKENIZER_FILES if (folder / n).is_file()]
-  if hf_tokenizer.has_tokenizer_files(folder):
-    (workdir / TOKENIZER_DIR).mkdir(parents=True, exist_ok=True)
-    for name in copied:
-      shutil.copyfile(folder / name, workdir / TOKENIZER_DIR / name)
-    config.data.tokenizer = "hf"
-  else:
-    copied = []
-    config.data.tokenizer = "ids"
+  # Tokenizer: the checkpoint's files, copied into the run's assets (which a reloaded run reads,
+  # wherever it was moved; the absolute path is for a fine-tuning config that copies it); else
+  # token ids.
+  copied = (hf_tokenizer.copy_files(folder, workdir / TOKENIZER_DIR)
+            if hf_tokenizer.has_tokenizer_files(folder) else [])
+  config.data.tokenizer = "hf" if copied else "ids"
+  config.data.tokenizer_path = str(workdir / TOKENIZER_DIR) if copied else ""
+  if not copied:
     _LOG.warning("%s has no tokenizer files: imported the weights with data.tokenizer=ids, so "
                  "prompts are token ids separated by spaces ('464 3290 318')", folder)
-  # The folder of the tokenizer files, inside the run's assets (which a reloaded run reads,
-  # wherever it was moved); absolute, for a fine-tuning config that copies it.
-  config.data.tokenizer_path = str(workdir / TOKENIZER_DIR) if copied else ""
 
   task = tasks.build_task(config)
   task.save_assets(workdir / assets_lib.DIRNAME)
-  expected = checkpoint.tree_signature(_abstract_params(task))
-  got = checkpoint.tree_signature(params)
-  if expected != got:
-    diffs = [f"{k}: checkpoint {got.get(k, 'absent')}, model {expected.get(k, 'absent')}"
-             for k in sorted(set(expected) | set(got)) if expected.get(k) != got.get(k)]
+  diffs = checkpoint.signature_diffs(
+      checkpoint.tree_signature(params),
+      checkpoint.tree_signature(jax.eval_shape(task.init, jax.random.key(0))), "checkpoint")
+  if diffs:
     raise HFError(f"the converted weights do not fit the attnlab model: {'; '.join(diffs[:3])}")
   params = jax.tree.map(jnp.asarray, params)
   tx = state_lib.make_optimizer(config.optimizer, state_lib.make_schedule(config.optimizer,
@@ -599,11 +537,8 @@ def import_checkpoint(folder: PathLike, workdir: PathLike, *, overwrite: bool = 
   state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
                                opt_state=tx.init(params))
   checkpoint.write_config(workdir, config)
-  ckpt = checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR)
-  try:
+  with checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR) as ckpt:
     ckpt.save(0, state, {"index": 0})
-  finally:
-    ckpt.close()
   (workdir / IMPORT_FILE).write_text(json.dumps(
       {"source": str(folder), "model_type": model_type, "tokenizer_files": copied,
        "weights": sorted(p.name for p in folder.iterdir()
@@ -615,6 +550,7 @@ def import_checkpoint(folder: PathLike, workdir: PathLike, *, overwrite: bool = 
 def export(run_or_dir: Any, out_dir: PathLike) -> pathlib.Path:
   """Writes a Hugging Face checkpoint folder (config.json + model.safetensors, and the run's
   tokenizer files) from a causal_lm (GPT-2) or masked_lm (BERT) run or run directory."""
+  import jax  # pylint: disable=g-import-not-at-top
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   if isinstance(run_or_dir, (str, os.PathLike)):
     from attnlab import analysis  # pylint: disable=g-import-not-at-top
@@ -625,19 +561,15 @@ def export(run_or_dir: Any, out_dir: PathLike) -> pathlib.Path:
   if config.task not in TASK_ARCHITECTURES:
     raise HFError(f"a {config.task!r} run cannot be exported; valid tasks: "
                   f"{', '.join(f'{k} (as {v})' for k, v in TASK_ARCHITECTURES.items())}")
-  model_type = TASK_ARCHITECTURES[config.task]
-  _, from_params, _, hf_config, check = ARCHITECTURES[model_type]
+  _, from_params, _, export_config, check = ARCHITECTURES[TASK_ARCHITECTURES[config.task]]
   check(config)
-  import jax  # pylint: disable=g-import-not-at-top
   params = jax.tree.map(np.asarray, jax.device_get(run.params))
-  tensors = from_params(params)
+  hf = export_config(config, params)
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
-  save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-  (out_dir / "config.json").write_text(json.dumps(hf_config(config, params), indent=2) + "\n")
+  save_file(from_params(params, hf), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+  (out_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
   tokenizer = getattr(run.task, "tokenizer", None)
   if isinstance(tokenizer, hf_tokenizer.HFTokenizer):  # the run's kept tokenizer files
-    for name in hf_tokenizer.TOKENIZER_FILES:
-      if (tokenizer.directory / name).is_file():
-        shutil.copyfile(tokenizer.directory / name, out_dir / name)
+    hf_tokenizer.copy_files(tokenizer.directory, out_dir)
   return out_dir

@@ -19,7 +19,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from attnlab import errors
+from attnlab.errors import TorchFileError
 
 # torch storage class name -> NumPy dtype.
 STORAGE_DTYPES: dict[str, Any] = {
@@ -34,17 +34,6 @@ STORAGE_DTYPES: dict[str, Any] = {
     "ByteStorage": np.uint8,
     "BoolStorage": np.bool_,
 }
-
-
-TorchFileError = errors.TorchFileError
-
-
-class _StorageType:
-  """Stands for torch.<Name>Storage in the pickle: carries the dtype."""
-
-  def __init__(self, name: str):
-    self.name = name
-    self.dtype = np.dtype(STORAGE_DTYPES[name])
 
 
 def _rebuild_tensor(storage: np.ndarray, offset: int, size: tuple[int, ...],
@@ -90,21 +79,21 @@ class _Unpickler(pickle.Unpickler):
     if (module, name) in _ALLOWED_GLOBALS:
       return _ALLOWED_GLOBALS[(module, name)]
     if module == "torch" and name in STORAGE_DTYPES:
-      return _StorageType(name)
+      return np.dtype(STORAGE_DTYPES[name])  # stands for torch.<Name>Storage
     raise TorchFileError(f"refusing to load {module}.{name}: a state dict holds only tensors "
                          f"(convert the checkpoint to model.safetensors if it holds more)")
 
   def persistent_load(self, pid: Any) -> np.ndarray:
     if not (isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage"
-            and isinstance(pid[1], _StorageType)):
+            and isinstance(pid[1], np.dtype)):
       raise TorchFileError(f"unknown persistent id {pid!r:.80} in the pickle")
-    storage_type, key = pid[1], str(pid[2])
+    dtype, key = pid[1], str(pid[2])
     if key not in self._storages:
       try:
         raw = self._archive.read(f"{self._prefix}data/{key}")
       except KeyError:
         raise TorchFileError(f"storage {key} is missing from the archive") from None
-      self._storages[key] = np.frombuffer(raw, dtype=storage_type.dtype.newbyteorder("<"))
+      self._storages[key] = np.frombuffer(raw, dtype=dtype.newbyteorder("<"))
     return self._storages[key]
 
 
