@@ -480,13 +480,11 @@ def validate(config: ConfigDict) -> None:
     need(key in config, f"config has no field {key!r}; start config files from "
                         f"attnlab.config_utils.base_config()")
   need(bool(config.task), "config.task is empty; set it to a registered task name")
-  need(config.num_train_steps >= 0, f"num_train_steps must be >= 0, got {config.num_train_steps}")
-  need(config.batch_size >= 1, f"batch_size must be >= 1, got {config.batch_size}")
-  need(config.log_every >= 1, f"log_every must be >= 1, got {config.log_every}")
-  need(config.eval_every >= 0, f"eval_every must be >= 0 (0: only at the end), got {config.eval_every}")
-  need(config.checkpoint_every >= 0,
-       f"checkpoint_every must be >= 0 (0: only at the end), got {config.checkpoint_every}")
-  need(config.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {config.keep_checkpoints}")
+  at_end = " (0: only at the end)"
+  for key, least, note in (("num_train_steps", 0, ""), ("batch_size", 1, ""), ("log_every", 1, ""),
+                           ("eval_every", 0, at_end), ("checkpoint_every", 0, at_end),
+                           ("keep_checkpoints", 1, "")):
+    need(config[key] >= least, f"{key} must be >= {least}{note}, got {config[key]}")
   num_seeds = config.get("num_seeds", 1)
   need(isinstance(num_seeds, int) and num_seeds >= 1,
        f"num_seeds must be an int >= 1 (1: an ordinary run), got {num_seeds!r}")

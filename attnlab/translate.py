@@ -83,22 +83,25 @@ def translate(workdir: str, sentences: Sequence[str], *, step: str = "latest",
   return lines
 
 
+def _check(fv: flags.FlagValues, sentences: Sequence[str]) -> str | None:
+  if not fv.workdir:
+    return "--workdir is required: the run directory of a trained translation model"
+  if not sentences:
+    return 'give the sentence(s) to translate, e.g. attnlab translate --workdir=DIR "Hello"'
+  return main_lib.step_error(fv.step)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """`attnlab translate` / `python -m attnlab.translate`: returns the exit status."""
   argv = list(sys.argv if argv is None else argv)
   prog = main_lib.prog_name(argv, "attnlab.translate")
   flag_values = _define_flags()
   try:
-    sentences = flag_values(list(argv))[1:]
-    message = None
+    sentences = flag_values(list(argv))[1:]  # the arguments that are not flags
   except (flags.Error, ValueError) as e:
     sentences, message = [], main_lib.error_line(e)
-  if message is None and not flag_values.workdir:
-    message = "--workdir is required: the run directory of a trained translation model"
-  if message is None and not sentences:
-    message = 'give the sentence(s) to translate, e.g. attnlab translate --workdir=DIR "Hello"'
-  if message is None:
-    message = main_lib.step_error(flag_values.step)
+  else:
+    message = _check(flag_values, sentences)
 
   def body() -> None:
     warn = lambda message: print(f"{prog}: warning: {message}", file=sys.stderr)
