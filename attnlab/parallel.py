@@ -106,8 +106,8 @@ def is_main_process() -> bool:
 def mesh_shape(mesh_config: ml_collections.ConfigDict | None,
                num_devices: int) -> tuple[int, int]:
   """(data, fsdp) sizes from `config.mesh` for `num_devices` devices; -1 = the rest."""
-  data = int(mesh_config.get("data", -1)) if mesh_config is not None else -1
-  fsdp = int(mesh_config.get("fsdp", 1)) if mesh_config is not None else 1
+  mesh_config = {} if mesh_config is None else mesh_config
+  data, fsdp = int(mesh_config.get("data", -1)), int(mesh_config.get("fsdp", 1))
   if fsdp < 1 or data == 0 or data < -1:
     raise ConfigError(f"mesh.data must be -1 (all devices) or >= 1 and mesh.fsdp >= 1, got "
                       f"mesh.data={data}, mesh.fsdp={fsdp}")
@@ -188,8 +188,7 @@ def batch_sharding(mesh: Mesh, ndim: int, replica_axes: int = 0) -> NamedShardin
   """Batch leaves: the example axis (after the replica axes) split over ("data", "fsdp")."""
   if ndim <= replica_axes:
     return replicated(mesh)
-  spec = [None] * replica_axes + [MESH_AXES]
-  return NamedSharding(mesh, P(*spec))
+  return NamedSharding(mesh, P(*[None] * replica_axes, MESH_AXES))
 
 
 def shard_batch(batch: Any, mesh: Mesh, replica_axes: int = 0) -> Any:
@@ -207,19 +206,20 @@ def shard_batch(batch: Any, mesh: Mesh, replica_axes: int = 0) -> Any:
           f"batch leaf {jax.tree_util.keystr(path) or 'batch'} has {leaf.shape[replica_axes]} "
           f"examples, which do not split over the {pieces} devices of the mesh (data x fsdp); set "
           f"batch_size to a multiple of {pieces}, or choose mesh.data/mesh.fsdp to divide it")
-    sharding = batch_sharding(mesh, leaf.ndim, replica_axes)
-    return jax.make_array_from_callback(leaf.shape, sharding, lambda index: leaf[index])
+    return _place(leaf, batch_sharding(mesh, leaf.ndim, replica_axes))
   return jax.tree_util.tree_map_with_path(place, batch)
 
 
 def put_replicated(value: Any, mesh: Mesh) -> Any:
   """A host value (NumPy pytree, equal on every process) replicated over `mesh`."""
   sharding = replicated(mesh)
+  return jax.tree.map(lambda leaf: _place(np.asarray(leaf), sharding), value)
 
-  def place(leaf):
-    leaf = np.asarray(leaf)
-    return jax.make_array_from_callback(leaf.shape, sharding, lambda index: leaf[index])
-  return jax.tree.map(place, value)
+
+def _place(leaf: np.ndarray, sharding: NamedSharding) -> jax.Array:
+  """A host array (the same on every process) as a global array; each process transfers only
+  the pieces its own devices hold."""
+  return jax.make_array_from_callback(leaf.shape, sharding, lambda index: leaf[index])
 
 
 def to_host(tree: Any) -> Any:

@@ -139,10 +139,10 @@ def abstract_train_state(task: tasks.Task, tx: optax.GradientTransformation, rng
   else:
     abstract = jax.eval_shape(functools.partial(create_train_state, task, tx), rng)
   if mesh is None:
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                        abstract)
-  shardings = state_shardings_for(task.config, abstract, mesh)
+    first_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: first_device, abstract)
+  else:
+    shardings = state_shardings_for(task.config, abstract, mesh)
   return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                       abstract, shardings)
 
@@ -180,10 +180,10 @@ def replica_iterators(task: tasks.Task, seeds: list[int]) -> list[tasks.BatchIte
   """
   iterators = []
   for seed in seeds:
-    replica = copy.copy(task)
-    replica.config = copy.deepcopy(task.config)
-    replica.config.seed = seed
-    iterators.append(replica.train_iterator())
+    clone = copy.copy(task)
+    clone.config = copy.deepcopy(task.config)
+    clone.config.seed = seed
+    iterators.append(clone.train_iterator())
   return iterators
 
 
@@ -196,9 +196,19 @@ def over_replicas(fn: Callable[..., Any], num_seeds: int, *, in_axes: tuple, out
   return jax.vmap(fn, in_axes=(REPLICA_AXES, *in_axes), out_axes=(REPLICA_AXES, *out_axes))
 
 
+def replica(params: Any, i: int) -> Any:
+  """Replica i's leaves of a pytree with a leading replica axis."""
+  return jax.tree.map(lambda x: x[i], params)
+
+
 def first_replica(params: Any, num_seeds: int) -> Any:
   """The parameters of the first replica (the run's own seed)."""
-  return params if num_seeds == 1 else jax.tree.map(lambda x: x[0], params)
+  return params if num_seeds == 1 else replica(params, 0)
+
+
+def stack_replicas(trees: list[Any]) -> Any:
+  """Host pytrees of the same structure stacked leaf by leaf along a new leading replica axis."""
+  return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *trees)
 
 
 def place_key(key: jax.Array, mesh: jax.sharding.Mesh | None) -> jax.Array:
@@ -228,8 +238,7 @@ class ReplicaBatches:
     return self
 
   def __next__(self) -> Any:
-    batches = [next(it) for it in self._iterators]
-    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *batches)
+    return stack_replicas([next(it) for it in self._iterators])
 
   def get_state(self) -> dict[str, Any]:
     return {"replicas": [it.get_state() for it in self._iterators]}
@@ -264,7 +273,7 @@ class PlacedBatches:
 
 
 def mean_metrics(pending: list[tuple[int, dict]], num_seeds: int = 1
-                  ) -> tuple[dict[str, float], dict[str, list[float]] | None]:
+                 ) -> tuple[dict[str, float], dict[str, list[float]] | None]:
   """(metrics averaged over the steps (and replicas), per-replica averages or None)."""
   values = parallel.to_host([m for _, m in pending])
   if num_seeds == 1:
@@ -283,7 +292,7 @@ def evaluate(task: tasks.Task, params: Any, num_seeds: int = 1
   params = parallel.to_local(params)
   if num_seeds == 1:
     return task.evaluate(params), None
-  results = [task.evaluate(jax.tree.map(lambda x, i=i: x[i], params)) for i in range(num_seeds)]
+  results = [task.evaluate(replica(params, i)) for i in range(num_seeds)]
   per_seed = {key: [float(r[key]) for r in results] for key in results[0]}
   return {key: float(np.mean(vals)) for key, vals in per_seed.items()}, per_seed
 
@@ -291,18 +300,12 @@ def evaluate(task: tasks.Task, params: Any, num_seeds: int = 1
 def initial_state(task: tasks.Task, tx: optax.GradientTransformation, init_rng: jax.Array,
                    num_seeds: int, mesh: jax.sharding.Mesh | None, shardings: Any) -> TrainState:
   """Step 0 of every replica, created directly in its sharding on a mesh."""
+  create = functools.partial(create_train_state if num_seeds == 1 else create_replicas, task, tx)
   if mesh is None:
-    if num_seeds == 1:
-      return create_train_state(task, tx, init_rng)
-    return create_replicas(task, tx, init_rng)
-
-  def create(key_data: jax.Array) -> TrainState:
-    keys = jax.random.wrap_key_data(key_data)
-    if num_seeds == 1:
-      return create_train_state(task, tx, keys)
-    return create_replicas(task, tx, keys)
+    return create(init_rng)
   key_data = parallel.put_replicated(jax.random.key_data(init_rng), mesh)
-  return jax.jit(create, out_shardings=shardings)(key_data)
+  return jax.jit(lambda data: create(jax.random.wrap_key_data(data)),
+                 out_shardings=shardings)(key_data)
 
 
 def with_pretrained(task: tasks.Task, tx: optax.GradientTransformation, state: TrainState,
@@ -314,19 +317,16 @@ def with_pretrained(task: tasks.Task, tx: optax.GradientTransformation, state: T
   if not init_from:
     return state
   pretrained = restore(init_from)
-  pretrained_params = jax.device_get(pretrained.state.params)
-  if num_seeds_of(pretrained.config) > 1:  # a run of several seeds: its first replica
-    pretrained_params = jax.tree.map(lambda x: x[0], pretrained_params)
+  # A run of several seeds gives its first replica.
+  pretrained_params = first_replica(jax.device_get(pretrained.state.params),
+                                    num_seeds_of(pretrained.config))
   _LOG.info("initialising from %s (step %d)", pretrained.workdir, pretrained.step)
   params = parallel.to_host(state.params)
+  load = lambda p: task.load_pretrained(p, pretrained.config, pretrained_params)
   if num_seeds == 1:
-    loaded = task.load_pretrained(params, pretrained.config, pretrained_params)
+    loaded = load(params)
   else:
-    replicas = [task.load_pretrained(jax.tree.map(lambda x, i=i: x[i], params),
-                                     pretrained.config, pretrained_params)
-                for i in range(num_seeds)]
-    loaded = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]),
-                          *replicas)  # [N, ...] leaves
+    loaded = stack_replicas([load(replica(params, i)) for i in range(num_seeds)])  # [N, ...]
 
   def rebuild(params: Any) -> TrainState:
     opt_state = tx.init(params) if num_seeds == 1 else jax.vmap(tx.init)(params)

@@ -35,7 +35,6 @@ import threading
 import time
 from typing import Any
 
-import flax
 import jax
 import ml_collections
 import numpy as np
@@ -53,12 +52,9 @@ from attnlab.errors import TrainingInterrupted
 from attnlab.errors import UserError
 from attnlab.errors import WriteFailed
 from attnlab.state import TrainState
-from attnlab.state import abstract_train_state
-from attnlab.state import evaluate
+# Importable from here too (benchmarks and tests build their own train steps).
 from attnlab.state import make_optimizer
 from attnlab.state import make_schedule
-from attnlab.state import replica_keys
-from attnlab.state import replica_seeds
 from attnlab.state import run_keys
 
 _LOG = logging.getLogger(__name__)
@@ -97,11 +93,9 @@ def make_train_step(task: tasks.Task, tx: optax.GradientTransformation, schedule
     return state_lib.over_replicas(one_step, num_seeds, in_axes=(0, 0), out_axes=(0,))(
         state, batch, rng)
 
-  if mesh is None:
-    jitted = jax.jit(train_step, donate_argnums=0)
-  else:
-    jitted = jax.jit(train_step, donate_argnums=0,
-                     out_shardings=(state_shardings, parallel.replicated(mesh)))
+  shardings = {} if mesh is None else {
+      "out_shardings": (state_shardings, parallel.replicated(mesh))}
+  jitted = jax.jit(train_step, donate_argnums=0, **shardings)
   jitted.traces = 0
   return jitted
 
@@ -122,7 +116,8 @@ def _writing(path: str | os.PathLike):
 
 
 class _MetricLogger:
-  """Appends records to metrics.jsonl and TensorBoard (on process 0 only)."""
+  """Appends records to metrics.jsonl and TensorBoard (on process 0 only); a context manager that
+  closes them, ignoring write errors while another error propagates."""
 
   def __init__(self, workdir: pathlib.Path, start_step: int, seeds: list[int] | None = None):
     # The replicas' seeds when num_seeds > 1 (records then carry per-seed values).
@@ -158,6 +153,12 @@ class _MetricLogger:
           for seed, value in zip(self._seeds, values):
             self._tb.add_scalar(f"{split}_seed{seed}/{name}", value, step)
       self._tb.flush()
+
+  def __enter__(self) -> _MetricLogger:
+    return self
+
+  def __exit__(self, exc_type: Any, *exc: Any) -> None:
+    self.close(quiet=exc_type is not None)
 
   def close(self, quiet: bool = False) -> None:
     """Closes the files (once); `quiet`: while another error propagates, ignore write errors."""
@@ -319,12 +320,12 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
   num_steps = config.num_train_steps
   schedule = make_schedule(config.optimizer, num_steps)
   tx = make_optimizer(config.optimizer, schedule)
-  seeds = replica_seeds(config)
+  seeds = state_lib.replica_seeds(config)
   num_seeds = len(seeds)
-  init_rng, train_rng = replica_keys(config)
+  init_rng, train_rng = state_lib.replica_keys(config)
   train_rng = state_lib.place_key(train_rng, mesh)
   train_iter = state_lib.train_batches(task, seeds, mesh)
-  abstract = abstract_train_state(task, tx, run_keys(config.seed)[0], mesh=mesh)
+  abstract = state_lib.abstract_train_state(task, tx, run_keys(config.seed)[0], mesh=mesh)
   shardings = None if mesh is None else jax.tree.map(lambda x: x.sharding, abstract)
   if is_main:
     _record_start(workdir, task)
@@ -363,14 +364,9 @@ def _finish_complete_run(task: tasks.Task, state: TrainState, workdir: pathlib.P
                          step: int, seeds: list[int]) -> None:
   """A run already at its last step: add the final evaluation if a crash skipped it."""
   if not checkpoint.is_complete(workdir, step):
-    logger = _MetricLogger(workdir, step, seeds)
-    try:
-      metrics, per_seed = evaluate(task, state.params, len(seeds))
+    with _MetricLogger(workdir, step, seeds) as logger:
+      metrics, per_seed = state_lib.evaluate(task, state.params, len(seeds))
       logger.write(step, "eval", metrics, per_seed)
-    except BaseException:
-      logger.close(quiet=True)
-      raise
-    logger.close()
   _LOG.info("%s is complete (step %d); nothing to train", workdir, step)
 
 
@@ -395,57 +391,50 @@ def _check_finite(pending: list[tuple[int, dict]], ckpt: checkpoint.Checkpointer
 def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, train_rng,
                 seeds) -> TrainState:
   num_steps, start, num_seeds = config.num_train_steps, state_lib.step_of(state), len(seeds)
-  logger = _MetricLogger(workdir, start, seeds)
   pending: list[tuple[int, dict]] = []  # per-step metrics (on device) since the last log
   checked = 0  # pending[:checked] are known to have a finite loss
-  last_log_step, last_log_time = start, time.time()
-  bar = _progress_bar(num_steps, start)
-  try:
-    with _StopRequest() as stop, contextlib.ExitStack() as stack:
-      if not bar.disable:
-        from tqdm.contrib.logging import logging_redirect_tqdm  # pylint: disable=g-import-not-at-top
-        stack.enter_context(logging_redirect_tqdm([logging.getLogger("attnlab")]))
-      for step in range(start + 1, num_steps + 1):
-        batch = next(train_iter)
-        state, metrics = train_step(state, batch, train_rng)
-        pending.append((step, metrics))
-        bar.update()
-        last, stopping = step == num_steps, stop.signum is not None
-        do_log = step % config.log_every == 0 or last or stopping
-        do_ckpt = last or stopping or (
-            config.checkpoint_every > 0 and step % config.checkpoint_every == 0)
-        do_eval = last or (not stopping and config.eval_every > 0 and step % config.eval_every == 0)
-        if not (do_log or do_ckpt or do_eval):
-          continue
-        _check_finite(pending[checked:], ckpt, seeds)  # before anything is written for this step
-        checked = len(pending)
-        if do_log:
-          now = time.time()
-          summary, per_seed = state_lib.mean_metrics(pending, num_seeds)
-          steps_per_sec = (step - last_log_step) / max(now - last_log_time, 1e-9)
-          logger.write(step, "train", summary, per_seed, steps_per_sec=steps_per_sec)
-          bar.set_postfix(loss=f"{summary['loss']:.4g}", refresh=False)
-          if bar.disable:
-            _LOG.info("step %d: loss %.4g, %.1f steps/s", step, summary["loss"], steps_per_sec)
-          pending, checked = [], 0
-          last_log_step, last_log_time = step, now
-        if do_ckpt:
-          ckpt.save(step, state, train_iter.get_state())
-        if do_eval:
-          eval_metrics, per_seed = evaluate(task, state.params, num_seeds)
-          logger.write(step, "eval", eval_metrics, per_seed)
-          _LOG.info("step %d eval: %s", step,
-                    ", ".join(f"{k}={v:.4g}" for k, v in eval_metrics.items()))
-          last_log_time = time.time()  # throughput counts training only
-        if stopping and not last:
-          name = signal.Signals(stop.signum).name
-          raise TrainingInterrupted(
-              f"stopped by {name} at step {step}; checkpoint saved in {ckpt.directory}; run the "
-              f"same command to resume", stop.signum)
-  except BaseException:
-    logger.close(quiet=True)  # the error on its way out is the one to report
-    raise
-  finally:
-    bar.close()
-    logger.close()
+  with (_MetricLogger(workdir, start, seeds) as logger,
+        contextlib.closing(_progress_bar(num_steps, start)) as bar,
+        _StopRequest() as stop, contextlib.ExitStack() as stack):
+    last_log_step, last_log_time = start, time.time()
+    if not bar.disable:
+      from tqdm.contrib.logging import logging_redirect_tqdm  # pylint: disable=g-import-not-at-top
+      stack.enter_context(logging_redirect_tqdm([logging.getLogger("attnlab")]))
+    for step in range(start + 1, num_steps + 1):
+      batch = next(train_iter)
+      state, metrics = train_step(state, batch, train_rng)
+      pending.append((step, metrics))
+      bar.update()
+      last, stopping = step == num_steps, stop.signum is not None
+      do_log = step % config.log_every == 0 or last or stopping
+      do_ckpt = last or stopping or (
+          config.checkpoint_every > 0 and step % config.checkpoint_every == 0)
+      do_eval = last or (not stopping and config.eval_every > 0 and step % config.eval_every == 0)
+      if not (do_log or do_ckpt or do_eval):
+        continue
+      _check_finite(pending[checked:], ckpt, seeds)  # before anything is written for this step
+      checked = len(pending)
+      if do_log:
+        now = time.time()
+        summary, per_seed = state_lib.mean_metrics(pending, num_seeds)
+        steps_per_sec = (step - last_log_step) / max(now - last_log_time, 1e-9)
+        logger.write(step, "train", summary, per_seed, steps_per_sec=steps_per_sec)
+        bar.set_postfix(loss=f"{summary['loss']:.4g}", refresh=False)
+        if bar.disable:
+          _LOG.info("step %d: loss %.4g, %.1f steps/s", step, summary["loss"], steps_per_sec)
+        pending, checked = [], 0
+        last_log_step, last_log_time = step, now
+      if do_ckpt:
+        ckpt.save(step, state, train_iter.get_state())
+      if do_eval:
+        eval_metrics, per_seed = state_lib.evaluate(task, state.params, num_seeds)
+        logger.write(step, "eval", eval_metrics, per_seed)
+        _LOG.info("step %d eval: %s", step,
+                  ", ".join(f"{k}={v:.4g}" for k, v in eval_metrics.items()))
+        last_log_time = time.time()  # throughput counts training only
+      if stopping and not last:
+        name = signal.Signals(stop.signum).name
+        raise TrainingInterrupted(
+            f"stopped by {name} at step {step}; checkpoint saved in {ckpt.directory}; run the "
+            f"same command to resume", stop.signum)
   return state
