@@ -41,26 +41,12 @@ Synthetic tasks (no files; every option has a default; `num_examples` per split,
 
 Splits of synthetic tasks: train, validation, test (independent seeds per split).
 
-Tokenizers (`attnlab.data.tokenizers`)
---------------------------------------
-`Vocab` with ids 0..6 = `<pad>` (pad_id=0), `<start>`, `<end>`, `<unk>`, `[CLS]`, `[SEP]`,
-`[MASK]` (`start_id`, `end_id`, `unk_id`, `cls_id`, `sep_id`, `mask_id`);
-`encode(text, add_start=False, add_end=False) -> list[int]`,
-`decode(ids, stop_at_end=True, skip_special=True) -> str`, `save(path)`, `len(vocab)`.
-Training: `CharTokenizer.train(texts)`, `WordTokenizer.train(texts, lower=True,
-split_punct=True, min_count=1, max_size=None)`, `SubwordTokenizer.train(texts, vocab_size,
-model_dir, model_type="unigram")`; `load_tokenizer(path)`; `load_or_train_tokenizer(path, kind,
-texts, **options)` reuses the saved one on resume.
-
-Batching (`attnlab.data.pipeline`)
-----------------------------------
-`encode_examples(examples, {field: fn})`; `permuted_batches(arrays, batch_size, seed)` (in-memory
-arrays in a fresh permutation per epoch, resumable from the batch index: `IndexedBatches`);
-`Batcher(examples, batch_size, seed=0, shuffle=True, num_epochs=None, drop_remainder=True,
-pad_to=None, buckets=None, max_length=None, length_policy="filter")` yielding dicts of numpy
-arrays: sequence field `f` -> `f` int32 [batch, length], `f_mask` bool [batch, length],
-`f_length` int32 [batch]; scalar fields -> [batch]; `example_mask` bool [batch].
-`get_state()` / `set_state(state)` ({"epoch", "position", "seed"}) resume the same batches.
+Tokenizers and batching (details in each module's docstring)
+------------------------------------------------------------
+`attnlab.data.tokenizers`: one `Vocab` type with character, word and subword segmentation (ids
+0..6 special, 0 = padding), `encode` / `decode` / `save`, `load_tokenizer`.
+`attnlab.data.pipeline`: `Batcher` (padded numpy batches, length buckets, resumable state) and
+`permuted_batches` (in-memory arrays, a fresh permutation per epoch).
 
 Example::
 

@@ -30,6 +30,7 @@ import base64
 import collections
 import hashlib
 import io
+import itertools
 import json
 import os
 import pathlib
@@ -269,22 +270,10 @@ class SubwordTokenizer(Vocab):
     return list(self._sp.encode(text))
 
   def _decode(self, ids: list[int]) -> str:
-    parts: list[str] = []
-    run: list[int] = []
-
-    def flush() -> None:
-      if run:
-        parts.append(self._sp.decode(run))
-        run.clear()
-
-    for i in ids:
-      if i < len(SPECIAL_TOKENS):
-        flush()
-        parts.append(self._tokens[i])
-      else:
-        run.append(i)
-    flush()
-    return "".join(parts)
+    # Special tokens as written; each run of pieces between them decoded by sentencepiece.
+    runs = itertools.groupby(ids, lambda i: i < len(SPECIAL_TOKENS))
+    return "".join("".join(self._tokens[i] for i in run) if special else self._sp.decode(list(run))
+                   for special, run in runs)
 
   def _extra_state(self) -> dict[str, Any]:
     return {"model": base64.b64encode(self._model_proto).decode("ascii")}

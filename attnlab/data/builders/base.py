@@ -54,10 +54,6 @@ class RawSource:
   size: int | None = None
   sha256: str | None = None
 
-  @property
-  def is_archive(self) -> bool:
-    return self.url.endswith(".zip")
-
 
 def data_dir_or_default(data_dir: str | os.PathLike[str] | None) -> str | None:
   """The TFDS data dir: the argument, else $TFDS_DATA_DIR, else None (TFDS's default)."""
@@ -133,7 +129,7 @@ def resolve_raw_files(
     # TFDS retries a failing download for minutes: an offline user hears it at once instead.
     raise DatasetNotFoundError(_missing_message(name, source, looked, f"; {unreachable}"))
   try:
-    if source.is_archive:
+    if source.url.endswith(".zip"):
       # TFDS's own extractor needs TensorFlow (tf.io.gfile): download with TFDS, unzip here.
       paths = extract_zip_members(name, pathlib.Path(dl_manager.download(source.url)), source)
     else:
@@ -335,8 +331,7 @@ class RawFileBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     return {split: self._generate_examples(splits[split]) for split in self.SPLITS}
 
   def _generate_examples(self, rows: list[dict[str, Any]]) -> Iterator[tuple[int, dict]]:
-    for i, row in enumerate(rows):
-      yield i, row
+    yield from enumerate(rows)
 
   def _features(self) -> tfds.features.FeaturesDict:
     raise NotImplementedError
