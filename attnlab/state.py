@@ -133,11 +133,9 @@ def abstract_train_state(task: tasks.Task, tx: optax.GradientTransformation, rng
   arrays are placed on the first device; with one they follow `parallel.state_shardings`.
   """
   num_seeds = num_seeds_of(task.config)
-  if num_seeds > 1:
-    keys = jax.random.split(rng, num_seeds)  # [N] (only their shape matters here)
-    abstract = jax.eval_shape(functools.partial(create_replicas, task, tx), keys)
-  else:
-    abstract = jax.eval_shape(functools.partial(create_train_state, task, tx), rng)
+  keys = rng if num_seeds == 1 else jax.random.split(rng, num_seeds)  # only their shape matters
+  create = create_train_state if num_seeds == 1 else create_replicas
+  abstract = jax.eval_shape(functools.partial(create, task, tx), keys)
   if mesh is None:
     first_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree.map(lambda _: first_device, abstract)

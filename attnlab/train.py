@@ -8,19 +8,16 @@ saves a checkpoint and stops; a write the disk refuses (full, read-only) stops t
 naming the file and the last good checkpoint; a second process on a busy workdir is refused
 (checkpoint.WorkdirLock).
 
-Determinism: parameters come from `split(key(seed))[0]`; step t's dropout/sampling key is
-`fold_in(split(key(seed))[1], t)`, so the key needs no saving; the data order comes from the task's
-iterator, whose state is in every checkpoint. A resumed run therefore ends with the same
-parameters, bit for bit, as an uninterrupted one.
+Determinism: the keys are functions of the seed and the step (attnlab/state.py: `run_keys`), so
+they need no saving; the data order comes from the task's iterator, whose state is in every
+checkpoint. A resumed run therefore ends with the same parameters, bit for bit, as an
+uninterrupted one.
 
-The train state, its N >= 1 replicas and their keys, data and evaluation are in attnlab/state.py.
-Scale (attnlab/parallel.py): with several devices the state lives on a ("data", "fsdp") mesh from
-`config.mesh` and every batch is split over it; with one device nothing changes. With
-`config.num_seeds = N > 1`, N replicas (seeds seed, seed+1, ..., seed+N-1: each its own init key,
-step keys and data order, on the data set built from `config.seed`) train in one program by
-`jax.vmap`: parameters and optimizer state get a leading `[N]` axis (the step counter is shared),
-checkpoints hold all replicas, and each metrics.jsonl record holds the mean over replicas plus
-`seeds` and `per_seed` ({name: [N values]}).
+The train state, its N >= 1 replicas (`config.num_seeds`, trained in one program by `jax.vmap`)
+and their keys, data and evaluation are in attnlab/state.py; checkpoints hold all replicas, and
+each metrics.jsonl record holds the mean over replicas plus `seeds` and `per_seed` ({name: [N
+values]}). Scale (attnlab/parallel.py): with several devices the state lives on a ("data", "fsdp")
+mesh from `config.mesh` and every batch is split over it; with one device nothing changes.
 """
 
 from __future__ import annotations

@@ -250,6 +250,7 @@ class CausalLMTask(Task):
 
   def write_plots(self, params, workdir: pathlib.Path) -> None:
     """sample.txt (a generated continuation) and attention.png (every layer and head)."""
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
     from attnlab import plotting  # pylint: disable=g-import-not-at-top  (matplotlib)
     workdir = pathlib.Path(workdir)
     g = self.config.generate
@@ -262,8 +263,6 @@ class CausalLMTask(Task):
         params, jnp.asarray(ids)[None])["intermediates"]
     weights = sown.stack_layers(sown.sown_values(inter))  # [layers, heads, len, len]
     labels = [repr(self.tokenizer.id_to_token(int(i)))[1:-1] for i in ids]
-    fig = plotting.attention_grid(weights, x_labels=labels, y_labels=labels,
-                                  title=f"GPT self-attention ({self.config.model.score})",
-                                  path=workdir / "attention.png")
-    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-    plt.close(fig)
+    plt.close(plotting.attention_grid(weights, x_labels=labels, y_labels=labels,
+                                      title=f"GPT self-attention ({self.config.model.score})",
+                                      path=workdir / "attention.png"))

@@ -193,15 +193,13 @@ def plot_head_views(task: Task, params: Any, workdir: pathlib.Path,
   layers, heads = weights.shape[:2]
   workdir = pathlib.Path(workdir)
   paths = {"head_view": workdir / "head_view.png", "cls_attention": workdir / "cls_attention.png"}
-  fig = plotting.attention_grid(weights, x_labels=labels, y_labels=labels,
-                                title=f"{title}: {sentence}", path=paths["head_view"])
-  plt.close(fig)
+  plt.close(plotting.attention_grid(weights, x_labels=labels, y_labels=labels,
+                                    title=f"{title}: {sentence}", path=paths["head_view"]))
   cls_rows = weights[:, :, 0, :].reshape(layers * heads, -1)  # [layers * heads, n]
   row_names = [f"L{l} H{h}" for l in range(layers) for h in range(heads)]
-  fig = plotting.attention_heatmap(cls_rows, x_labels=labels, y_labels=row_names,
-                                   title=f"{title}: attention of [CLS]", ylabel="layer, head",
-                                   path=paths["cls_attention"])
-  plt.close(fig)
+  plt.close(plotting.attention_heatmap(cls_rows, x_labels=labels, y_labels=row_names,
+                                       title=f"{title}: attention of [CLS]", ylabel="layer, head",
+                                       path=paths["cls_attention"]))
   return paths
 
 

@@ -52,6 +52,7 @@ from attnlab.data import tokenizers
 from attnlab.tasks import register_task
 from attnlab.tasks.base import Task
 from attnlab.tasks.base import data_location
+from attnlab.tasks.base import pad_rows
 
 _LOG = logging.getLogger(__name__)
 
@@ -129,7 +130,9 @@ class TranslationTask(Task):
   def encoded(self, split: str) -> list[dict[str, Any]]:
     """The examples of one split as token ids (target: <start> ... <end>)."""
     if split not in self._encoded:
-      self._encoded[split] = self._encode(self.examples(split))
+      self._encoded[split] = [{"source": self.encode_source(ex["source"]),
+                               "target": self.encode_target(ex["target"])}
+                              for ex in self.examples(split)]
     return self._encoded[split]
 
   def _load(self, split: str) -> list[dict[str, str]]:
@@ -182,10 +185,6 @@ class TranslationTask(Task):
   def encode_target(self, text: str) -> list[int]:
     """`<start>` + the target tokens of `text` + `<end>`, as the training targets are encoded."""
     return self.tgt_tok.encode(self.prepare_text(text), add_start=True, add_end=True)
-
-  def _encode(self, examples: list[dict[str, str]]) -> list[dict[str, Any]]:
-    return [{"source": self.encode_source(ex["source"]), "target": self.encode_target(ex["target"])}
-            for ex in examples]
 
   def _pad_lengths(self) -> dict[str, int]:
     return {"source": self.max_src_len, "target": self.max_tgt_len}
@@ -298,11 +297,8 @@ class TranslationTask(Task):
     size = batch_size or self.config.data.eval_batch_size
     tokens, weights = [], []
     for start in range(0, len(src), size):
-      s, n = src[start:start + size], src_len[start:start + size]
-      rows = len(s)
-      if rows < size:
-        s = np.concatenate([s, np.zeros((size - rows,) + s.shape[1:], s.dtype)])
-        n = np.concatenate([n, np.zeros((size - rows,), n.dtype)])
+      rows = min(size, len(src) - start)
+      s, n = pad_rows((src[start:start + size], src_len[start:start + size]), size)
       t, w = jax.device_get(fn(params, s, n))
       tokens.append(t[:rows])
       weights.append(w[:rows])
