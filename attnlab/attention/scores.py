@@ -73,8 +73,7 @@ def dot(q: Array, k: Array) -> Array:
 
 def scaled_dot(q: Array, k: Array) -> Array:
   """Scaled dot-product score q·k / sqrt(d) (Vaswani et al., 2017). Needs d_q == d_k."""
-  _check_qk(q, k, same_dim=True)
-  logits = jnp.matmul(q, _keys_t(k))  # [..., q_len, k_len]
+  logits = dot(q, k)  # [..., q_len, k_len]
   return logits * jnp.asarray(1.0 / math.sqrt(q.shape[-1]), logits.dtype)
 
 

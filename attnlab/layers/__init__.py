@@ -19,6 +19,6 @@ from attnlab.layers.transformer import get_activation
 
 __all__ = [
     "ACTIVATIONS", "Dense", "Embeddings", "LayerNorm", "MLP", "MultiHeadAttention",
-    "NORM_POSITIONS",
-    "POSITIONS", "SCORES", "TransformerBlock", "default_kernel_init", "get_activation", "layer_norm", "matmul", "project_kv",
+    "NORM_POSITIONS", "POSITIONS", "SCORES", "TransformerBlock", "default_kernel_init",
+    "get_activation", "layer_norm", "matmul", "project_kv",
 ]

@@ -123,9 +123,8 @@ class MultiHeadAttention(nn.Module):
     """The score's parameters (created on first use), per head."""
     if self.score == "cosine":
       beta0 = math.sqrt(head_dim) if self.cosine_beta is None else self.cosine_beta
-      beta = self.param("score_params",
+      return self.param("score_params",
                         lambda rng: {"beta": jnp.full((self.num_heads, 1, 1), beta0, jnp.float32)})
-      return beta
     if self.score not in scores_lib.PARAMETRIC_SCORES:
       return None
     if self.score == "location" and self.max_len is None:

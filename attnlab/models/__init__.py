@@ -15,6 +15,7 @@ one to a config), `count_params` the number of scalars in a parameter pytree.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any, Callable
 
@@ -90,6 +91,13 @@ def check_choices(model_config: Any, choices: dict[str, tuple[str, ...]]) -> Non
     if model_config[key] not in valid:
       raise ConfigError(f"unknown model.{key} {model_config[key]!r}; valid choices: "
                         f"{', '.join(valid)}")
+
+
+def shared_fields(module: Any, base: type) -> dict[str, Any]:
+  """`module`'s values of the fields declared by `base` (a Flax Module class of hyperparameters
+  that module subclasses), as keyword arguments for another subclass of `base`."""
+  return {f.name: getattr(module, f.name) for f in dataclasses.fields(base)
+          if f.name not in ("parent", "name")}
 
 
 def count_params(params: Any) -> int:

@@ -36,12 +36,12 @@ from attnlab import models as models_lib
 from attnlab.errors import ConfigError
 from attnlab.layers import Embeddings
 from attnlab.layers import LayerNorm
+from attnlab.layers import POSITIONS
 from attnlab.layers import TransformerBlock
+from attnlab.layers import get_activation
 
 Array = jax.Array
 
-# size name -> (num_layers, num_heads, d_model, block_size) (attnlab.models.SIZES).
-SIZES: dict[str, dict[str, int]] = models_lib.SIZES["gpt"]
 
 def size_config(name: str) -> dict[str, int]:
   """The hyperparameters of size `name`; raises ValueError listing the valid sizes."""
@@ -121,11 +121,10 @@ def check_config(model: GPT) -> None:
   The score and implementation names are not checked here: config_utils.validate checks them
   where the config is read.
   """
-  from attnlab.layers import embeddings, transformer  # pylint: disable=g-import-not-at-top
-  transformer.get_activation(model.activation)
-  if model.position not in embeddings.POSITIONS:
+  get_activation(model.activation)
+  if model.position not in POSITIONS:
     raise ValueError(f"unknown position encoding {model.position!r}; valid: "
-                     f"{', '.join(embeddings.POSITIONS)}")
+                     f"{', '.join(POSITIONS)}")
   for name in ("vocab_size", "num_layers", "num_heads", "d_model", "block_size", "mlp_ratio"):
     if getattr(model, name) < 1:
       raise ValueError(f"{name} must be >= 1, got {getattr(model, name)}")
@@ -144,23 +143,12 @@ def from_config(model_cfg: Any, vocab_size: int) -> GPT:
   Keys an imported checkpoint's config adds (absent = the default): model.layer_norm_epsilon
   (1e-5) and model.vocab_size (0 = the tokenizer's size, `vocab_size`).
   """
+  dims = models_lib.config_dims("gpt", model_cfg)
+  fields = ("mlp_ratio", "dropout_rate", "attention_dropout_rate", "score", "implementation",
+            "position", "activation", "use_bias")
   try:
-    dims = size_config(model_cfg.size)
-  except ValueError as e:
-    raise ConfigError(f"model.size: {e}") from None
-  for key in dims:
-    value = model_cfg.get(key, 0)
-    if value:
-      dims[key] = int(value)
-  try:
-    model = GPT(
-        vocab_size=vocab_size, **dims, mlp_ratio=model_cfg.mlp_ratio,
-        dropout_rate=model_cfg.dropout_rate,
-        attention_dropout_rate=model_cfg.attention_dropout_rate,
-        score=model_cfg.score, implementation=model_cfg.implementation,
-        position=model_cfg.position, activation=model_cfg.activation,
-        use_bias=model_cfg.use_bias,
-        layer_norm_epsilon=model_cfg.get("layer_norm_epsilon", 1e-5))
+    model = GPT(vocab_size=vocab_size, **dims, **{key: model_cfg[key] for key in fields},
+                layer_norm_epsilon=model_cfg.get("layer_norm_epsilon", 1e-5))
     check_config(model)
   except ValueError as e:
     raise ConfigError(f"config.model: {e}") from None
@@ -184,6 +172,10 @@ def decode_chunk(model: GPT, params: Any, cache: Any, tokens: Array) -> tuple[Ar
   return logits, variables["cache"]
 
 
+# rows [batch, len] with entry i[b] of row b set to token[b].
+_set_at = jax.vmap(lambda row, i, token: row.at[i].set(token))
+
+
 def _cached_step_fn(model: GPT, params: Any, keep: int):
   """step_fn(state, token) for decoding.sample; state {cache, window, length}."""
   block = model.block_size
@@ -200,7 +192,7 @@ def _cached_step_fn(model: GPT, params: Any, keep: int):
     state = jax.lax.cond(state["length"][0] >= block, refill, lambda s: s, state)
     logits, cache = decode_chunk(model, params, state["cache"], token[:, None])  # [b, 1, vocab]
     n = state["length"]  # [batch]
-    window = jax.vmap(lambda w, i, t: w.at[i].set(t))(state["window"], n, token)  # [b, block]
+    window = _set_at(state["window"], n, token)  # [batch, block]
     return logits[:, 0], {"cache": cache, "window": window, "length": n + 1}, ()
 
   return step_fn
@@ -215,7 +207,7 @@ def _uncached_step_fn(model: GPT, params: Any):
     full = n[0] >= block
     window = jnp.where(full, jnp.roll(window, -1, axis=1), window)  # drop the oldest token
     n = jnp.where(full, n - 1, n)
-    window = jax.vmap(lambda w, i, t: w.at[i].set(t))(window, n, token)  # [batch, block]
+    window = _set_at(window, n, token)  # [batch, block]
     logits = model.apply({"params": params}, window)  # [batch, block, vocab]
     last = jnp.take_along_axis(logits, n[:, None, None], axis=1)[:, 0]  # [batch, vocab]
     return last, {"window": window, "length": n + 1}, ()

@@ -22,7 +22,6 @@ Decoding goes through `attnlab.decoding` with `Seq2Seq.init_decode_state` and
 `Seq2Seq.decode_step` (see `make_step_fn`).
 """
 
-import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -126,11 +125,6 @@ class _Options(nn.Module, kw_only=True):
   # Initial key strength of the cosine score (trainable; cosine alone lies in [-1, 1]).
   cosine_beta: float = 5.0
 
-  def options(self) -> dict[str, Any]:
-    """These settings as keyword arguments of a DecoderCell."""
-    return {f.name: getattr(self, f.name) for f in dataclasses.fields(_Options)
-            if f.name not in ("parent", "name")}
-
   @property
   def enc_dim(self) -> int:
     """Size of the encoder states: hidden_dim per direction."""
@@ -177,28 +171,24 @@ class DecoderCell(_Options):
     """Context `[batch, enc_dim]`, weights `[batch, src_len]`, log-prob `[batch]` of one step."""
     q = query[:, None, :]  # [batch, 1, hidden]
     keys, values, mask = memory["keys"], memory["values"], memory["mask"]
-    batch = query.shape[0]
-    log_prob = jnp.zeros((batch,), jnp.float32)
+    score = dict(score=self.score, params=self.score_params, mask=mask)
+    log_prob = jnp.zeros(query.shape[:1], jnp.float32)
     if self.window == "global":
-      context, weights = attn_core.attend(
-          q, keys, values, score=self.score, params=self.score_params, mask=mask,
-          implementation="reference")
+      context, weights = attn_core.attend(q, keys, values, **score, implementation="reference")
     elif self.window == "local":
       center = attn_core.predict_position(q, self.w_p, self.v_p, memory["lengths"])  # [batch, 1]
       context, weights = attn_core.local_attend(
-          q, keys, values, center=center, half_width=self.local_half_width,
-          score=self.score, params=self.score_params, mask=mask)
+          q, keys, values, center=center, half_width=self.local_half_width, **score)
     elif deterministic:
       # Hard attention at test time: the single most likely position. The weights reported are
       # the distribution the position is chosen from (as when training).
-      _, weights = attn_core.attend(q, keys, values, score=self.score, params=self.score_params,
-                                    mask=mask, implementation="reference")  # [batch, 1, src_len]
+      _, weights = attn_core.attend(q, keys, values, **score,
+                                    implementation="reference")  # [batch, 1, src_len]
       chosen = jax.nn.one_hot(jnp.argmax(weights, axis=-1), keys.shape[-2])  # [batch, 1, src_len]
       context = jnp.matmul(chosen * jnp.any(mask, -1, keepdims=True), values)  # [batch, 1, enc]
     else:
       # The weights reported are the distribution the position was sampled from.
-      hard = attn_core.hard_attend(self.make_rng("sample"), q, keys, values, score=self.score,
-                                   params=self.score_params, mask=mask)
+      hard = attn_core.hard_attend(self.make_rng("sample"), q, keys, values, **score)
       context, weights, log_prob = hard.context, hard.weights, hard.log_prob[:, 0]
     return context[:, 0], weights[:, 0], log_prob
 
@@ -257,7 +247,7 @@ class Seq2Seq(_Options):
     self.encoder = Encoder(self.src_vocab_size, self.embed_dim, self.hidden_dim, self.cell,
                            self.num_layers, self.bidirectional, self.dropout_rate)
     self.tgt_embed = nn.Embed(self.tgt_vocab_size, self.embed_dim)
-    self.decoder_cell = DecoderCell(**self.options())
+    self.decoder_cell = DecoderCell(**models_lib.shared_fields(self, _Options))
     if self.bidirectional:
       # The encoder's final states (2 * hidden) -> the decoder's first states.
       self.bridge = [nn.Dense(self.hidden_dim, name=f"bridge_{i}") for i in range(self.num_layers)]
