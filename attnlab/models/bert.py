@@ -18,7 +18,6 @@ pretraining run is exactly the encoder of a classifier (`transfer_encoder`).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -36,8 +35,6 @@ from attnlab.layers import get_activation
 
 Array = jax.Array
 
-# size name -> encoder hyperparameters (attnlab.models.SIZES).
-SIZES: dict[str, dict[str, int]] = models_lib.SIZES["bert"]
 # Number of segment (token type) ids: sentence A = 0, sentence B = 1.
 NUM_SEGMENTS = 2
 
@@ -79,11 +76,6 @@ class BertHyperparameters(nn.Module):
   type_vocab_size: int = NUM_SEGMENTS
   # Compute dtype (None: float32).
   dtype: Any = None
-
-  def encoder_kwargs(self) -> dict[str, Any]:
-    """These hyperparameters as keyword arguments of BertEncoder."""
-    return {f.name: getattr(self, f.name) for f in dataclasses.fields(BertHyperparameters)
-            if f.name not in ("parent", "name")}
 
 
 class BertEncoder(BertHyperparameters):
@@ -148,7 +140,7 @@ class BertEncoder(BertHyperparameters):
 
 
 def _encoder(module: BertHyperparameters) -> BertEncoder:
-  return BertEncoder(**module.encoder_kwargs(), name="encoder")
+  return BertEncoder(**models_lib.shared_fields(module, BertHyperparameters), name="encoder")
 
 
 class BertForPretraining(BertHyperparameters):
@@ -208,19 +200,16 @@ def transfer_encoder(pretrained: Any, target: Any) -> Any:
   if "encoder" not in pretrained or "encoder" not in target:
     raise ValueError("both parameter trees need an 'encoder' subtree (BertForPretraining / "
                      "BertForClassification params)")
-  src = jax.tree_util.tree_flatten_with_path(pretrained["encoder"])[0]
-  dst = jax.tree_util.tree_flatten_with_path(target["encoder"])[0]
-  src_shapes = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in src}
-  dst_shapes = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in dst}
+  shapes = lambda tree: {jax.tree_util.keystr(p): tuple(x.shape)
+                         for p, x in jax.tree_util.tree_flatten_with_path(tree["encoder"])[0]}
+  src_shapes, dst_shapes = shapes(pretrained), shapes(target)
   for key in sorted(set(src_shapes) | set(dst_shapes)):
     if src_shapes.get(key) != dst_shapes.get(key):
       raise ValueError(f"pretrained encoder does not fit: encoder{key} is "
                        f"{src_shapes.get(key, 'absent')} in the checkpoint but "
                        f"{dst_shapes.get(key, 'absent')} in the model; use the same size, "
                        f"score, max_len and tokenizer as the pretraining run")
-  out = dict(target)
-  out["encoder"] = jax.tree.map(lambda x: jnp.asarray(x), pretrained["encoder"])
-  return out
+  return {**target, "encoder": jax.tree.map(jnp.asarray, pretrained["encoder"])}
 
 
 def config_kwargs(config: Any, vocab_size: int) -> dict[str, Any]:
@@ -231,11 +220,9 @@ def config_kwargs(config: Any, vocab_size: int) -> dict[str, Any]:
                       "(rows of the position table); lower data.max_len or raise model.max_len")
   if config.data.max_len < 8:
     raise ConfigError(f"data.max_len must be >= 8, got {config.data.max_len}")
-  return dict(vocab_size=vocab_size, num_layers=m.num_layers, d_model=m.d_model,
-              num_heads=m.num_heads, mlp_dim=m.mlp_dim, max_len=m.max_len,
-              dropout_rate=m.dropout_rate, attention_dropout_rate=m.attention_dropout_rate,
-              score=m.score, implementation=m.implementation, activation=m.activation,
-              norm_position=m.norm_position,
+  fields = ("num_layers", "d_model", "num_heads", "mlp_dim", "max_len", "dropout_rate",
+            "attention_dropout_rate", "score", "implementation", "activation", "norm_position")
+  return dict(vocab_size=vocab_size, **{key: m[key] for key in fields},
               # Written by attnlab import-hf; absent from older configs (BERT's values).
               layer_norm_epsilon=m.get("layer_norm_epsilon", 1e-12),
               type_vocab_size=m.get("type_vocab_size", NUM_SEGMENTS))

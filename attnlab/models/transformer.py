@@ -105,10 +105,7 @@ class Transformer(nn.Module):
     if self.share_embeddings not in SHARE_EMBEDDINGS:
       raise ValueError(f"unknown share_embeddings {self.share_embeddings!r}; valid: "
                        f"{', '.join(SHARE_EMBEDDINGS)}")
-    if self.norm_position not in NORM_POSITIONS:
-      raise ValueError(f"unknown norm_position {self.norm_position!r}; valid: "
-                       f"{', '.join(NORM_POSITIONS)}")
-    get_activation(self.activation)
+    # norm_position and activation are checked by the blocks.
     if self.d_model % self.num_heads:
       raise ValueError(f"d_model={self.d_model} must be divisible by num_heads={self.num_heads}")
     if not -self.decoder_depth <= self.weights_layer < self.decoder_depth:
