@@ -18,8 +18,8 @@ with REINFORCE; the most likely position when decoding). Every step's attention 
 returned in `aux["attention_weights"]` `[batch, tgt_len, src_len]` and sown under
 `intermediates/attention_weights`.
 
-Decoding goes through `attnlab.decoding` with `Seq2Seq.init_decode_state` and
-`Seq2Seq.decode_step` (see `make_step_fn`).
+Decoding goes through `attnlab.decoding` with `init_decode_state` and `Seq2Seq.decode_step`
+(see `make_step_fn`).
 """
 
 from typing import Any

@@ -25,8 +25,9 @@ encoder outputs, and the self-attention KV cache of `attnlab.layers.MultiHeadAtt
 "cache" collection, carried explicitly in the state so the task can call `model.apply` without
 mutable collections). Each step feeds one token and costs one position. The cache holds `max_len`
 positions: asking for more decoding steps than that raises ValueError (`max_decode_len`; the
-config's default max_len covers twice the longest training source). `make_step_fn(..., use_cache=False)` is the uncached reference
-(every step re-runs the decoder over the whole prefix); tests check both give the same tokens.
+config's default max_len covers twice the longest training source).
+`make_step_fn(..., use_cache=False)` is the uncached reference (every step re-runs the decoder
+over the whole prefix); tests check both give the same tokens.
 
 Attention weights are sown by every attention module: `intermediates/encoder_layer_<i>/
 self_attention/attention_weights` and `intermediates/decoder_layer_<i>/{self,cross}_attention/
