@@ -77,3 +77,8 @@ def test_two_arm_study_end_to_end(study, shared_data, tmp_path):
   assert (publish / "results.json").is_file() and (publish / "results.md").is_file()
   assert (publish / "figures" / "sst2_pretrained_head_view.png").is_file()
   assert (publish / "figures" / "scratch_cls_attention.png").is_file()
+  # Re-running the finished study (to publish again) skips every run and adds no time.
+  timings = json.loads((tmp_path / "study" / "timings.json").read_text())
+  assert len(timings) == 7  # sst2: pretraining, 2 choices, 1 fine-tuning; scratch: 2 + 1
+  assert study.main(argv) == 0
+  assert json.loads((tmp_path / "study" / "timings.json").read_text()) == timings

@@ -197,15 +197,18 @@ def _timings_path(workdir: pathlib.Path) -> pathlib.Path:
 
 
 def _run(run: dict, timings: dict[str, float], root: pathlib.Path) -> dict[str, float]:
-  """Trains (or resumes/skips) one run; adds the seconds spent to timings; returns its last
-  eval record."""
+  """Trains (or resumes/skips) one run; adds the seconds spent to timings unless the run was
+  already complete (re-running the study to publish adds nothing); returns its last eval
+  record."""
   from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
   from attnlab import train  # pylint: disable=g-import-not-at-top
+  done = checkpoint.is_complete(run["workdir"], run["config"].num_train_steps)
   start = time.time()
   train.train_and_evaluate(run["config"], run["workdir"])
-  name = str(run["workdir"].relative_to(root))
-  timings[name] = timings.get(name, 0.0) + time.time() - start
-  _timings_path(root).write_text(json.dumps(timings, indent=2) + "\n")
+  if not done:
+    name = str(run["workdir"].relative_to(root))
+    timings[name] = timings.get(name, 0.0) + time.time() - start
+    _timings_path(root).write_text(json.dumps(timings, indent=2) + "\n")
   return checkpoint.last_records(checkpoint.read_metrics(run["workdir"]))["eval"]
 
 
