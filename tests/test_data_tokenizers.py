@@ -77,6 +77,15 @@ def test_word_options():
   assert raw.split("Speak, speak.") == ["Speak,", "speak."] and len(raw) == 12
 
 
+def test_word_split_keeps_combining_marks():
+  """Vowel signs and accents stay inside their words; punctuation after them still splits off."""
+  v = tok.WordTokenizer.train(["मी घरी जातो आहे."])
+  assert v.split("मी घरी जातो आहे.") == ["मी", "घरी", "जातो", "आहे", "."]
+  assert sorted(v.tokens[7:]) == sorted(["मी", "घरी", "जातो", "आहे", "."])
+  assert v.split("Cafe\u0301, nai\u0308ve!") == ["cafe\u0301", ",", "nai\u0308ve", "!"]
+  assert v.decode(v.encode("घरी जातो .")) == "घरी जातो ."
+
+
 def test_subword_round_trip_and_determinism(subword, shakespeare, tmp_path):
   train_text, held_out = shakespeare
   seen = set(train_text)

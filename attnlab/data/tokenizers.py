@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import functools
 import hashlib
 import io
 import itertools
@@ -35,6 +36,8 @@ import json
 import os
 import pathlib
 import re
+import sys
+import unicodedata
 from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 import numpy as np
@@ -195,8 +198,24 @@ class CharTokenizer(Vocab):
     return cls(list(SPECIAL_TOKENS) + chars, min_count=min_count)
 
 
-# A word, or one punctuation mark, when punctuation is split off.
-_WORD_OR_PUNCT = re.compile(r"\w+|[^\w\s]")
+@functools.cache
+def _word_or_punct() -> re.Pattern:
+  """A word, or one punctuation mark, for splitting punctuation off.
+
+  Words may hold combining marks (Unicode categories Mn, Mc, Me): `re`'s `\\w` leaves them out,
+  which would cut Devanagari words at every vowel sign ("जातो" into "ज", "ा", "त", "ो").
+  Built on first use (a pass over the code points, under a second).
+  """
+  marks, start = [], None
+  for code in range(sys.maxunicode + 2):
+    is_mark = code <= sys.maxunicode and unicodedata.category(chr(code)).startswith("M")
+    if is_mark and start is None:
+      start = code
+    elif not is_mark and start is not None:
+      marks.append(f"{re.escape(chr(start))}-{re.escape(chr(code - 1))}")
+      start = None
+  marks = "".join(marks)
+  return re.compile(rf"[\w{marks}]+|[^\w\s{marks}]")
 
 
 class WordTokenizer(Vocab):
@@ -208,7 +227,7 @@ class WordTokenizer(Vocab):
     if self.options.get("lower", True):
       text = text.lower()
     if self.options.get("split_punct", True):
-      return _WORD_OR_PUNCT.findall(text)
+      return _word_or_punct().findall(text)
     return text.split()
 
   def _decode(self, ids: list[int]) -> str:
