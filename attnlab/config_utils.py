@@ -93,6 +93,10 @@ def base_config() -> ConfigDict:
   config.mesh.fsdp = 1
   # Under FSDP, state leaves with fewer elements than this stay replicated.
   config.mesh.fsdp_min_size = 1024
+  # On a CPU-only machine, JAX devices to split the process into (0: one per core), so that the
+  # data axis above spreads each batch over the cores; must be set before JAX starts (the trainer
+  # does it first). 1: one device, the plain path.
+  config.mesh.cpu_devices = 1
 
   config.optimizer = ConfigDict()
   # One of adamw, adam, sgd.
@@ -493,6 +497,8 @@ def validate(config: ConfigDict) -> None:
     data, fsdp = mesh.get("data", -1), mesh.get("fsdp", 1)
     need(data == -1 or data >= 1, f"mesh.data must be -1 (all devices) or >= 1, got {data}")
     need(fsdp >= 1, f"mesh.fsdp must be >= 1 (1: parameters replicated), got {fsdp}")
+    cpu = mesh.get("cpu_devices", 1)
+    need(cpu >= 0, f"mesh.cpu_devices must be >= 0 (0: one per core, 1: one device), got {cpu}")
   opt = config.optimizer
   check_choice("optimizer.name", opt.name, OPTIMIZERS, "optimizers")
   check_choice("optimizer.schedule", opt.schedule, SCHEDULES, "schedules")
@@ -630,12 +636,13 @@ def rename_old_keys(data: Mapping[str, Any]) -> dict[str, Any]:
 # Fields added to base_config after runs existed: absent from an old config.json, they read as these
 # defaults (so such runs resume without allow_config_change).
 ADDED_DEFAULTS: dict[str, Any] = {"num_seeds": 1, "mesh.data": -1, "mesh.fsdp": 1,
-                                  "mesh.fsdp_min_size": 1024, "optimizer.decay": "all"}
+                                  "mesh.fsdp_min_size": 1024, "mesh.cpu_devices": 1,
+                                  "optimizer.decay": "all"}
 
 
 # Keys that may change when a run resumes: they change where it runs, not what it computes.
 RESUMABLE_KEYS = ("allow_config_change", "write_plots", "mesh.data", "mesh.fsdp",
-                  "mesh.fsdp_min_size")
+                  "mesh.fsdp_min_size", "mesh.cpu_devices")
 
 
 def config_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:

@@ -5,7 +5,9 @@ The mesh has two axes, sized by `config.mesh`:
   fsdp   batches are split over it too, and parameters and optimizer state are split along their
          largest divisible dimension (FSDP-style; leaves under `mesh.fsdp_min_size` elements stay
          replicated)
-`mesh.data = -1` takes every device not used by `fsdp`. When the mesh would hold a single device,
+`mesh.data = -1` takes every device not used by `fsdp`. On a CPU-only machine `mesh.cpu_devices`
+first splits the process into several CPU devices (`use_cpu_devices`), so that the data axis spreads
+each batch over the cores. When the mesh would hold a single device,
 `make_mesh` returns None and the trainer runs exactly its single-device path.
 
 With `config.num_seeds = N > 1` every state leaf and batch leaf has a leading replica axis `[N, ...]`
@@ -92,6 +94,41 @@ def maybe_initialize_distributed() -> bool:
   _LOG.info("jax.distributed: process %d of %d, %d local / %d global devices",
             jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count())
   return True
+
+
+def use_cpu_devices(count: int, batch_size: int | None = None) -> None:
+  """Splits this process's CPU into `count` JAX devices so that the mesh's data axis spreads a
+  batch over the cores; 1 leaves JAX's default alone. 0: one per core, or fewer, the most that
+  divides `batch_size`.
+
+  XLA:CPU runs a step's elementwise fusions one after another on one thread; as separate devices
+  the cores each run a slice of the batch (data parallel: same updates, up to float rounding).
+  JAX fixes the count when it starts, so this must run before anything touches a device; the
+  trainer calls it first. Afterwards an explicit count that differs from the running one is a
+  ConfigError; 0 keeps whatever is running. Nothing changes on other backends (the mesh takes
+  `jax.devices()`, the GPUs or TPUs, whatever the CPU count).
+  """
+  wanted = cpu_device_count(count, batch_size, len(os.sched_getaffinity(0)))
+  if wanted == 1:  # JAX's own default (which honours XLA_FLAGS' forced device count)
+    return
+  try:
+    jax.config.update("jax_num_cpu_devices", wanted)
+    _LOG.info("mesh.cpu_devices=%d: %d CPU devices", count, wanted)
+  except RuntimeError:  # JAX has started: the count is fixed
+    running = len(jax.devices("cpu"))
+    if count and running != count:
+      raise ConfigError(
+          f"mesh.cpu_devices={count} but JAX already started with {running} CPU device(s) in this "
+          f"process; start a fresh process (`attnlab train` does), or call "
+          f"jax.config.update('jax_num_cpu_devices', {count}) right after importing jax") from None
+
+
+def cpu_device_count(count: int, batch_size: int | None, cores: int) -> int:
+  """`mesh.cpu_devices` resolved: `count`, or for 0 the most devices, at most one per core, that
+  divide `batch_size`."""
+  if count:
+    return count
+  return max(n for n in range(1, cores + 1) if not batch_size or batch_size % n == 0)
 
 
 def is_main_process() -> bool:
@@ -239,8 +276,17 @@ def to_host(tree: Any) -> Any:
 def to_local(tree: Any) -> Any:
   """The pytree as arrays this process can use alone (for host-side evaluation and plots).
 
-  One process: unchanged (jit handles sharded inputs). Several: gathered to this host.
+  Several processes: gathered to this host. One process: unchanged (jit handles sharded inputs),
+  but on CPU devices (`mesh.cpu_devices`) a tree spread over several of them is put on the first
+  one, so that evaluation runs as a one-device program. XLA:CPU runs every device's work and its
+  collectives on one thread pool (a thread per core); after an evaluation run on all devices at
+  once, one device could lag behind and the other's all-reduces of the next training step held
+  every thread: training stopped in a collective timeout (seen twice in 2000-step runs).
   """
-  if jax.process_count() == 1:
-    return tree
-  return jax.tree.map(jnp.asarray, to_host(tree))
+  if jax.process_count() > 1:
+    return jax.tree.map(jnp.asarray, to_host(tree))
+  devices = {d for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)
+             for d in x.sharding.device_set}
+  if len(devices) > 1 and all(d.platform == "cpu" for d in devices):
+    return jax.device_put(tree, min(devices, key=lambda d: d.id))
+  return tree

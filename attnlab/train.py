@@ -220,7 +220,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     TrainingInterrupted: SIGTERM or Ctrl-C (a checkpoint was saved first).
   """
   config_utils.validate(config)
-  parallel.maybe_initialize_distributed()  # before anything touches a device
+  # Before anything touches a device:
+  parallel.use_cpu_devices(config.mesh.get("cpu_devices", 1), config.batch_size)
+  parallel.maybe_initialize_distributed()
   workdir = pathlib.Path(workdir).absolute()
   mesh = parallel.make_mesh(config)
   pieces = parallel.batch_divisor(mesh)

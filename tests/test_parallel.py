@@ -193,6 +193,65 @@ def test_batch_that_does_not_split_is_a_clear_error(four_devices):
   assert "batch_size=6 does not split over the 4 devices" in message and "multiple of 4" in message
 
 
+def cpu_devices_worker(out: str) -> None:
+  """Runs in a fresh process without XLA_FLAGS: `mesh.cpu_devices=2` splits the CPU, then the
+  count is fixed (JSON to `out`)."""
+  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  from attnlab import train  # pylint: disable=g-import-not-at-top
+  workdir = pathlib.Path(out).parent / "cpu2"
+  state = train.train_and_evaluate(probe_config(checkpoint_every=0, **{"mesh.cpu_devices": 2}),
+                                   workdir)
+  result = {"devices": jax.device_count(),
+            "kernel_devices": len(state.params["kernel"].sharding.device_set),
+            "losses": [r["loss"] for r in checkpoint.read_metrics(workdir) if r["split"] == "train"],
+            "kernel": np.asarray(jax.device_get(state.params["kernel"])).tolist(),
+            "init_kernel": np.asarray(LinearProbeTask(probe_config()).init(
+                train.run_keys(0)[0])["kernel"]).tolist(),
+            # evaluation and plots get the parameters on one CPU device
+            "local_devices": [str(d) for d in
+                              parallel.to_local(state.params)["kernel"].sharding.device_set]}
+  parallel.use_cpu_devices(0)  # "one per core" keeps what is running
+  parallel.use_cpu_devices(2)  # the running count
+  try:
+    parallel.use_cpu_devices(3)
+  except ConfigError as e:
+    result["error"] = str(e)
+  pathlib.Path(out).write_text(json.dumps(result))
+
+
+def test_cpu_devices_split_a_fresh_process_into_a_data_parallel_mesh(tmp_path):
+  out = tmp_path / "result.json"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(JAX_PLATFORMS="cpu", ATTNLAB_DISTRIBUTED="0",
+             PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"),
+                                         os.environ.get("PYTHONPATH", "")]))
+  code = f"import test_parallel; test_parallel.cpu_devices_worker({str(out)!r})"
+  proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                        timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(out.read_text())
+  assert result["devices"] == 2 and result["kernel_devices"] == 2
+  assert result["local_devices"] == ["cpu:0"]
+  kernel, losses = _numpy_sgd(np.asarray(result["init_kernel"]))
+  np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
+  np.testing.assert_allclose(result["kernel"], kernel, rtol=1e-4, atol=1e-6)
+  assert ("mesh.cpu_devices=3 but JAX already started with 2 CPU device(s)" in result["error"]
+          and "fresh process" in result["error"])
+
+
+def test_cpu_device_count_takes_the_cores_that_split_the_batch():
+  assert parallel.cpu_device_count(0, 12, cores=2) == 2
+  assert parallel.cpu_device_count(0, 12, cores=5) == 4
+  assert parallel.cpu_device_count(0, 7, cores=2) == 1
+  assert parallel.cpu_device_count(0, None, cores=3) == 3
+  assert parallel.cpu_device_count(3, 12, cores=2) == 3  # explicit: as asked
+
+
+def test_cpu_devices_must_not_be_negative():
+  with pytest.raises(ConfigError, match="mesh.cpu_devices must be >= 0"):
+    config_utils.validate(probe_config(**{"mesh.cpu_devices": -1}))
+
+
 # ---------------------------------------------------------------------------------------------------
 # Rules that need no devices
 

@@ -6,6 +6,9 @@ causal mask, for
   blocked     attnlab `attend(implementation="blocked")` (attnlab.attention.blocked)
   blocked-2chunks  the same kernel with `parallel=2`: the rows cut into two independent chunks
               whose tile loops XLA:CPU runs concurrently, to show what the chunking buys
+  blocked-devices  the same kernel on one JAX CPU device per core (`jax_num_cpu_devices`, what
+              `mesh.cpu_devices=0` gives a training run), the batch split over them with
+              `jax.shard_map`: each device runs the kernel on its slice on its own core
   jax.nn.dpa  `jax.nn.dot_product_attention` (its XLA implementation)
   torch       `torch.nn.functional.scaled_dot_product_attention` (CPU, when torch imports:
               `pip install -e '.[torch]'`)
@@ -37,6 +40,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from attnlab.attention import core
 
@@ -45,7 +50,7 @@ try:  # torch is optional: the [torch] extra
 except ImportError:  # pragma: no cover - depends on the environment
   torch = None
 
-IMPLS = ("reference", "blocked", "blocked-2chunks", "jax.nn.dpa", "torch")
+IMPLS = ("reference", "blocked", "blocked-2chunks", "blocked-devices", "jax.nn.dpa", "torch")
 # GFLOP/s of a large float32 matmul on the 2-core development CPU (issue #14; FMA peak ~233)
 MATMUL_CEILING_GFLOPS = 215.0
 
@@ -79,6 +84,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   unknown = [x for x in args.impls if x not in IMPLS]
   if unknown:
     p.error(f"unknown --impls {unknown}; valid: {', '.join(IMPLS)}")
+  if "blocked-devices" in args.impls:
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2 or args.batch % cores:
+      print(f"blocked-devices needs >= 2 cores and a batch that splits over them ({cores} cores, "
+            f"--batch={args.batch}): its column is skipped")
+      args.impls.remove("blocked-devices")
+    else:  # before any JAX operation fixes the device count
+      jax.config.update("jax_num_cpu_devices", cores)
   if "torch" in args.impls and torch is None:
     print("torch is not installed (pip install -e '.[torch]'): its column is skipped")
     args.impls.remove("torch")
@@ -108,14 +121,23 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def _attnlab_fn(impl: str, causal: bool) -> Callable:
+  from attnlab.attention import blocked  # pylint: disable=g-import-not-at-top
   if impl == "blocked-2chunks":
-    from attnlab.attention import blocked  # pylint: disable=g-import-not-at-top
     return lambda q, k, v: blocked.blocked_attention(q, k, v, causal=causal, parallel=2)
+  if impl == "blocked-devices":  # each device: the kernel on its slice of the batch
+    return jax.shard_map(lambda q, k, v: blocked.blocked_attention(q, k, v, causal=causal),
+                         mesh=_batch_mesh(), in_specs=(P("batch"),) * 3, out_specs=P("batch"),
+                         check_vma=False)
 
   def f(q, k, v):  # [B, H, S, D] each
     return core.attend(q, k, v, score="scaled_dot", causal=causal, implementation=impl,
                        return_weights=False)[0]
   return f
+
+
+def _batch_mesh() -> jax.sharding.Mesh:
+  return jax.make_mesh((len(jax.devices()),), ("batch",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
 
 
 def _dpa_fn(causal: bool) -> Callable:
@@ -161,6 +183,9 @@ def make_inputs(b: int, h: int, s: int, d: int, seed: int = 0) -> dict[str, tupl
   bhsd = tuple(jnp.asarray(x) for x in (q, k, v, do))  # [B, H, S, D]
   bshd = tuple(jnp.asarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v, do))  # [B, S, H, D]
   out = {"reference": bhsd, "blocked": bhsd, "blocked-2chunks": bhsd, "jax.nn.dpa": bshd}
+  if len(jax.devices()) > 1 and b % len(jax.devices()) == 0:  # blocked-devices: batch split
+    split = NamedSharding(_batch_mesh(), P("batch"))
+    out["blocked-devices"] = tuple(jax.device_put(x, split) for x in (q, k, v, do))
   if torch is not None:
     out["torch"] = tuple(torch.from_numpy(x.copy()).requires_grad_(i < 3)
                          for i, x in enumerate((q, k, v, do)))
@@ -194,7 +219,12 @@ def check_agreement(b: int, h: int, s: int, d: int, causal: bool) -> float:
   q, k, v, _ = make_inputs(b, h, s, d)["reference"]
   ref = jax.jit(_attnlab_fn("reference", causal))(q, k, v)
   blk = jax.jit(_attnlab_fn("blocked", causal))(q, k, v)
-  return float(jnp.max(jnp.abs(ref - blk)))
+  err = float(jnp.max(jnp.abs(ref - blk)))
+  if len(jax.devices()) > 1 and b % len(jax.devices()) == 0:
+    q, k, v, _ = make_inputs(b, h, s, d)["blocked-devices"]
+    split = jax.jit(_attnlab_fn("blocked-devices", causal))(q, k, v)
+    err = max(err, float(jnp.max(jnp.abs(ref - np.asarray(split)))))
+  return err
 
 
 # ----------------------------------------------------------------------------- memory
@@ -233,6 +263,9 @@ def speed_tables(args: argparse.Namespace) -> tuple[str, str]:
     header += [f"blocked speed-up vs {i}" for i in args.impls
                if i in ("blocked-2chunks", "jax.nn.dpa", "torch")]
     header += [f"blocked % of {args.ceiling:.0f} GFLOP/s"]
+  devices_vs_torch = "blocked-devices" in args.impls and "torch" in args.impls
+  if devices_vs_torch:
+    header += ["blocked-devices vs torch", f"blocked-devices % of {args.ceiling:.0f} GFLOP/s"]
   rows, cpu_rows = [], []
   for s in args.seq:
     inputs = make_inputs(b, h, s, d)
@@ -252,6 +285,9 @@ def speed_tables(args: argparse.Namespace) -> tuple[str, str]:
           row += [f"{best[i] / best['blocked']:.2f}x" for i in args.impls
                   if i in ("blocked-2chunks", "jax.nn.dpa", "torch")]
           row += [f"{100 * flops / best['blocked'] / 1e9 / args.ceiling:.0f}%"]
+        if devices_vs_torch:
+          row += [f"{best['torch'] / best['blocked-devices']:.2f}x",
+                  f"{100 * flops / best['blocked-devices'] / 1e9 / args.ceiling:.0f}%"]
         rows.append(row)
         print("  measured", " ".join(row), flush=True)
   return _fmt_table(header, rows), _fmt_table(cpu_header, cpu_rows)

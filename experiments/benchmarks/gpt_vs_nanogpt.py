@@ -9,10 +9,12 @@ download), and its train.py runs with the documented CPU setting
 
 attnlab's contenders are its nano GPT (configs/gpt.py, the same architecture and recipe) with a
 learned position table (`model.position=learned`: nanoGPT's architecture exactly) and with the
-default rotary positions. Each attnlab worker is this script started with --worker: it builds the
-real trainer (task, optimizer, train step, training-batch iterator) and times every step the way
-nanoGPT's loop times an iteration: fetch the batch, train step, and a host sync on the loss
-(nanoGPT's `loss.item()`), wall clock from one step to the next.
+default rotary positions, each on one JAX device (`learned`, `rotary`) and with
+`mesh.cpu_devices=0` (`learned_dp`, `rotary_dp`: one JAX device per core, each step's batch split
+over them, the gradients summed; what `attnlab train` does with that setting). Each attnlab worker is this script started with --worker: it builds the real
+trainer (task, optimizer, train step on the config's mesh, training-batch iterator) and times every
+step the way nanoGPT's loop times an iteration: fetch the batch, train step, and a host sync on the
+loss (nanoGPT's `loss.item()`), wall clock from one step to the next.
 
 Timing rounds: every contender is a fresh process per round, the order rotates from round to
 round, and each process runs the same number of iterations; the first --skip iterations of each
@@ -106,26 +108,38 @@ def run_nanogpt(work: pathlib.Path, iters: int, eval_interval: int, out_dir: pat
 # ----------------------------------------------------------------------------- attnlab
 
 
-def attnlab_arg(position: str, implementation: str, data_dir: pathlib.Path, steps: int) -> str:
+# attnlab contenders: name -> (model.position, mesh.cpu_devices); 0 = one JAX device per core,
+# each running a slice of the batch (data parallel), 1 = one device (the plain path)
+ATTNLAB = {"learned": ("learned", 1), "rotary": ("rotary", 1),
+           "learned_dp": ("learned", 0), "rotary_dp": ("rotary", 0)}
+
+
+def attnlab_arg(contender: str, implementation: str, data_dir: pathlib.Path, steps: int) -> str:
+  position, cpu_devices = ATTNLAB[contender]
   return (f"size=nano,model.position={position},implementation={implementation},"
-          f"data.manual_dir={data_dir},num_train_steps={steps}")
+          f"data.manual_dir={data_dir},num_train_steps={steps},mesh.cpu_devices={cpu_devices}")
 
 
 def worker(args) -> None:
   """Times `args.iters` attnlab train steps like nanoGPT's loop; prints them as JSON."""
   import jax  # pylint: disable=g-import-not-at-top
-  from attnlab import config_utils, tasks, train  # pylint: disable=g-import-not-at-top
+  from attnlab import config_utils, parallel, tasks, train  # pylint: disable=g-import-not-at-top
   from attnlab import state as state_lib  # pylint: disable=g-import-not-at-top
 
-  arg = attnlab_arg(args.position, args.implementation, pathlib.Path(args.data_dir), 2000)
+  arg = attnlab_arg(args.contender, args.implementation, pathlib.Path(args.data_dir), 2000)
   config = config_utils.load_config_file(f"{REPO / 'configs' / 'gpt.py'}:{arg}")
+  parallel.use_cpu_devices(config.mesh.cpu_devices, config.batch_size)  # as the trainer starts
+  mesh = parallel.make_mesh(config)
   task = tasks.build_task(config)
   schedule = train.make_schedule(config.optimizer, config.num_train_steps)
   tx = train.make_optimizer(config.optimizer, schedule)
   init_rng, train_rng = train.run_keys(config.seed)
-  state = state_lib.create_train_state(task, tx, init_rng)
-  train_step = train.make_train_step(task, tx, schedule)
-  iterator = task.train_iterator()
+  abstract = state_lib.abstract_train_state(task, tx, init_rng, mesh=mesh)
+  shardings = None if mesh is None else jax.tree.map(lambda x: x.sharding, abstract)
+  state = state_lib.initial_state(task, tx, init_rng, 1, mesh, shardings)
+  train_rng = state_lib.place_key(train_rng, mesh)
+  train_step = train.make_train_step(task, tx, schedule, mesh=mesh, state_shardings=shardings)
+  iterator = state_lib.train_batches(task, [config.seed], mesh)
   times = []
   t0 = time.perf_counter()
   for _ in range(args.iters):
@@ -136,11 +150,10 @@ def worker(args) -> None:
     times.append((t1 - t0) * 1e3)
     t0 = t1
   print("TIMES " + json.dumps(times), flush=True)
-  del jax
 
 
-def run_attnlab_worker(position: str, args) -> list[float]:
-  cmd = [sys.executable, __file__, "--worker", f"--position={position}",
+def run_attnlab_worker(contender: str, args) -> list[float]:
+  cmd = [sys.executable, __file__, "--worker", f"--contender={contender}",
          f"--iters={args.iters}", f"--implementation={args.implementation}",
          f"--data_dir={args.data_dir}"]
   # The worker imports attnlab from this checkout (installed or not); nanoGPT's runs above get no
@@ -153,9 +166,9 @@ def run_attnlab_worker(position: str, args) -> list[float]:
   return json.loads(line[len("TIMES "):])
 
 
-def run_attnlab_training(position: str, args, workdir: pathlib.Path):
+def run_attnlab_training(contender: str, args, workdir: pathlib.Path):
   """`attnlab train` for wall_steps steps: (wall s, final validation loss)."""
-  arg = attnlab_arg(position, args.implementation, pathlib.Path(args.data_dir), args.wall_steps)
+  arg = attnlab_arg(contender, args.implementation, pathlib.Path(args.data_dir), args.wall_steps)
   cmd = [sys.executable, "-m", "attnlab.cli", "train", f"--config=configs/gpt.py:{arg}",
          f"--workdir={workdir}"]
   env = dict(os.environ, TQDM_DISABLE="1")
@@ -183,11 +196,13 @@ def main(argv=None) -> int:
   parser.add_argument("--iters", type=int, default=300, help="iterations per process and round")
   parser.add_argument("--skip", type=int, default=20,
                       help="first iterations of each process left out of its median")
-  parser.add_argument("--contenders", default="nanogpt,learned,rotary",
+  parser.add_argument("--contenders", default="nanogpt,learned_dp,rotary_dp,learned",
                       help="subset of nanogpt, nanogpt_passive (nanoGPT with "
                       "OMP_WAIT_POLICY=PASSIVE: torch's spinning OpenMP threads collapse when "
-                      "another process holds a core), learned (attnlab, learned positions), "
-                      "rotary (attnlab, default rotary positions)")
+                      "another process holds a core), learned (attnlab, learned positions, one "
+                      "JAX device), rotary (attnlab, default rotary positions, one device), "
+                      "learned_dp and rotary_dp (the same with mesh.cpu_devices=0: one JAX "
+                      "device per core, the batch split over them)")
   parser.add_argument("--wall_steps", type=int, default=2000,
                       help="steps of the full-run wall-time comparison (0 skips it)")
   parser.add_argument("--wall_contenders", default="",
@@ -198,7 +213,7 @@ def main(argv=None) -> int:
                       help="folder with tinyshakespeare/input.txt")
   parser.add_argument("--scratch", default="", help="scratch folder ('' = a fresh temp folder)")
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-  parser.add_argument("--position", default="learned", help=argparse.SUPPRESS)
+  parser.add_argument("--contender", default="learned", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.worker:
     worker(args)
@@ -206,10 +221,10 @@ def main(argv=None) -> int:
 
   contenders = [c for c in args.contenders.split(",") if c]
   nanogpts = [c for c in contenders if c.startswith("nanogpt")]
-  unknown = set(contenders) - {"nanogpt", "nanogpt_passive", "learned", "rotary"}
+  valid = ["nanogpt", "nanogpt_passive", *ATTNLAB]
+  unknown = set(contenders) - set(valid)
   if unknown:
-    parser.error(f"unknown contenders {sorted(unknown)}; valid: nanogpt, nanogpt_passive, "
-                 "learned, rotary")
+    parser.error(f"unknown contenders {sorted(unknown)}; valid: {', '.join(valid)}")
   scratch = pathlib.Path(args.scratch or tempfile.mkdtemp(prefix="gpt_vs_nanogpt_"))
   scratch.mkdir(parents=True, exist_ok=True)
   import torch  # pylint: disable=g-import-not-at-top  (only its version and threads)
@@ -219,8 +234,10 @@ def main(argv=None) -> int:
   work = prepare_nanogpt(scratch, pathlib.Path(args.nanogpt_dir), pathlib.Path(args.data_dir))
   label = {"nanogpt": "nanoGPT (torch, nano CPU setting)",
            "nanogpt_passive": "nanoGPT, OMP_WAIT_POLICY=PASSIVE",
-           "learned": "attnlab nano GPT, position=learned",
-           "rotary": "attnlab nano GPT, position=rotary (default)"}
+           "learned": "attnlab nano GPT, position=learned, 1 device",
+           "rotary": "attnlab nano GPT, position=rotary (default), 1 device",
+           "learned_dp": "attnlab nano GPT, position=learned, mesh.cpu_devices=0",
+           "rotary_dp": "attnlab nano GPT, position=rotary (default), mesh.cpu_devices=0"}
 
   per_round: dict[str, list[float]] = {c: [] for c in contenders}
   for r in range(args.rounds):
@@ -235,7 +252,7 @@ def main(argv=None) -> int:
         times = run_attnlab_worker(c, args)
       med = statistics.median(times[args.skip:])
       per_round[c].append(med)
-      print(f"  round {r + 1}: {c:8s} {med:7.2f} ms/iter (median of {len(times) - args.skip}) "
+      print(f"  round {r + 1}: {c:15s} {med:7.2f} ms/iter (median of {len(times) - args.skip}) "
             f"load {os.getloadavg()[0]:.2f}", flush=True)
 
   print(f"\nms per iteration: median over {args.rounds} alternating rounds of {args.iters} "
@@ -255,8 +272,10 @@ def main(argv=None) -> int:
       if c not in nanogpts:
         rr = [x / a for x, a in zip(per_round[n], per_round[c])]
         print(f"per-round ratio {n}/{c}: " + ", ".join(f"{x:.2f}" for x in rr))
-  if "learned" in per_round and "rotary" in per_round:
-    print(f"rotary / learned ms: {statistics.median(per_round['rotary']) / statistics.median(per_round['learned']):.3f}")
+  for learned, rotary in (("learned", "rotary"), ("learned_dp", "rotary_dp")):
+    if learned in per_round and rotary in per_round:
+      ratio = statistics.median(per_round[rotary]) / statistics.median(per_round[learned])
+      print(f"{rotary} / {learned} ms: {ratio:.3f}")
   print(f"load average after timing rounds: {os.getloadavg()[0]:.2f}", flush=True)
 
   if args.wall_steps:
