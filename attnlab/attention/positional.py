@@ -40,11 +40,14 @@ def rotary(x: Array, positions: Array, base: float = 10000.0) -> Array:
   dim = x.shape[-1]
   if dim % 2:
     raise ValueError(f"rotary position encoding needs an even feature size, got {dim}")
-  half = dim // 2
+  half, dtype = dim // 2, x.dtype
   inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / dim)  # [half]
   angle = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq  # [..., len, half]
   cos, sin = jnp.cos(angle), jnp.sin(angle)
-  x1 = x[..., :half].astype(jnp.float32)  # [..., len, half]
-  x2 = x[..., half:].astype(jnp.float32)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)  # [..., len, dim]
-  return out.astype(x.dtype)
+  # out = x * [cos, cos] + [x2, x1] * [-sin, sin]: one full-width multiply-add (x1 = x[..., :half],
+  # x2 = x[..., half:]); ~5% faster nano GPT steps than rotating the halves apart (issue #14).
+  cos = jnp.concatenate([cos, cos], axis=-1)  # [..., len, dim]
+  sin = jnp.concatenate([-sin, sin], axis=-1)
+  x = x.astype(jnp.float32)
+  partner = jnp.concatenate([x[..., half:], x[..., :half]], axis=-1)  # [x2, x1]
+  return (x * cos + partner * sin).astype(dtype)
