@@ -87,8 +87,11 @@ def make_train_step(task: tasks.Task, tx: optax.GradientTransformation, schedule
     jitted.traces += 1  # this Python body runs once per trace
     if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
       rng = jax.random.wrap_key_data(rng)  # raw key data, as placed on a multi-host mesh
-    return state_lib.over_replicas(one_step, num_seeds, in_axes=(0, 0), out_axes=(0,))(
-        state, batch, rng)
+    # The mesh is visible to the model code (the blocked attention kernel runs per batch shard).
+    with (contextlib.nullcontext() if mesh is None
+          else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)):
+      return state_lib.over_replicas(one_step, num_seeds, in_axes=(0, 0), out_axes=(0,))(
+          state, batch, rng)
 
   shardings = {} if mesh is None else {
       "out_shardings": (state_shardings, parallel.replicated(mesh))}

@@ -210,6 +210,7 @@ def cpu_devices_worker(out: str) -> None:
             # evaluation and plots get the parameters on one CPU device
             "local_devices": [str(d) for d in
                               parallel.to_local(state.params)["kernel"].sharding.device_set]}
+  result["blocked"] = _blocked_on_mesh()
   parallel.use_cpu_devices(0)  # "one per core" keeps what is running
   parallel.use_cpu_devices(2)  # the running count
   try:
@@ -217,6 +218,49 @@ def cpu_devices_worker(out: str) -> None:
   except ConfigError as e:
     result["error"] = str(e)
   pathlib.Path(out).write_text(json.dumps(result))
+
+
+def _attention_inputs() -> tuple[np.ndarray, ...]:
+  rng = np.random.default_rng(3)
+  q, k, v, do = (rng.normal(size=(4, 2, 40, 8)).astype(np.float32) for _ in range(4))
+  mask = np.ones((4, 1, 1, 40), bool)
+  mask[1, ..., 25:] = mask[3, ..., 10:] = False  # padding of two rows
+  return q, k, v, do, mask
+
+
+def _blocked_on_mesh() -> dict[str, list]:
+  """The blocked kernel traced under a 2-device mesh (as the train step traces the model): the
+  context and the gradient of <context, do> w.r.t. q, k and v, plain and vmapped over replicas."""
+  from attnlab.attention import blocked  # pylint: disable=g-import-not-at-top
+  q, k, v, do, mask = _attention_inputs()
+  mesh = parallel.make_mesh(config_utils.apply_overrides(config_utils.base_config(),
+                                                          {"mesh.data": 2}))
+  split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+
+  def loss(q, k, v, do):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      out = blocked.blocked_attention(q, k, v, mask=mask, causal=True, block_q=16, block_k=16)
+    return jnp.sum(out * do), out
+
+  grads, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(
+      *(jax.device_put(x, split) for x in (q, k, v, do)))
+  replica_split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data"))
+  stacked = [jax.device_put(np.stack([x, x[::-1]]), replica_split)  # two replicas
+             for x in (q, k, v, do)]
+  replicas = jax.jit(jax.vmap(loss))(*stacked)[1]
+  return {"out": np.asarray(out).tolist(), "grads": [np.asarray(g).tolist() for g in grads],
+          "replicas": np.asarray(replicas).tolist(), "out_devices": len(out.sharding.device_set)}
+
+
+def _numpy_attention(q, k, v, mask):
+  """Causal, padding-masked softmax attention and its q, k, v gradients for the loss
+  sum(out * do), in float64 NumPy (no query row here is fully masked)."""
+  scores = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])  # [b, h, s, s]
+  visible = mask & np.tril(np.ones(scores.shape[-2:], bool))
+  scores = np.where(visible, scores, -np.inf)
+  p = np.exp(scores - scores.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  return p, p @ v
 
 
 def test_cpu_devices_split_a_fresh_process_into_a_data_parallel_mesh(tmp_path):
@@ -232,6 +276,21 @@ def test_cpu_devices_split_a_fresh_process_into_a_data_parallel_mesh(tmp_path):
   result = json.loads(out.read_text())
   assert result["devices"] == 2 and result["kernel_devices"] == 2
   assert result["local_devices"] == ["cpu:0"]
+  # The blocked kernel per batch shard: values and gradients against NumPy.
+  q, k, v, do, mask = (x.astype(np.float64) if x.dtype != bool else x
+                       for x in _attention_inputs())
+  p, out = _numpy_attention(q, k, v, mask)
+  d_p = do @ np.swapaxes(v, -1, -2)
+  d_s = p * (d_p - (d_p * p).sum(-1, keepdims=True)) / np.sqrt(q.shape[-1])
+  expected = [d_s @ k, np.swapaxes(d_s, -1, -2) @ q, np.swapaxes(p, -1, -2) @ do]
+  blocked = result["blocked"]
+  assert blocked["out_devices"] == 2
+  np.testing.assert_allclose(blocked["out"], out, rtol=1e-4, atol=1e-5)
+  for got, want in zip(blocked["grads"], expected):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  reversed_out = _numpy_attention(q[::-1], k[::-1], v[::-1], mask)[1]
+  np.testing.assert_allclose(blocked["replicas"], np.stack([out, reversed_out]), rtol=1e-4,
+                             atol=1e-5)
   kernel, losses = _numpy_sgd(np.asarray(result["init_kernel"]))
   np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
   np.testing.assert_allclose(result["kernel"], kernel, rtol=1e-4, atol=1e-6)

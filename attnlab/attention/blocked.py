@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from attnlab.attention import core
 from attnlab.attention import masks as masks_lib
@@ -394,6 +395,32 @@ def _group_size(rows: int, target: int) -> int:
   return next(g for g in range(max(1, min(rows, target)), 0, -1) if rows % g == 0)
 
 
+def _batch_shards(q: Array, k: Array, v: Array, mask: Any):
+  """Under a mesh (`jax.set_mesh`, as the trainer sets it) whose devices split the batch: a
+  function that runs a kernel on each device's slice of the batch (`jax.shard_map` over every
+  mesh axis), else None. Left to the compiler, the tile loops' slicing of a batch-sharded array
+  made XLA:CPU run the kernel 1.4-2x slower on two devices than on one; per slice, each device
+  runs its own loops (experiments/benchmarks/README.md, attention.py's blocked-devices)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1 or q.ndim < 3:
+    return None
+  if any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):
+    return None  # inside shard_map (manual axes) or explicit sharding: leave it as it is
+  batch = q.shape[0]
+  if batch % mesh.size or any(x.ndim != q.ndim or x.shape[0] != batch for x in (k, v)):
+    return None
+  split = P(tuple(mesh.axis_names))
+  mask = None if mask is None else jnp.asarray(mask)
+  mask_split = mask is not None and mask.ndim == q.ndim and mask.shape[0] == batch
+
+  def run(kernel):
+    inner = lambda q, k, v, m: kernel(q, k, v, mask=m)
+    specs = (split, split, split, split if mask_split else P())
+    return jax.shard_map(inner, mesh=mesh, in_specs=specs, out_specs=split,
+                         check_vma=False)(q, k, v, mask)
+  return run
+
+
 def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = None,
                       mask: Any = None, causal: bool = False, block_q: int | None = None,
                       block_k: int | None = None, head_group: int | None = None,
@@ -426,6 +453,11 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
   """
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   core.check_qkv(q, k, v)
+  per_shard = _batch_shards(q, k, v, mask)
+  if per_shard is not None:
+    return per_shard(functools.partial(
+        blocked_attention, scale=scale, causal=causal, block_q=block_q, block_k=block_k,
+        head_group=head_group, skip_empty_tiles=skip_empty_tiles, parallel=parallel))
   if q.shape[-1] != k.shape[-1]:
     raise ValueError(f"q and k must share the feature dim d for a dot score; got q {q.shape}, "
                      f"k {k.shape}")
