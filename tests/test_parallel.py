@@ -108,16 +108,22 @@ def worker(out: str) -> None:
 @pytest.fixture(scope="module")
 def four_devices(tmp_path_factory):
   root = tmp_path_factory.mktemp("parallel")
-  out = root / "result.json"
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu", ATTNLAB_DISTRIBUTED="0",
+  return root, _in_fresh_process("worker", root / "result.json",
+                                 XLA_FLAGS="--xla_force_host_platform_device_count=4")
+
+
+def _in_fresh_process(worker_name: str, out: pathlib.Path, **env_vars: str) -> dict:
+  """Runs `test_parallel.<worker_name>(out)` in a new Python process (JAX fixes its CPU device
+  count when it starts); returns the JSON the worker wrote. No XLA_FLAGS unless given."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(JAX_PLATFORMS="cpu", ATTNLAB_DISTRIBUTED="0",
              PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"),
-                                         os.environ.get("PYTHONPATH", "")]))
-  code = f"import test_parallel; test_parallel.worker({str(out)!r})"
+                                         os.environ.get("PYTHONPATH", "")]), **env_vars)
+  code = f"import test_parallel; test_parallel.{worker_name}({str(out)!r})"
   proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                         timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  return root, json.loads(out.read_text())
+  return json.loads(out.read_text())
 
 
 def _numpy_sgd(kernel: np.ndarray, seed: int = 0,
@@ -264,16 +270,7 @@ def _numpy_attention(q, k, v, mask):
 
 
 def test_cpu_devices_split_a_fresh_process_into_a_data_parallel_mesh(tmp_path):
-  out = tmp_path / "result.json"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(JAX_PLATFORMS="cpu", ATTNLAB_DISTRIBUTED="0",
-             PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"),
-                                         os.environ.get("PYTHONPATH", "")]))
-  code = f"import test_parallel; test_parallel.cpu_devices_worker({str(out)!r})"
-  proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                        timeout=300, check=False)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  result = json.loads(out.read_text())
+  result = _in_fresh_process("cpu_devices_worker", tmp_path / "result.json")
   assert result["devices"] == 2 and result["kernel_devices"] == 2
   assert result["local_devices"] == ["cpu:0"]
   # The blocked kernel per batch shard: values and gradients against NumPy.

@@ -23,6 +23,9 @@ loops concurrently on its thread pool (a profile shows two worker threads). On t
 cell (experiments/benchmarks/README.md, 2026-11-23), so the default is one chunk; the option
 stays for machines with more cores and for further tuning.
 
+Under a mesh (the trainer traces its step under it), the kernel runs on each device's slice of
+the batch through `jax.shard_map` (`_batch_shards`): each device then runs its own tile loops.
+
 Causal alignment follows `masks.causal_mask(offset=None)` and `core.attend`: query i may see
 key j iff j <= i + max(k_len - q_len, 0), i.e. the queries are the last positions when
 k_len > q_len (KV-cache decoding) and start at key 0 otherwise (q_len == k_len in the common
