@@ -93,9 +93,9 @@ def base_config() -> ConfigDict:
   config.mesh.fsdp = 1
   # Under FSDP, state leaves with fewer elements than this stay replicated.
   config.mesh.fsdp_min_size = 1024
-  # On a CPU-only machine, JAX devices to split the process into (0: one per core), so that the
-  # data axis above spreads each batch over the cores; must be set before JAX starts (the trainer
-  # does it first). 1: one device, the plain path.
+  # On a CPU-only machine, JAX devices to split the process into (0: one per core, or the most
+  # that divide batch_size), so that the data axis above spreads each batch over the cores; set
+  # before JAX starts (the trainer does it first). 1: one device, the plain path.
   config.mesh.cpu_devices = 1
 
   config.optimizer = ConfigDict()

@@ -209,7 +209,8 @@ def cpu_devices_worker(out: str) -> None:
                                    workdir)
   result = {"devices": jax.device_count(),
             "kernel_devices": len(state.params["kernel"].sharding.device_set),
-            "losses": [r["loss"] for r in checkpoint.read_metrics(workdir) if r["split"] == "train"],
+            "losses": [r["loss"] for r in checkpoint.read_metrics(workdir)
+                       if r["split"] == "train"],
             "kernel": np.asarray(jax.device_get(state.params["kernel"])).tolist(),
             "init_kernel": np.asarray(LinearProbeTask(probe_config()).init(
                 train.run_keys(0)[0])["kernel"]).tolist(),

@@ -399,7 +399,8 @@ def _group_size(rows: int, target: int) -> int:
 
 
 def _batch_shards(q: Array, k: Array, v: Array, mask: Any):
-  """Under a mesh (`jax.set_mesh`, as the trainer sets it) whose devices split the batch: a
+  """Under a mesh (`jax.set_mesh`, or `jax.sharding.use_abstract_mesh` as the train step traces
+  the model) whose devices split the batch: a
   function that runs a kernel on each device's slice of the batch (`jax.shard_map` over every
   mesh axis), else None. Left to the compiler, the tile loops' slicing of a batch-sharded array
   made XLA:CPU run the kernel 1.4-2x slower on two devices than on one; per slice, each device

@@ -6,9 +6,9 @@ causal mask, for
   blocked     attnlab `attend(implementation="blocked")` (attnlab.attention.blocked)
   blocked-2chunks  the same kernel with `parallel=2`: the rows cut into two independent chunks
               whose tile loops XLA:CPU runs concurrently, to show what the chunking buys
-  blocked-devices  the same kernel on one JAX CPU device per core (`jax_num_cpu_devices`, what
-              `mesh.cpu_devices=0` gives a training run), the batch split over them with
-              `jax.shard_map`: each device runs the kernel on its slice on its own core
+  blocked-devices  blocked on one JAX CPU device per core (`jax_num_cpu_devices`, what
+              `mesh.cpu_devices=0` gives a training run) with the batch split over them, traced
+              under the mesh as the train step is: each device runs the kernel on its slice
   jax.nn.dpa  `jax.nn.dot_product_attention` (its XLA implementation)
   torch       `torch.nn.functional.scaled_dot_product_attention` (CPU, when torch imports:
               `pip install -e '.[torch]'`)
@@ -121,13 +121,18 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def _attnlab_fn(impl: str, causal: bool) -> Callable:
-  from attnlab.attention import blocked  # pylint: disable=g-import-not-at-top
   if impl == "blocked-2chunks":
+    from attnlab.attention import blocked  # pylint: disable=g-import-not-at-top
     return lambda q, k, v: blocked.blocked_attention(q, k, v, causal=causal, parallel=2)
-  if impl == "blocked-devices":  # each device: the kernel on its slice of the batch
-    return jax.shard_map(lambda q, k, v: blocked.blocked_attention(q, k, v, causal=causal),
-                         mesh=_batch_mesh(), in_specs=(P("batch"),) * 3, out_specs=P("batch"),
-                         check_vma=False)
+  if impl == "blocked-devices":
+    # `attend(implementation="blocked")` traced under the mesh, as the train step traces the
+    # model: the kernel then runs on each device's slice of the batch.
+    plain, mesh = _attnlab_fn("blocked", causal), _batch_mesh()
+
+    def under_mesh(q, k, v):
+      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return plain(q, k, v)
+    return under_mesh
 
   def f(q, k, v):  # [B, H, S, D] each
     return core.attend(q, k, v, score="scaled_dot", causal=causal, implementation=impl,

@@ -11,10 +11,11 @@ attnlab's contenders are its nano GPT (configs/gpt.py, the same architecture and
 learned position table (`model.position=learned`: nanoGPT's architecture exactly) and with the
 default rotary positions, each on one JAX device (`learned`, `rotary`) and with
 `mesh.cpu_devices=0` (`learned_dp`, `rotary_dp`: one JAX device per core, each step's batch split
-over them, the gradients summed; what `attnlab train` does with that setting). Each attnlab worker is this script started with --worker: it builds the real
-trainer (task, optimizer, train step on the config's mesh, training-batch iterator) and times every
-step the way nanoGPT's loop times an iteration: fetch the batch, train step, and a host sync on the
-loss (nanoGPT's `loss.item()`), wall clock from one step to the next.
+over them, the gradients summed; what `attnlab train` does with that setting). Each attnlab
+worker is this script started with --worker: it builds the real trainer (task, optimizer, train
+step on the config's mesh, training-batch iterator) and times every step the way nanoGPT's loop
+times an iteration: fetch the batch, train step, and a host sync on the loss (nanoGPT's
+`loss.item()`), wall clock from one step to the next.
 
 Timing rounds: every contender is a fresh process per round, the order rotates from round to
 round, and each process runs the same number of iterations; the first --skip iterations of each
