@@ -5,6 +5,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
+
+from attnlab import parallel
+
+
+def ratio(total: jax.Array, count: jax.Array | float) -> jax.Array:
+  """total / max(count, 1), the two summed over the devices first where they are per-device values.
+
+  In the data-parallel train step each device holds a slice of the batch (`jax.shard_map`,
+  train.make_train_step); a loss written with `ratio` is then the whole batch's, equal on every
+  device, and the step needs one all-reduce for all gradients. A count every device holds alike
+  (a shape) counts each device's slice. Elsewhere it is plain division.
+  """
+  axes = tuple(parallel.varying_axes(total) | parallel.varying_axes(count))
+  if axes:
+    total, count = lax.psum(parallel.vary((total, jnp.asarray(count, jnp.float32)), axes), axes)
+  return total / jnp.maximum(count, 1.0)
 
 
 def weighted_cross_entropy(logits: jax.Array, labels: jax.Array,
@@ -20,6 +37,6 @@ def sequence_loss(logits: jax.Array, targets: jax.Array,
   """(mean cross-entropy over weighted positions, per-position losses `[batch, len]`)."""
   losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)  # [batch, len]
   if weights is None:
-    return jnp.mean(losses), losses
+    return ratio(jnp.sum(losses), losses.size), losses
   weights = weights.astype(losses.dtype)
-  return jnp.sum(losses * weights) / jnp.maximum(jnp.sum(weights), 1.0), losses
+  return ratio(jnp.sum(losses * weights), jnp.sum(weights)), losses

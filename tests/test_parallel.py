@@ -18,6 +18,7 @@ import pytest
 
 from attnlab import analysis
 from attnlab import config_utils
+from attnlab import losses
 from attnlab import parallel
 from attnlab import tasks
 from attnlab.config_utils import ConfigError
@@ -26,15 +27,22 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 D_IN, D_OUT, BATCH, STEPS, LR = 8, 16, 8, 6, 0.1
 
 
+# Rows 0-2 count nothing: on 4 devices the first holds no counted row, the second one of two.
+WEIGHTS = (np.arange(BATCH) >= 3).astype(np.float32)
+
+
 def _batch(seed: int, index: int) -> dict[str, np.ndarray]:
   rng = np.random.default_rng([seed, index])
   return {"x": rng.normal(size=(BATCH, D_IN)).astype(np.float32),  # [batch, d_in]
-          "y": rng.normal(size=(BATCH, D_OUT)).astype(np.float32)}  # [batch, d_out]
+          "y": rng.normal(size=(BATCH, D_OUT)).astype(np.float32),  # [batch, d_out]
+          "weight": WEIGHTS}  # [batch]
 
 
 @tasks.register_task("linear_probe")
 class LinearProbeTask(tasks.Task):
-  """Least squares y ≈ x W + b on Gaussian batches drawn from (seed, batch index)."""
+  """Weighted least squares y ≈ x W + b on Gaussian batches drawn from (seed, batch index); the
+  loss is the whole batch's weighted mean (`losses.ratio`), so a data-parallel mesh runs the step
+  per device with one all-reduce."""
 
   def init(self, rng):
     return {"kernel": 0.1 * jax.random.normal(rng, (D_IN, D_OUT)), "bias": jnp.zeros((D_OUT,))}
@@ -45,10 +53,24 @@ class LinearProbeTask(tasks.Task):
 
   def loss_fn(self, params, batch, rng):
     pred = batch["x"] @ params["kernel"] + params["bias"]  # [batch, d_out]
-    return jnp.mean(jnp.square(pred - batch["y"])), {}
+    weight = batch["weight"][:, None]  # [batch, 1]
+    sq = jnp.square(pred - batch["y"]) * weight  # [batch, d_out]
+    return losses.ratio(jnp.sum(sq), jnp.sum(weight) * D_OUT), {}
 
   def eval_batches(self):
     return [_batch(1000, 0)]
+
+
+@tasks.register_task("linear_probe_mean")
+class LinearProbeMeanTask(LinearProbeTask):
+  """The same loss as a plain mean over the rows each device holds (the first's is 0/0, and
+  `jnp.mean` knows no other devices): the trainer must let the compiler split this step."""
+
+  def loss_fn(self, params, batch, rng):
+    pred = batch["x"] @ params["kernel"] + params["bias"]  # [batch, d_out]
+    weight = batch["weight"][:, None]  # [batch, 1]
+    sq = jnp.square(pred - batch["y"]) * weight  # [batch, d_out]
+    return jnp.sum(sq) / (jnp.sum(weight) * D_OUT), {}
 
 
 def probe_config(**overrides) -> config_utils.ConfigDict:
@@ -68,11 +90,14 @@ def worker(out: str) -> None:
   from attnlab import train  # pylint: disable=g-import-not-at-top
   root = pathlib.Path(out).parent
   result = {"devices": jax.device_count(), "runs": {}}
+  steps, make = [], train.make_train_step
+  train.make_train_step = lambda *a, **k: steps.append(make(*a, **k)) or steps[-1]
 
   def run(name, **overrides):
     state = train.train_and_evaluate(probe_config(**overrides), root / name)
     records = checkpoint.read_metrics(root / name)
     result["runs"][name] = {
+        "per_device": steps[-1].per_device,
         "losses": [r["loss"] for r in records if r["split"] == "train"],
         "per_seed": [r.get("per_seed", {}).get("loss") for r in records if r["split"] == "train"],
         "kernel": np.asarray(jax.device_get(state.params["kernel"])).tolist(),
@@ -86,6 +111,7 @@ def worker(out: str) -> None:
 
   run("one", checkpoint_every=0, **{"mesh.data": 1})
   run("dp4", checkpoint_every=0)
+  run("dp4_mean", checkpoint_every=0, task="linear_probe_mean")
   run("fsdp_momentum", checkpoint_every=0, **{"mesh.data": 2, "mesh.fsdp": 2,
                                               "mesh.fsdp_min_size": 16, "optimizer.momentum": 0.9})
   run("fsdp4", **{"mesh.data": 1, "mesh.fsdp": 4, "mesh.fsdp_min_size": 16})
@@ -128,18 +154,20 @@ def _in_fresh_process(worker_name: str, out: pathlib.Path, **env_vars: str) -> d
 
 def _numpy_sgd(kernel: np.ndarray, seed: int = 0,
                momentum: float = 0.0) -> tuple[np.ndarray, list[float]]:
-  """SGD (heavy-ball momentum) on the probe's mean squared error in NumPy: (final kernel, losses)."""
-  w, b, losses = kernel.astype(np.float64), np.zeros(D_OUT), []
+  """SGD (heavy-ball momentum) on the probe's weighted mean squared error in NumPy: (final kernel,
+  losses)."""
+  w, b, curve = kernel.astype(np.float64), np.zeros(D_OUT), []
   mw, mb = np.zeros_like(w), np.zeros_like(b)
   for index in range(STEPS):
     batch = _batch(seed, index)
+    weight = batch["weight"][:, None]  # [batch, 1]
     residual = batch["x"] @ w + b - batch["y"]  # [batch, d_out]
-    losses.append(float(np.mean(residual ** 2)))
-    scale = 2.0 / residual.size
-    mw = scale * batch["x"].T @ residual + momentum * mw  # [d_in, d_out]
-    mb = scale * residual.sum(0) + momentum * mb  # [d_out]
+    count = weight.sum() * D_OUT
+    curve.append(float(np.sum(weight * residual ** 2) / count))
+    mw = 2.0 / count * batch["x"].T @ (weight * residual) + momentum * mw  # [d_in, d_out]
+    mb = 2.0 / count * (weight * residual).sum(0) + momentum * mb  # [d_out]
     w, b = w - LR * mw, b - LR * mb
-  return w, losses
+  return w, curve
 
 
 def test_data_parallel_and_fsdp_match_numpy_sgd(four_devices):
@@ -147,7 +175,11 @@ def test_data_parallel_and_fsdp_match_numpy_sgd(four_devices):
   assert result["devices"] == 4
   runs = result["runs"]
   expected_kernel, expected_losses = _numpy_sgd(np.asarray(result["init_kernels"][0]))
-  for name in ("one", "dp4", "fsdp4"):
+  # Each device's own slice and one all-reduce (dp4), or the compiler's split of a loss written
+  # per device (dp4_mean): the same SGD.
+  assert runs["dp4"]["per_device"] is True and runs["dp4_mean"]["per_device"] is False
+  assert runs["one"]["per_device"] is None and runs["fsdp4"]["per_device"] is False
+  for name in ("one", "dp4", "dp4_mean", "fsdp4"):
     np.testing.assert_allclose(runs[name]["losses"], expected_losses, rtol=1e-5, err_msg=name)
     np.testing.assert_allclose(runs[name]["kernel"], expected_kernel, rtol=1e-4, atol=1e-6,
                                err_msg=name)
@@ -185,6 +217,7 @@ def test_sharded_checkpoint_restores_on_other_device_counts(four_devices):
 def test_seeds_on_a_mesh_match_single_seed_runs(four_devices):
   result = four_devices[1]
   runs = result["runs"]
+  assert runs["seeds_dp4"]["per_device"] is True  # vmapped over seeds inside each device's step
   per_step = np.asarray(runs["seeds_dp4"]["per_seed"])  # [steps, 3]
   assert per_step.shape == (STEPS, 3)
   np.testing.assert_allclose(per_step[:, 0], runs["one"]["losses"], rtol=1e-5)

@@ -19,7 +19,10 @@ owns everything else: optimizer, jit, checkpoints, metrics files, resume, signal
 Contract the trainer relies on:
 - `loss_fn` is pure and jit-able: params and batch are pytrees of arrays, `rng` is a JAX key for
   dropout and sampling, or None for a deterministic (evaluation) pass. It returns the scalar loss
-  that is minimised and a dict of scalar metrics (averaged over each log interval).
+  that is minimised and a dict of scalar metrics (averaged over each log interval). Write batch
+  averages as `losses.ratio(sum, count)` (or `ratios(metric_sums)`): on a data-parallel mesh each
+  device then runs the step on its slice of the batch and one all-reduce sums the gradients
+  (train.make_train_step); a plain `jnp.mean` still trains, through the compiler's slower split.
 - `train_iterator()` returns an iterator whose position can be saved: `get_state()` gives a
   JSON-serialisable dict stored in every checkpoint, `set_state(state)` puts a fresh iterator back
   at that position, so a resumed run sees exactly the batches an uninterrupted one would. Order
@@ -56,11 +59,11 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from attnlab import errors
+from attnlab import losses
 from attnlab.data import assets as assets_lib
 
 Params = Any  # a pytree of arrays
@@ -191,9 +194,9 @@ def data_location(data: ml_collections.ConfigDict) -> dict[str, Any]:
 
 
 def ratios(sums: dict[str, tuple[Any, Any]]) -> dict[str, jax.Array]:
-  """{name: sum / max(denominator, 1)} of one `metric_sums` result (inside jit: loss_fn)."""
-  return {name: value / jnp.maximum(denominator, 1.0)
-          for name, (value, denominator) in sums.items()}
+  """{name: sum / max(denominator, 1)} of one `metric_sums` result (inside jit: loss_fn), over
+  every device's examples in the data-parallel train step (`losses.ratio`)."""
+  return {name: losses.ratio(value, denominator) for name, (value, denominator) in sums.items()}
 
 
 def _num_rows(batch: Batch) -> int:

@@ -43,6 +43,7 @@ import sacrebleu
 
 from attnlab import data as data_lib
 from attnlab import decoding
+from attnlab import losses
 from attnlab import models
 from attnlab.attention import core as attn_core
 from attnlab.config_utils import check_choice
@@ -227,14 +228,14 @@ class TranslationTask(Task):
     logits, aux = self.model.apply({"params": params}, src, src_len, tgt_in,
                                    deterministic=not train, rngs=rngs)  # [b, t, vocab]
     nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tgt_out)
-    num_tokens = jnp.maximum(jnp.sum(valid), 1)
-    ce = jnp.sum(nll * valid) / num_tokens
+    num_tokens = jnp.sum(valid)
+    ce = losses.ratio(jnp.sum(nll * valid), num_tokens)
     correct = jnp.argmax(logits, axis=-1) == tgt_out  # [b, t]
     seq_ok = jnp.all(correct | ~valid, axis=1) & rows  # [b]
     metrics = {
         "ce": ce,
-        "token_accuracy": jnp.sum(correct & valid) / num_tokens,
-        "seq_accuracy": jnp.sum(seq_ok) / jnp.maximum(jnp.sum(rows), 1),
+        "token_accuracy": losses.ratio(jnp.sum(correct & valid), num_tokens),
+        "seq_accuracy": losses.ratio(jnp.sum(seq_ok), jnp.sum(rows)),
     }
     loss = ce
     weight = self.config.model.get("reinforce_weight", 0.0)
