@@ -67,7 +67,7 @@ PROVENANCE_FILE = "provenance.jsonl"
 
 def make_train_step(task: tasks.Task, tx: optax.GradientTransformation, schedule: optax.Schedule,
                     *, num_seeds: int = 1, mesh: jax.sharding.Mesh | None = None,
-                    state_shardings: Any = None):
+                    state_shardings: Any = None, per_device: bool = True):
   """The jitted update `(state, batch, rng) -> (state, metrics)`; the input state is donated.
 
   `rng` is the train key (or its raw uint32 key data); with `num_seeds > 1` state, batch, rng and
@@ -81,7 +81,8 @@ def make_train_step(task: tasks.Task, tx: optax.GradientTransformation, schedule
   the compiler, XLA:CPU all-reduced them in 18 pieces per nano GPT step, each a rendezvous of the
   devices on one thread pool: 20% slower steps on two CPU devices (experiments/benchmarks). A
   task whose loss or metrics stay per device (a plain `jnp.mean`), or a model that shard_map's
-  check of per-device values refuses (flax's nn.RNN scans), gets the compiler's version.
+  check of per-device values refuses (flax's nn.RNN scans), gets the compiler's version;
+  `per_device=False` asks for it (benchmarks/dp_step.py compares the two).
   """
   def one_step(state: TrainState, batch: Any, rng: jax.Array,
                axes: tuple[str, ...] = ()) -> tuple[TrainState, dict]:
@@ -119,7 +120,7 @@ def make_train_step(task: tasks.Task, tx: optax.GradientTransformation, schedule
       rng = jax.random.wrap_key_data(rng)  # raw key data, as placed on a multi-host mesh
     if mesh is None:
       return replicas()(state, batch, rng)
-    if mesh.shape[parallel.FSDP_AXIS] == 1:
+    if per_device and mesh.shape[parallel.FSDP_AXIS] == 1:
       try:
         out = data_parallel(state, batch, rng)
         jitted.per_device = True

@@ -62,6 +62,7 @@ class Embeddings(nn.Module):
     decode: positions continue from `cache/position`, which advances by len.
     """
     batch, length = tokens.shape
+    in_order = positions is None and not decode  # 0..len-1 in every row
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
       if decode:
@@ -74,11 +75,13 @@ class Embeddings(nn.Module):
       raise ValueError(f"sequence of {length} tokens is longer than max_len={self.max_len} "
                        "positions; crop the input or raise max_len")
     x = self.token(tokens)  # [batch, len, d]
-    if self.position == "learned":
-      x = x + jnp.take(self.position_table, positions, axis=0, mode="clip").astype(x.dtype)
-    elif self.position == "sinusoidal":
-      table = positional.sinusoidal(self.max_len, self.features, dtype=x.dtype)  # [max_len, d]
-      x = x + jnp.take(table, positions, axis=0, mode="clip")
+    if self.position in ("learned", "sinusoidal"):
+      table = (self.position_table if self.position == "learned"
+               else positional.sinusoidal(self.max_len, self.features))  # [max_len, d]
+      if in_order:  # the first rows: a slice, whose gradient is a sum over the batch (no scatter)
+        x = x + table[:length].astype(x.dtype)
+      else:
+        x = x + jnp.take(table, positions, axis=0, mode="clip").astype(x.dtype)
     return nn.Dropout(rate=self.dropout_rate)(x, deterministic=deterministic)
 
   def attend(self, x: Array) -> Array:
