@@ -269,8 +269,9 @@ def _attention_inputs() -> tuple[np.ndarray, ...]:
 
 
 def _blocked_on_mesh() -> dict[str, list]:
-  """The blocked kernel traced under a 2-device mesh (as the train step traces the model): the
-  context and the gradient of <context, do> w.r.t. q, k and v, plain and vmapped over replicas."""
+  """The blocked kernel traced under a 2-device mesh (as the compiler's split of the train step
+  traces the model) and inside `jax.shard_map` (as the data-parallel step runs it): the context
+  and the gradient of <context, do> w.r.t. q, k and v, plain and vmapped over replicas."""
   from attnlab.attention import blocked  # pylint: disable=g-import-not-at-top
   q, k, v, do, mask = _attention_inputs()
   mesh = parallel.make_mesh(config_utils.apply_overrides(config_utils.base_config(),
@@ -288,8 +289,20 @@ def _blocked_on_mesh() -> dict[str, list]:
   stacked = [jax.device_put(np.stack([x, x[::-1]]), replica_split)  # two replicas
              for x in (q, k, v, do)]
   replicas = jax.jit(jax.vmap(loss))(*stacked)[1]
+
+  def per_device(q, k, v, do, mask):  # each device on its slice, as the data-parallel train step
+    def device_loss(q, k, v):
+      out = blocked.blocked_attention(q, k, v, mask=mask, causal=True, block_q=16, block_k=16)
+      return jnp.sum(out * do), out
+    return jax.grad(device_loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+  spec = jax.sharding.PartitionSpec(parallel.MESH_AXES)
+  device_grads, device_out = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=spec,
+                                                   out_specs=spec))(q, k, v, do, mask)
   return {"out": np.asarray(out).tolist(), "grads": [np.asarray(g).tolist() for g in grads],
-          "replicas": np.asarray(replicas).tolist(), "out_devices": len(out.sharding.device_set)}
+          "replicas": np.asarray(replicas).tolist(), "out_devices": len(out.sharding.device_set),
+          "device_out": np.asarray(device_out).tolist(),
+          "device_grads": [np.asarray(g).tolist() for g in device_grads]}
 
 
 def _numpy_attention(q, k, v, mask):
@@ -316,9 +329,10 @@ def test_cpu_devices_split_a_fresh_process_into_a_data_parallel_mesh(tmp_path):
   expected = [d_s @ k, np.swapaxes(d_s, -1, -2) @ q, np.swapaxes(p, -1, -2) @ do]
   blocked = result["blocked"]
   assert blocked["out_devices"] == 2
-  np.testing.assert_allclose(blocked["out"], out, rtol=1e-4, atol=1e-5)
-  for got, want in zip(blocked["grads"], expected):
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  for name in ("", "device_"):  # traced under the mesh; inside shard_map, per device
+    np.testing.assert_allclose(blocked[name + "out"], out, rtol=1e-4, atol=1e-5)
+    for got, want in zip(blocked[name + "grads"], expected):
+      np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
   reversed_out = _numpy_attention(q[::-1], k[::-1], v[::-1], mask)[1]
   np.testing.assert_allclose(blocked["replicas"], np.stack([out, reversed_out]), rtol=1e-4,
                              atol=1e-5)

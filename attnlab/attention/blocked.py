@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from attnlab import parallel
 from attnlab.attention import core
 from attnlab.attention import masks as masks_lib
 
@@ -250,8 +251,8 @@ def _forward_group(t: _Tiling, q: Array, k: Array, v: Array,
       vis_lo, vis_hi = _visible_range(visible[i if t.mask_q else 0], t.mask_k,
                                       t.num_k_blocks)
       lo, hi = vis_lo, jnp.minimum(hi, vis_hi)
-    init = (jnp.full((g, bq), -jnp.inf, dt), jnp.zeros((g, bq), dt),
-            jnp.zeros((g, bq, d_v), dt))
+    init = _like(q, (jnp.full((g, bq), -jnp.inf, dt), jnp.zeros((g, bq), dt),
+                     jnp.zeros((g, bq, d_v), dt)))
     c = _loop(0, full_hi, make_step(False), init)
     m, l, acc = _loop(lo, hi, make_step(True), c)
     seen = l > 0  # [G, bq]; False for rows with no visible key
@@ -260,8 +261,15 @@ def _forward_group(t: _Tiling, q: Array, k: Array, v: Array,
     lse_i = jnp.where(seen, m + jnp.log(l_safe), jnp.inf)  # [G, bq]; +inf: p = 0 in bwd
     return _put(out, out_i, i), _put(lse, lse_i, i)
 
-  init = (jnp.zeros((g, t.q_pad, d_v), dt), jnp.zeros((g, t.q_pad), dt))
+  init = _like(q, (jnp.zeros((g, t.q_pad, d_v), dt), jnp.zeros((g, t.q_pad), dt)))
   return lax.fori_loop(0, t.num_q_blocks, q_step, init)
+
+
+def _like(x: Array, carry: tuple[Array, ...]) -> tuple[Array, ...]:
+  """Constant loop carries typed like `x` inside `jax.shard_map`: differing per device when `x`
+  does (a loop's carry must keep its type; the data-parallel train step runs the kernel on
+  each device's slice)."""
+  return parallel.vary(carry, parallel.varying_axes(x))
 
 
 # ----------------------------------------------------------------------------- backward
@@ -310,13 +318,13 @@ def _backward_group(t: _Tiling, q: Array, k: Array, v: Array, mask: Array | None
       vis_lo, vis_hi = _visible_range(visible[:, j if t.mask_k else 0], t.mask_q,
                                       t.num_q_blocks)
       lo, hi = jnp.maximum(lo, vis_lo), jnp.minimum(hi, vis_hi)
-    init = (jnp.zeros((g, bk, d), dt), jnp.zeros((g, bk, d_v), dt), dq_t)
+    init = (*_like(q, (jnp.zeros((g, bk, d), dt), jnp.zeros((g, bk, d_v), dt))), dq_t)
     c = _loop(lo, hi, make_step(True), init)
     dk_j, dv_j, dq_t = _loop(full_lo, t.num_q_blocks, make_step(False), c)
     return dq_t, _put(dk, dk_j, j), _put(dv, dv_j, j)
 
-  init = (jnp.zeros((g, d, t.q_pad), dt), jnp.zeros((g, t.k_pad, d), dt),
-          jnp.zeros((g, t.k_pad, d_v), dt))
+  init = _like(q, (jnp.zeros((g, d, t.q_pad), dt), jnp.zeros((g, t.k_pad, d), dt),
+                   jnp.zeros((g, t.k_pad, d_v), dt)))
   dq_t, dk, dv = lax.fori_loop(0, t.num_k_blocks, k_step, init)
   return jnp.swapaxes(dq_t, 1, 2), dk, dv  # dq [G, q_pad, d]
 
