@@ -8,7 +8,9 @@ The mesh has two axes, sized by `config.mesh`:
 `mesh.data = -1` takes every device not used by `fsdp`. On a CPU-only machine `mesh.cpu_devices`
 first splits the process into several CPU devices (`use_cpu_devices`), so that the data axis spreads
 each batch over the cores. When the mesh would hold a single device,
-`make_mesh` returns None and the trainer runs exactly its single-device path.
+`make_mesh` returns None and the trainer runs exactly its single-device path. Without an fsdp
+split the train step runs per device inside `jax.shard_map` and sums the gradients in one
+all-reduce (`sum_over_devices`; losses written with `losses.ratio`, train.make_train_step).
 
 With `config.num_seeds = N > 1` every state leaf and batch leaf has a leading replica axis `[N, ...]`
 that is never split: the rules below apply to the dimensions after it.
