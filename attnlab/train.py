@@ -79,7 +79,7 @@ def make_train_step(task: tasks.Task, tx: optax.GradientTransformation, schedule
   batch (`jax.shard_map`) with a dropout key of its own; the task's loss, written with
   `losses.ratio`, is the whole batch's, and one all-reduce adds up the devices' gradients. Left to
   the compiler, XLA:CPU all-reduced them in 18 pieces per nano GPT step, each a rendezvous of the
-  devices on one thread pool: 1.12-1.16x slower steps on two CPU devices (benchmarks/dp_step.py). A
+  devices on one thread pool: 1.06-1.16x slower steps on two CPU devices (benchmarks/dp_step.py). A
   task whose loss or metrics stay per device (a plain `jnp.mean`), or a model that shard_map's
   check of per-device values refuses (flax's nn.RNN scans), gets the compiler's version;
   `per_device=False` asks for it (benchmarks/dp_step.py compares the two).
