@@ -225,6 +225,32 @@ def train_batches(task: tasks.Task, seeds: list[int],
   return PlacedBatches(batches, mesh, 1 if len(seeds) > 1 else 0)
 
 
+@dataclasses.dataclass
+class Training:
+  """What a run trains with besides its state (`training`): the trainer's and the benchmarks'."""
+  schedule: optax.Schedule
+  tx: optax.GradientTransformation
+  seeds: list[int]  # the replicas' seeds (config.seed first)
+  init_rng: jax.Array  # [N] keys with several seeds
+  train_rng: jax.Array  # as it enters the train step (`place_key`)
+  batches: tasks.BatchIterator  # at position 0, on the mesh
+  abstract: TrainState  # shapes, dtypes and shardings of the state (the restore target)
+  shardings: Any  # the state's shardings on the mesh, None without one
+
+
+def training(task: tasks.Task, config: ml_collections.ConfigDict,
+             mesh: jax.sharding.Mesh | None) -> Training:
+  """Optimizer, keys, batches and state layout of `config` for `task` on `mesh`."""
+  schedule = make_schedule(config.optimizer, config.num_train_steps)
+  tx = make_optimizer(config.optimizer, schedule)
+  seeds = replica_seeds(config)
+  init_rng, train_rng = replica_keys(config)
+  abstract = abstract_train_state(task, tx, run_keys(config.seed)[0], mesh=mesh)
+  shardings = None if mesh is None else jax.tree.map(lambda x: x.sharding, abstract)
+  return Training(schedule, tx, seeds, init_rng, place_key(train_rng, mesh),
+                  train_batches(task, seeds, mesh), abstract, shardings)
+
+
 class ReplicaBatches:
   """Stacks the batches of N replica iterators (every leaf gets a leading [N] axis); its state
   is that of every replica's iterator."""

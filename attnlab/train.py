@@ -371,24 +371,18 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
                       mesh: jax.sharding.Mesh | None, is_main: bool) -> TrainState:
   """train_and_evaluate once the workdir is prepared (and locked by this process)."""
   num_steps = config.num_train_steps
-  schedule = make_schedule(config.optimizer, num_steps)
-  tx = make_optimizer(config.optimizer, schedule)
-  seeds = state_lib.replica_seeds(config)
+  parts = state_lib.training(task, config, mesh)
+  tx, seeds, train_iter, shardings = parts.tx, parts.seeds, parts.batches, parts.shardings
   num_seeds = len(seeds)
-  init_rng, train_rng = state_lib.replica_keys(config)
-  train_rng = state_lib.place_key(train_rng, mesh)
-  train_iter = state_lib.train_batches(task, seeds, mesh)
-  abstract = state_lib.abstract_train_state(task, tx, run_keys(config.seed)[0], mesh=mesh)
-  shardings = None if mesh is None else jax.tree.map(lambda x: x.sharding, abstract)
   if is_main:
     _record_start(workdir, task)
 
   ckpt = checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR,
                                  max_to_keep=config.keep_checkpoints)
   try:
-    restored = ckpt.restore_latest(abstract, quarantine=is_main)
+    restored = ckpt.restore_latest(parts.abstract, quarantine=is_main)
     if restored is None:
-      state = state_lib.initial_state(task, tx, init_rng, num_seeds, mesh, shardings)
+      state = state_lib.initial_state(task, tx, parts.init_rng, num_seeds, mesh, shardings)
       state = state_lib.with_pretrained(task, tx, state, num_seeds, mesh, shardings)
     else:
       state, data_state = restored
@@ -400,10 +394,10 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
     if start >= num_steps:
       _finish_complete_run(task, state, workdir, start, seeds)
       return state
-    train_step = make_train_step(task, tx, schedule, num_seeds=num_seeds, mesh=mesh,
+    train_step = make_train_step(task, tx, parts.schedule, num_seeds=num_seeds, mesh=mesh,
                                  state_shardings=shardings)
-    state = _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, train_rng,
-                        seeds)
+    state = _train_loop(config, workdir, task, state, train_iter, ckpt, train_step,
+                        parts.train_rng, seeds)
   finally:
     ckpt.close()
   if config.write_plots and is_main:

@@ -31,7 +31,6 @@ SHARED = REPO.parent / "shared"
 
 
 def build(position: str, devices: int, per_device: bool, data_dir: str) -> dict:
-  import jax  # pylint: disable=g-import-not-at-top
   from attnlab import config_utils, parallel, tasks, train  # pylint: disable=g-import-not-at-top
   from attnlab import state as state_lib  # pylint: disable=g-import-not-at-top
   config = config_utils.load_config_file(
@@ -39,16 +38,11 @@ def build(position: str, devices: int, per_device: bool, data_dir: str) -> dict:
       f"data.manual_dir={data_dir},num_train_steps=2000,mesh.cpu_devices={devices}")
   mesh = parallel.make_mesh(config)
   task = tasks.build_task(config)
-  schedule = train.make_schedule(config.optimizer, config.num_train_steps)
-  tx = train.make_optimizer(config.optimizer, schedule)
-  init_rng, train_rng = train.run_keys(config.seed)
-  abstract = state_lib.abstract_train_state(task, tx, init_rng, mesh=mesh)
-  shardings = jax.tree.map(lambda x: x.sharding, abstract)
-  step = train.make_train_step(task, tx, schedule, mesh=mesh, state_shardings=shardings,
-                               per_device=per_device)
-  state = state_lib.initial_state(task, tx, init_rng, 1, mesh, shardings)
-  batches = state_lib.train_batches(task, [config.seed], mesh)
-  rng = state_lib.place_key(train_rng, mesh)
+  parts = state_lib.training(task, config, mesh)  # what the trainer builds
+  step = train.make_train_step(task, parts.tx, parts.schedule, mesh=mesh,
+                               state_shardings=parts.shardings, per_device=per_device)
+  state = state_lib.initial_state(task, parts.tx, parts.init_rng, 1, mesh, parts.shardings)
+  batches, rng = parts.batches, parts.train_rng
   batch = next(batches)
   hlo = step.lower(state, batch, rng).compile().as_text()
   state, metrics = step(state, batch, rng)

@@ -123,7 +123,6 @@ def attnlab_arg(contender: str, implementation: str, data_dir: pathlib.Path, ste
 
 def worker(args) -> None:
   """Times `args.iters` attnlab train steps like nanoGPT's loop; prints them as JSON."""
-  import jax  # pylint: disable=g-import-not-at-top
   from attnlab import config_utils, parallel, tasks, train  # pylint: disable=g-import-not-at-top
   from attnlab import state as state_lib  # pylint: disable=g-import-not-at-top
 
@@ -132,15 +131,11 @@ def worker(args) -> None:
   parallel.use_cpu_devices(config.mesh.cpu_devices, config.batch_size)  # as the trainer starts
   mesh = parallel.make_mesh(config)
   task = tasks.build_task(config)
-  schedule = train.make_schedule(config.optimizer, config.num_train_steps)
-  tx = train.make_optimizer(config.optimizer, schedule)
-  init_rng, train_rng = train.run_keys(config.seed)
-  abstract = state_lib.abstract_train_state(task, tx, init_rng, mesh=mesh)
-  shardings = None if mesh is None else jax.tree.map(lambda x: x.sharding, abstract)
-  state = state_lib.initial_state(task, tx, init_rng, 1, mesh, shardings)
-  train_rng = state_lib.place_key(train_rng, mesh)
-  train_step = train.make_train_step(task, tx, schedule, mesh=mesh, state_shardings=shardings)
-  iterator = state_lib.train_batches(task, [config.seed], mesh)
+  parts = state_lib.training(task, config, mesh)  # what the trainer builds
+  state = state_lib.initial_state(task, parts.tx, parts.init_rng, 1, mesh, parts.shardings)
+  train_rng, iterator = parts.train_rng, parts.batches
+  train_step = train.make_train_step(task, parts.tx, parts.schedule, mesh=mesh,
+                                     state_shardings=parts.shardings)
   times = []
   t0 = time.perf_counter()
   for _ in range(args.iters):
