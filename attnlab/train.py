@@ -130,7 +130,7 @@ def make_train_step(task: tasks.Task, tx: optax.GradientTransformation, schedule
         # devices hold alike (flax's nn.RNN) returning one that differs per device. A genuine
         # error in the task comes back from the compiler's version below.
         _LOG.info("task %r: the compiler splits the train step over the devices (%s)", task.name,
-                  str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+                  (str(e).strip() or type(e).__name__).splitlines()[0])
     jitted.per_device = False
     # The mesh is visible to the model code (the blocked attention kernel runs per batch shard).
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):

@@ -52,10 +52,14 @@ class LinearProbeTask(tasks.Task):
     return tasks.IndexedBatches(lambda i: _batch(seed, i))
 
   def loss_fn(self, params, batch, rng):
+    return losses.ratio(*self.weighted_sums(params, batch)), {}
+
+  @staticmethod
+  def weighted_sums(params, batch):
+    """(sum of weighted squared errors, their count) over the rows this call sees."""
     pred = batch["x"] @ params["kernel"] + params["bias"]  # [batch, d_out]
     weight = batch["weight"][:, None]  # [batch, 1]
-    sq = jnp.square(pred - batch["y"]) * weight  # [batch, d_out]
-    return losses.ratio(jnp.sum(sq), jnp.sum(weight) * D_OUT), {}
+    return jnp.sum(jnp.square(pred - batch["y"]) * weight), jnp.sum(weight) * D_OUT
 
   def eval_batches(self):
     return [_batch(1000, 0)]
@@ -67,10 +71,8 @@ class LinearProbeMeanTask(LinearProbeTask):
   `jnp.mean` knows no other devices): the trainer must let the compiler split this step."""
 
   def loss_fn(self, params, batch, rng):
-    pred = batch["x"] @ params["kernel"] + params["bias"]  # [batch, d_out]
-    weight = batch["weight"][:, None]  # [batch, 1]
-    sq = jnp.square(pred - batch["y"]) * weight  # [batch, d_out]
-    return jnp.sum(sq) / (jnp.sum(weight) * D_OUT), {}
+    total, count = self.weighted_sums(params, batch)
+    return total / count, {}
 
 
 def probe_config(**overrides) -> config_utils.ConfigDict:
@@ -278,10 +280,13 @@ def _blocked_on_mesh() -> dict[str, list]:
                                                           {"mesh.data": 2}))
   split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
 
+  def attend(q, k, v, do, mask):  # (<context, do>, context)
+    out = blocked.blocked_attention(q, k, v, mask=mask, causal=True, block_q=16, block_k=16)
+    return jnp.sum(out * do), out
+
   def loss(q, k, v, do):
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      out = blocked.blocked_attention(q, k, v, mask=mask, causal=True, block_q=16, block_k=16)
-    return jnp.sum(out * do), out
+      return attend(q, k, v, do, mask)
 
   grads, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(
       *(jax.device_put(x, split) for x in (q, k, v, do)))
@@ -291,10 +296,7 @@ def _blocked_on_mesh() -> dict[str, list]:
   replicas = jax.jit(jax.vmap(loss))(*stacked)[1]
 
   def per_device(q, k, v, do, mask):  # each device on its slice, as the data-parallel train step
-    def device_loss(q, k, v):
-      out = blocked.blocked_attention(q, k, v, mask=mask, causal=True, block_q=16, block_k=16)
-      return jnp.sum(out * do), out
-    return jax.grad(device_loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return jax.grad(attend, argnums=(0, 1, 2), has_aux=True)(q, k, v, do, mask)
 
   spec = jax.sharding.PartitionSpec(parallel.MESH_AXES)
   device_grads, device_out = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=spec,
@@ -306,8 +308,8 @@ def _blocked_on_mesh() -> dict[str, list]:
 
 
 def _numpy_attention(q, k, v, mask):
-  """Causal, padding-masked softmax attention and its q, k, v gradients for the loss
-  sum(out * do), in float64 NumPy (no query row here is fully masked)."""
+  """(probabilities, context) of causal, padding-masked softmax attention in NumPy (no query
+  row here is fully masked); the test derives the q, k, v gradients from them."""
   scores = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])  # [b, h, s, s]
   visible = mask & np.tril(np.ones(scores.shape[-2:], bool))
   scores = np.where(visible, scores, -np.inf)
