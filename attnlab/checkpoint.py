@@ -315,6 +315,34 @@ class _FailedIoNoiseFilter:
     return hook
 
 
+class _EchoesOfFailedIo(logging.Filter):
+  """Drops asyncio's "Future/Task exception was never retrieved" records that name a directory
+  whose checkpoint read or write failed. orbax reads and writes each array in its own future; the
+  first failure is reported, and the others are collected whenever their writer thread lets go of
+  them, which can be after the Checkpointer closed (its `_FailedIoNoiseFilter` is gone by then).
+  Stays on the asyncio logger for good: it drops only those echoes of a failure already reported.
+  """
+
+  def __init__(self):
+    super().__init__()
+    self.directories: set[str] = set()
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if not str(record.msg).startswith(("Future exception was never retrieved",
+                                       "Task exception was never retrieved")):
+      return True
+    text = record.getMessage() + (str(record.exc_info[1]) if record.exc_info else "")
+    return not any(directory in text for directory in self.directories)
+
+  def add(self, directory: pathlib.Path) -> None:
+    if not self.directories:
+      logging.getLogger("asyncio").addFilter(self)
+    self.directories.add(str(directory))
+
+
+_ECHOES = _EchoesOfFailedIo()
+
+
 class Checkpointer:
   """Saves and restores (TrainState, meta JSON) pairs under `directory/<step>/` with orbax.
 
@@ -370,10 +398,16 @@ class Checkpointer:
     except Exception as e:  # orbax and tensorstore raise many types for a refused write
       code = write_errno(e, self.directory)
       reason = os.strerror(code) if code is not None else f"{type(e).__name__}: {_short(str(e))}"
-      self._failed = True
+      self._fail()
       self._discard_partial(step)
       raise CheckpointWriteError(code, f"could not write checkpoint step {step} in "
                                        f"{self.directory} ({reason})") from e
+
+  def _fail(self) -> None:
+    """Marks a failed read or write: its other futures' errors are echoes, dropped even after
+    `close` (`_EchoesOfFailedIo`)."""
+    self._failed = True
+    _ECHOES.add(self.directory)
 
   def _discard_partial(self, step: int) -> None:
     """Removes what a refused save of `step` left (on a read-only disk it stays, and the next run
@@ -427,7 +461,7 @@ class Checkpointer:
       state = self._manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract_state))).state
     except Exception as e:
-      self._failed = True
+      self._fail()
       time.sleep(0.2)  # let those callbacks fail now, under the filter, not at interpreter exit
       raise unreadable(_file_in_error(str(e)) or step_dir / "state", e) from e
     return state, meta["data_iterator"]
@@ -458,7 +492,8 @@ class Checkpointer:
     return f" (moved to {target})"
 
   def close(self) -> None:
-    """Closes orbax's manager and removes the noise filter (the hooks that were there return)."""
+    """Closes orbax's manager and removes the noise filter (the hooks that were there return);
+    after a failed read or write, `_EchoesOfFailedIo` still drops its late futures' records."""
     try:
       self._manager.close()
     finally:

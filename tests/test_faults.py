@@ -447,6 +447,40 @@ def test_unretrieved_write_futures_are_not_logged_after_a_refused_write():
       logging.getLogger(name).removeHandler(handler)
 
 
+def test_echoes_of_a_refused_write_are_dropped_after_the_checkpointer_closed(tmp_path, monkeypatch):
+  # orbax's other write tasks of a refused save can be collected after the run closed its
+  # Checkpointer (seen under load): asyncio's "Task exception was never retrieved" for them is
+  # dropped then too, and only for the directory whose write failed.
+  def refuse(self, step, *args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.directory))
+  monkeypatch.setattr(checkpoint.ocp.CheckpointManager, "save", refuse)
+  refused, other = tmp_path / "refused", tmp_path / "other"
+  with checkpoint.Checkpointer(refused) as ckpt:
+    with pytest.raises(errors.CheckpointWriteError):
+      ckpt.save(1, {"w": np.zeros(2)}, {})
+
+  def failed_task(directory):
+    async def write():
+      raise ValueError(f'Failed writing: "{directory}/1.orbax-checkpoint-tmp/d/0": No space left')
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(write())
+    loop.run_until_complete(asyncio.wait([task]))  # done, its exception never retrieved
+    loop.close()
+  buffer = io.StringIO()
+  handler = logging.StreamHandler(buffer)
+  logging.getLogger("asyncio").addHandler(handler)
+  try:
+    failed_task(refused)
+    gc.collect()
+    assert buffer.getvalue() == ""
+    failed_task(other)
+    gc.collect()
+    assert "Task exception was never retrieved" in buffer.getvalue()
+    assert str(other) in buffer.getvalue()
+  finally:
+    logging.getLogger("asyncio").removeHandler(handler)
+
+
 class _RaisesWhenCollected:
   def __init__(self, exc: BaseException):
     self.exc = exc
