@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from attnlab.data import pipeline
-from attnlab.data.errors import DataError
+from attnlab.errors import DataError
 
 
 def _examples(n=37, seed=0, max_len=12):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from attnlab.data import tokenizers as tok
-from attnlab.data.errors import DataError
+from attnlab.errors import DataError
 
 TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
         "First Citizen:\nYou are all resolved rather to die than to famish?\n\nAll:\n"

@@ -69,8 +69,8 @@ from typing import Any, Sequence
 from attnlab.data import builders, synthetic
 from attnlab.data.builders import (BUILDERS, DATA_DIR_ENV, PreparedSplit, load_split, prepare,
                                    shakespeare_documents)
-from attnlab.data.errors import DataError, DataFormatError, DatasetNotFoundError
 from attnlab.data.synthetic import SYNTHETIC, SyntheticDataset
+from attnlab.errors import DataError, DataFormatError, DatasetNotFoundError
 
 PathLike = str | os.PathLike[str]
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from attnlab.data import hf_tokenizer
 from attnlab.data import tokenizers
-from attnlab.data.errors import DataError
+from attnlab.errors import DataError
 
 # The folder's name inside a run directory.
 DIRNAME = "assets"

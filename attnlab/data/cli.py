@@ -16,7 +16,7 @@ import sys
 from typing import Any, Sequence
 
 from attnlab.data import builders, dataset_names, synthetic
-from attnlab.data.errors import DataError
+from attnlab.errors import DataError
 
 # Longest string shown for one field of an example.
 _MAX_SHOWN_CHARS = 160

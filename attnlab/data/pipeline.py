@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from attnlab.data.errors import DataError
+from attnlab.errors import DataError
 
 # What a length limit or padding length may be: one for every sequence field, or per field.
 LengthSpec = int | Mapping[str, int] | None

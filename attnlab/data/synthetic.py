@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from attnlab.data.errors import DataError
+from attnlab.errors import DataError
 
 # Split names and their index in the per-example seed.
 SPLITS = ("train", "validation", "test")

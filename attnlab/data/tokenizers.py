@@ -43,7 +43,7 @@ from typing import Any, Callable, ClassVar, Iterable, Sequence
 import numpy as np
 import sentencepiece as spm
 
-from attnlab.data.errors import DataError
+from attnlab.errors import DataError
 
 SPECIAL_TOKENS = ("<pad>", "<start>", "<end>", "<unk>", "[CLS]", "[SEP]", "[MASK]")
 PAD_ID, START_ID, END_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(len(SPECIAL_TOKENS))

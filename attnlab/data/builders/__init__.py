@@ -19,7 +19,7 @@ from attnlab.data.builders.base import (DATA_DIR_ENV, PreparedSplit, RawFileBuil
                                         data_dir_or_default)
 from attnlab.data.builders.sst2 import Sst2
 from attnlab.data.builders.tiny_shakespeare import TinyShakespeare, split_documents
-from attnlab.data.errors import DataError
+from attnlab.errors import DataError
 
 # name -> builder class; the one place a real dataset is registered.
 BUILDERS: dict[str, type[RawFileBuilder]] = {

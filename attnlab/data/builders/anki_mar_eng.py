@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from attnlab.data.builders import base
-from attnlab.data.errors import DataError, DataFormatError
+from attnlab.errors import DataError, DataFormatError
 
 # Seed of the shuffle that precedes the split; changing it needs a new VERSION.
 SPLIT_SEED = 0

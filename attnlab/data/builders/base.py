@@ -21,7 +21,7 @@ from typing import Any, Callable, ClassVar, Iterator, Mapping
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core.download.download_manager import NonMatchingChecksumError
 
-from attnlab.data.errors import DataError, DataFormatError, DatasetNotFoundError
+from attnlab.errors import DataError, DataFormatError, DatasetNotFoundError
 
 # Environment variable naming a folder laid out like ../shared/data (one sub-folder per dataset).
 DATA_DIR_ENV = "ATTNLAB_DATA_DIR"

@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from attnlab.data.builders import base
-from attnlab.data.errors import DataFormatError
+from attnlab.errors import DataFormatError
 
 # Label names, indexed by the label value.
 LABELS = ("negative", "positive")
