@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 
+from attnlab import analysis
 from attnlab import config_utils
 from attnlab import generate as generate_cli
 from attnlab import train
@@ -186,6 +188,15 @@ def test_runlocal_shakespeare_trains_reloads_and_generates(tmp_path, shared_data
   assert capsys.readouterr().out.startswith("JULIET")
   assert generate_cli.main(["attnlab generate", "--workdir=/nonexistent/run"]) == 2
   assert generate_cli.main(["attnlab generate", f"--workdir={run}", "--temperature=-1"]) == 2
+
+  # A reloaded run reads its validation text on request: the characters of the last 10% of
+  # input.txt, through the run's own vocabulary (experiments/shakespeare/run.py uses it).
+  reloaded = analysis.load_run(run)
+  text = (pathlib.Path(shared_data) / "tinyshakespeare" / "input.txt").read_text()
+  val_text = text[int(0.9 * len(text)):]
+  ids = reloaded.task.validation_ids()
+  assert ids.dtype == np.int32 and len(ids) == len(val_text)
+  assert reloaded.task.tokenizer.decode(ids) == val_text
 
 
 def test_runlocal_addition_end_to_end(tmp_path):

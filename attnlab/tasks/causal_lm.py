@@ -122,6 +122,15 @@ class CausalLMTask(Task):
       self.train_ids = np.asarray(self.tokenizer.encode(train_text), np.int32)
       self.val_ids = np.asarray(self.tokenizer.encode(val_text), np.int32)
 
+  def validation_ids(self) -> np.ndarray:
+    """Token ids `[n]` of Tiny Shakespeare's validation text (read on first use, as for training;
+    a reloaded run reads the dataset here)."""
+    if self.seq_len:
+      raise ValueError(f"validation_ids is the Tiny Shakespeare text's; this task reads "
+                       f"{self.config.data.name} (see eval_batches)")
+    self._text_ids()
+    return self.val_ids
+
   def _setup_addition(self, d) -> None:
     if d.tokenizer in PRETRAINED_TOKENIZERS:
       raise ConfigError(f"data.tokenizer={d.tokenizer} works with tiny_shakespeare only; the "

@@ -111,7 +111,7 @@ def entropy_and_rollout(workdir: pathlib.Path, args: argparse.Namespace, results
   for ax, name in zip(axes, texts):
     run = analysis.load_run(workdir / name)
     if name == "gpt_shakespeare":  # 16 windows of held-out characters
-      ids, block = run.task.val_ids, run.task.block_size
+      ids, block = run.task.validation_ids(), run.task.block_size
       starts = np.linspace(0, len(ids) - block - 1, 16).astype(int)
       caps = [analysis.capture(run, np.asarray(ids[s:s + block])) for s in starts]
     else:

@@ -60,7 +60,7 @@ def nanogpt_estimates(task, params, *, draws: int = 50, iters: int = 20, batch: 
   import numpy as np  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
 
-  block, ids = task.block_size, task.val_ids
+  block, ids = task.block_size, task.validation_ids()
   loss_fn = jax.jit(lambda p, x, y: optax.softmax_cross_entropy_with_integer_labels(
       task.model.apply({"params": p}, x), y).mean())
   rng = np.random.default_rng(seed)
