@@ -101,8 +101,8 @@ def main(argv=None) -> int:
   load_start = os.getloadavg()[0]
   train.train_and_evaluate(config, workdir)
   # Wall time of this invocation (compilation, evaluations and checkpoints included); a finished
-  # run keeps the time it was trained in.
-  wall = previous.get("wall_time_s", 0.0) if already_done else time.time() - start
+  # run keeps the time it was trained in (null if no summary of that invocation was written).
+  wall = previous.get("wall_time_s") if already_done else time.time() - start
   records = checkpoint.read_metrics(workdir)
   train_rows = [r for r in records if r["split"] == "train"]
   eval_rows = [r for r in records if r["split"] == "eval"]
