@@ -1,11 +1,14 @@
-"""Every experiment script end to end on its runlocal config, as a user runs it (a fresh process).
+"""Every experiment and benchmark script end to end, as a user runs it (a fresh process).
 
-The studies themselves take minutes to hours (their READMEs hold the figures); here each script
-trains seconds-long runs and must still reload them, analyse, plot and write its tables: a script
-that calls the library the way it used to (an attribute filled lazily since, a renamed function)
-fails here, not after an hour-long run. bert_sst2 has its own test (test_bert_study.py).
+The studies take minutes to hours (their READMEs hold the figures); here each script trains
+seconds-long runlocal runs and must still reload them, analyse, plot and write its tables, and
+each benchmark prints its ratio table on its smallest setting. A script that calls the library
+the way it used to (an attribute filled lazily since, a renamed function) fails here, not after
+an hour-long run. bert_sst2 has its own test (test_bert_study.py).
 """
 
+import importlib.util
+import itertools
 import json
 import math
 import os
@@ -20,18 +23,18 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _run(script: str, *args: str, data_dir: pathlib.Path | None = None) -> str:
-  """stdout of `python experiments/<script>/run.py args` from the repository root; rc must be 0."""
+  """stdout of `python experiments/<script> args` from the repository root; rc must be 0."""
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
   if data_dir is not None:
     env["ATTNLAB_DATA_DIR"] = str(data_dir)
-  proc = subprocess.run([sys.executable, str(REPO / "experiments" / script / "run.py"), *args],
+  proc = subprocess.run([sys.executable, str(REPO / "experiments" / script), *args],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   return proc.stdout
 
 
 def _rows(markdown: str) -> list[list[str]]:
-  """The cells of every table row of a markdown text, header and separator rows left out."""
+  """The cells of every table row of a markdown text (header rows too; separator rows left out)."""
   rows = [[cell.strip() for cell in line.strip().strip("|").split("|")]
           for line in markdown.splitlines() if line.startswith("|")]
   return [r for r in rows if not all(re.fullmatch(r"-+", c) for c in r)]
@@ -46,7 +49,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_nadaraya_watson(tmp_path):
-  out = _run("nadaraya_watson", f"--workdir={tmp_path}",
+  out = _run("nadaraya_watson/run.py", f"--workdir={tmp_path}",
              f"--config={REPO / 'configs' / 'nadaraya_watson.py'}:runlocal=True")
   table = [line.split() for line in out.splitlines()]  # kernel, w, test MSE, train LOO MSE
   mse = {cells[0]: float(cells[2]) for cells in table
@@ -58,7 +61,7 @@ def test_nadaraya_watson(tmp_path):
 
 
 def test_shakespeare(tmp_path, shared_data):
-  _run("shakespeare", f"--workdir={tmp_path}", "--config_arg=runlocal=True",
+  _run("shakespeare/run.py", f"--workdir={tmp_path}", "--config_arg=runlocal=True",
        f"--data_dir={shared_data}")
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["final_step"] == 20
@@ -69,15 +72,15 @@ def test_shakespeare(tmp_path, shared_data):
 
 
 def test_dates(tmp_path):
-  _run("dates", f"--workdir={tmp_path}", "--seeds=0", "--arg=runlocal=True")
+  _run("dates/run.py", f"--workdir={tmp_path}", "--seeds=0", "--arg=runlocal=True")
   seed_row = next(r for r in _rows((tmp_path / "results.md").read_text()) if r[0] == "0")
   assert seed_row[1] == "20" and 0 <= float(seed_row[4]) <= 100  # steps, test BLEU
   _pngs(*(tmp_path / "figures" / f"dates_{i}.png" for i in range(6)))
 
 
 def test_marathi(tmp_path, shared_data):
-  _run("marathi", f"--workdir={tmp_path}", "--seeds=0", "--arg=runlocal=True", "--beam_size=2",
-       data_dir=shared_data)
+  _run("marathi/run.py", f"--workdir={tmp_path}", "--seeds=0", "--arg=runlocal=True",
+       "--beam_size=2", data_dir=shared_data)
   text = (tmp_path / "results.md").read_text()
   seed_row = next(r for r in _rows(text) if r[0] == "0")
   assert seed_row[1] == "20" and int(seed_row[2]) > 0 and math.isfinite(float(seed_row[3]))
@@ -89,7 +92,8 @@ def test_marathi(tmp_path, shared_data):
 
 
 def test_bottleneck(tmp_path):
-  _run("bottleneck", f"--workdir={tmp_path}", "--seeds=0", "--max_len=10", "--arg=runlocal=True")
+  _run("bottleneck/run.py", f"--workdir={tmp_path}", "--seeds=0", "--max_len=10",
+       "--arg=runlocal=True")
   rows = _rows((tmp_path / "results.md").read_text())
   assert rows[0][1:] == ["exact match, attention=none", "exact match, attention=bahdanau"]
   assert [r[0] for r in rows[1:3]] == ["1-5", "6-10"]
@@ -98,8 +102,8 @@ def test_bottleneck(tmp_path):
 
 
 def test_score_functions(tmp_path):
-  _run("score_functions", f"--workdir={tmp_path}", "--datasets=dates", "--scores=dot,additive",
-       "--seeds=0", "--dates_arg=runlocal=True")
+  _run("score_functions/run.py", f"--workdir={tmp_path}", "--datasets=dates",
+       "--scores=dot,additive", "--seeds=0", "--dates_arg=runlocal=True")
   rows = {r[0]: r for r in _rows((tmp_path / "results.md").read_text())}
   assert {"dot", "additive"} <= set(rows)
   assert all(math.isfinite(float(rows[s][4])) for s in ("dot", "additive"))  # validation CE
@@ -107,9 +111,75 @@ def test_score_functions(tmp_path):
 
 
 def test_rnn_vs_transformer(tmp_path):
-  _run("rnn_vs_transformer", f"--workdir={tmp_path}", "--tasks=reverse", "--seeds=0",
+  _run("rnn_vs_transformer/run.py", f"--workdir={tmp_path}", "--tasks=reverse", "--seeds=0",
        "--steps=20", "--extra=runlocal=True")
   rows = [r for r in _rows((tmp_path / "results.md").read_text()) if r[0] == "reverse"]
   assert [r[1] for r in rows] == ["rnn (seed 0)", "transformer (seed 0)", "rnn_none (seed 0)"]
   assert all(r[3] == "20" and int(r[2].replace(",", "")) > 0 for r in rows)  # steps, parameters
   _pngs(tmp_path / "reverse_by_length.png")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The benchmark scripts (experiments/benchmarks), on their smallest settings: the tables they print.
+
+SHARED = REPO.parent / "shared"
+
+
+def _needs_torch() -> None:
+  if importlib.util.find_spec("torch") is None:
+    pytest.skip("torch is not installed; its CPU build: pip install torch==2.13.0 (as .ci/run)")
+
+
+def _table(out: str, *header: str) -> dict[str, list[str]]:
+  """Rows of the printed table whose header starts with the cells `header`, keyed by their first
+  cell."""
+  lines = out.splitlines()
+  start = next(i for i, line in enumerate(lines) if line.startswith("|") and
+               [c.strip() for c in line.split("|")[1:len(header) + 1]] == list(header))
+  rows = _rows("\n".join(itertools.takewhile(lambda l: l.startswith("|"), lines[start + 1:])))
+  return {r[0]: r for r in rows}
+
+
+def test_attention_benchmark():
+  out = _run("benchmarks/attention.py", "--quick", "--impls=reference,blocked")
+  memory = _table(out, "S", "blocked peak MiB")
+  # The blocked kernel's memory grows linearly with S, the reference path's quadratically.
+  assert float(memory["512"][2].rstrip("x")) < 2.5 < float(memory["512"][5].rstrip("x"))
+
+
+def test_dp_step_benchmark(shared_data):
+  out = _run("benchmarks/dp_step.py", "--positions=learned", "--rounds=3", "--chunk=1",
+             f"--data_dir={shared_data}")
+  row = _table(out, "position")["learned"]
+  assert float(row[3].strip("*x")) > 0
+  per_device, split = (int(n) for n in row[4].split(" / "))
+  assert per_device < split  # one all-reduce of the gradients against the compiler's several
+  loss_a, loss_b = (float(x) for x in row[5].split(" / "))
+  assert abs(loss_a - loss_b) < 1e-3  # the same step either way
+
+
+def test_gpt_train_benchmark(shared_data):
+  _needs_torch()
+  out = _run("benchmarks/gpt_train.py", "--rounds=1", "--steps=3", "--gen_tokens=0",
+             "--twin_steps=0", f"--data_dir={shared_data}")
+  rows = _table(out, "implementation")
+  assert set(rows) == {"attnlab", "pytorch"}
+  assert all(float(r[1].split()[0]) > 0 for r in rows.values())  # ms/step
+
+
+def test_gpt_vs_nanogpt_benchmark(shared_data, tmp_path):
+  _needs_torch()
+  if not (SHARED / "anchors" / "nanogpt").is_dir():
+    pytest.skip(f"{SHARED / 'anchors' / 'nanogpt'} not found: nanoGPT's export beside the repo")
+  out = _run("benchmarks/gpt_vs_nanogpt.py", "--rounds=1", "--iters=4", "--skip=1",
+             "--wall_steps=0", "--contenders=nanogpt,learned", f"--data_dir={shared_data}",
+             f"--scratch={tmp_path}")
+  rows = list(_table(out, "contender").values())
+  assert [r[0].split()[0] for r in rows] == ["nanoGPT", "attnlab"]
+  assert rows[0][3] == "1.00x" and float(rows[1][3].strip("*x")) > 0
+
+
+def test_seeds_benchmark():
+  out = _run("benchmarks/seeds.py", "--configs=gpt", "--seeds=2", "--steps=2")
+  row = _table(out, "config")["gpt"]
+  assert row[1] == "2" and float(row[4]) > 0  # N, ratio

@@ -74,6 +74,8 @@ def main(argv=None) -> int:
   parser.add_argument("--chunk", type=int, default=10, help="steps per contender and round")
   parser.add_argument("--data_dir", default=str(SHARED / "data"))
   args = parser.parse_args(argv)
+  if args.rounds < 3:
+    parser.error(f"--rounds must be >= 3 (the first two rounds are warm-up), got {args.rounds}")
   from attnlab import parallel  # pylint: disable=g-import-not-at-top
   parallel.use_cpu_devices(args.devices)  # before JAX starts
   uptime = lambda: subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()

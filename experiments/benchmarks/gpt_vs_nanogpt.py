@@ -40,6 +40,7 @@ Needs torch and numpy for nanoGPT (`pip install -e '.[torch]'`, CPU build).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import pathlib
@@ -207,7 +208,8 @@ def main(argv=None) -> int:
   parser.add_argument("--nanogpt_dir", default=str(SHARED / "anchors" / "nanogpt"))
   parser.add_argument("--data_dir", default=str(SHARED / "data"),
                       help="folder with tinyshakespeare/input.txt")
-  parser.add_argument("--scratch", default="", help="scratch folder ('' = a fresh temp folder)")
+  parser.add_argument("--scratch", default="",
+                      help="scratch folder, kept ('' = a fresh temp folder, removed at exit)")
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--contender", default="learned", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -223,6 +225,8 @@ def main(argv=None) -> int:
     parser.error(f"unknown contenders {sorted(unknown)}; valid: {', '.join(valid)}")
   scratch = pathlib.Path(args.scratch or tempfile.mkdtemp(prefix="gpt_vs_nanogpt_"))
   scratch.mkdir(parents=True, exist_ok=True)
+  if not args.scratch:  # a temp folder of its own (nanoGPT's copy, the runs): gone at exit
+    atexit.register(shutil.rmtree, scratch, True)
   import torch  # pylint: disable=g-import-not-at-top  (only its version and threads)
   print(f"{os.cpu_count()} CPUs; torch {torch.__version__} ({torch.get_num_threads()} threads); "
         f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at start; "
