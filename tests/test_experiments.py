@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -117,6 +118,29 @@ def test_rnn_vs_transformer(tmp_path):
   assert [r[1] for r in rows] == ["rnn (seed 0)", "transformer (seed 0)", "rnn_none (seed 0)"]
   assert all(r[3] == "20" and int(r[2].replace(",", "")) > 0 for r in rows)  # steps, parameters
   _pngs(tmp_path / "reverse_by_length.png")
+
+
+def test_analysis(tmp_path, shared_data):
+  # Its nine runs (GPT, BERT pretraining and fine-tuning, six seq2seq models) at 20 steps each.
+  out = tmp_path / "out"
+  _run("analysis/run.py", f"--workdir={tmp_path / 'runs'}", f"--out={out}",
+       "--arg=runlocal=True,num_train_steps=20", "--num_examples=20",
+       f"--data_dir={shared_data}")
+  results = json.loads((out / "results.json").read_text())
+  assert set(results["alignment"]) == {f"{task}_{model}" for task in ("reverse", "dates")
+                                       for model in ("bahdanau", "luong", "transformer")}
+  assert all(0 <= r["best"]["accuracy"] <= 1 for r in results["alignment"].values())
+  # 20 steps leave the GPT's causal attention near uniform: row i spreads over positions 0..i,
+  # whose mean distance to i is i / 2 (NumPy below), and the entropy is near its maximum.
+  gpt = results["entropy"]["gpt_shakespeare"]
+  uniform_offset = np.mean(np.arange(64) / 2)
+  assert np.allclose(gpt["mean_abs_offset"], uniform_offset, atol=1.0)
+  assert np.min(gpt["normalized_entropy"]) > 0.95
+  _pngs(out / "figures" / "entropy.png", out / "figures" / "alignment_by_length.png",
+        *(out / "figures" / f"ablation_{name}.png" for name in results["ablation"]))
+  for view in results["views"].values():
+    page = (out / "figures" / view["file"]).read_bytes()
+    assert page.lower().startswith(b"<!doctype html") and len(page) == view["bytes"]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,11 +1,11 @@
 """Attention analysis of the project's own trained runs: entropy, rollout, alignment, ablation.
 
   python experiments/analysis/run.py [--workdir=runs/analysis] [--only=gpt,bert,...]
-      [--data_dir=../shared/data] [--train_only]
+      [--data_dir=../shared/data] [--train_only] [--arg=key=value,...] [--out=DIR]
 
 Trains (or resumes; finished runs are skipped) one run per entry of RUNS, each an ordinary run
 directory WORKDIR/<name>, then analyses them with attnlab.analysis and writes into
-experiments/analysis/ (figures/ and results.json; the README quotes them):
+experiments/analysis/ or --out (figures/ and results.json; the README quotes them):
   - entropy per layer and head of the GPT (Tiny Shakespeare) and BERT (MLM+NSP, then SST-2)
     runs on held-out text, and attention rollout through their layers;
   - argmax alignment accuracy by source length of Bahdanau (GRU, additive score), Luong (GRU,
@@ -33,8 +33,6 @@ from attnlab.analysis import view as view_lib
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 OUT = pathlib.Path(__file__).resolve().parent
-FIGURES = OUT / "figures"
-RESULTS = OUT / "results.json"
 
 # name -> (config file, config arg). Sizes and step counts are the families' defaults except
 # where noted; the Transformers use the parameter-matched sizes of experiments/rnn_vs_transformer.
@@ -55,11 +53,18 @@ RUNS = {
 }
 
 
-def train_runs(names: list[str], workdir: pathlib.Path) -> None:
-  """Trains (or resumes) each named run; the fine-tuning run starts from the pretraining run."""
+def _figures(args: argparse.Namespace) -> pathlib.Path:
+  return pathlib.Path(args.out) / "figures"
+
+
+def train_runs(names: list[str], workdir: pathlib.Path, extra: str = "") -> None:
+  """Trains (or resumes) each named run; the fine-tuning run starts from the pretraining run.
+  `extra`: key=value,... added to every run's config arg (e.g. runlocal=True for a quick check)."""
   from attnlab import config_utils, train  # pylint: disable=g-import-not-at-top
   for name in names:
     file, arg = RUNS[name]
+    if extra:
+      arg += "," + extra
     if name == "bert_sst2":
       arg += f",init_from={workdir / 'bert_pretrain'}"
     config = config_utils.load_config_file(f"{CONFIGS / file}:{arg}")
@@ -135,7 +140,7 @@ def entropy_and_rollout(workdir: pathlib.Path, args: argparse.Namespace, results
     ax.set_title(f"{name} ({len(caps)} inputs)", fontsize=9)
   fig.colorbar(image, ax=axes, fraction=0.02, label="entropy / log(#keys)")
   fig.suptitle("Attention entropy per head, normalised (1 = uniform over the keys it may see)")
-  fig.savefig(FIGURES / "entropy.png", dpi=120, bbox_inches="tight")
+  fig.savefig(_figures(args) / "entropy.png", dpi=120, bbox_inches="tight")
   plt.close(fig)
 
   # Rollout after layers 1..L of one input per model.
@@ -160,7 +165,7 @@ def entropy_and_rollout(workdir: pathlib.Path, args: argparse.Namespace, results
         ax.set_xlabel("input position")
         ax.set_ylabel("position")
     fig.suptitle(f"Attention rollout of {name}: {text[:60]!r}", fontsize=10)
-    fig.savefig(FIGURES / f"rollout_{name}.png", dpi=120, bbox_inches="tight")
+    fig.savefig(_figures(args) / f"rollout_{name}.png", dpi=120, bbox_inches="tight")
     plt.close(fig)
     # How far back the final representation reaches: the rollout mass on the own position and
     # the mean |i - j| under the rollout rows, per depth.
@@ -211,7 +216,7 @@ def alignment_study(workdir: pathlib.Path, args: argparse.Namespace, results: di
     ax.set_ylabel("argmax alignment accuracy")
     ax.set_title(f"{task} ({args.num_examples} held-out examples)", fontsize=10)
     ax.legend(fontsize=8)
-  fig.savefig(FIGURES / "alignment_by_length.png", dpi=120, bbox_inches="tight")
+  fig.savefig(_figures(args) / "alignment_by_length.png", dpi=120, bbox_inches="tight")
   plt.close(fig)
 
 
@@ -221,7 +226,7 @@ def ablation_study(workdir: pathlib.Path, args: argparse.Namespace, results: dic
                        ("reverse_transformer", "loss"), ("dates_transformer", "loss")):
     run = analysis.load_run(workdir / name)
     res = analysis.head_ablation(run, metric=metric, mode="zero")
-    analysis.plot_head_ablation(res, path=FIGURES / f"ablation_{name}.png",
+    analysis.plot_head_ablation(res, path=_figures(args) / f"ablation_{name}.png",
                                 title=f"{name}: {metric} change with one head zeroed "
                                       f"(baseline {res.baseline:.4g})")
     plt.close("all")
@@ -238,8 +243,8 @@ def views(workdir: pathlib.Path, args: argparse.Namespace, results: dict) -> Non
   for name, text in inputs.items():
     run = analysis.load_run(workdir / name)
     cap = analysis.capture_text(run, text)
-    path = view_lib.write_html(FIGURES / f"view_{name}.html", cap, analysis.head_table(cap),
-                               title=f"{name}: {text}")
+    path = view_lib.write_html(_figures(args) / f"view_{name}.html", cap,
+                               analysis.head_table(cap), title=f"{name}: {text}")
     results["views"][name] = {"file": path.name, "bytes": path.stat().st_size}
 
 
@@ -258,6 +263,10 @@ def main(argv=None) -> int:
                       help="which analyses to run (results.json keeps the others' numbers)")
   parser.add_argument("--num_examples", type=int, default=500,
                       help="held-out examples per seq2seq run for the alignment accuracy")
+  parser.add_argument("--arg", default="", help="key=value,... added to every run's config "
+                      "(e.g. runlocal=True: a seconds-long check of the whole study)")
+  parser.add_argument("--out", default=str(OUT),
+                      help="folder of figures/ and results.json (default: this experiment's)")
   args = parser.parse_args(argv)
   names = [n for n in args.only.split(",") if n]
   parts = [p for p in args.parts.split(",") if p]
@@ -270,23 +279,24 @@ def main(argv=None) -> int:
   from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
   main_lib.setup_logging()
   workdir = pathlib.Path(args.workdir)
-  train_runs(names, workdir)
+  train_runs(names, workdir, args.arg)
   if args.train_only:
     return 0
-  FIGURES.mkdir(parents=True, exist_ok=True)
+  _figures(args).mkdir(parents=True, exist_ok=True)
+  results_path = pathlib.Path(args.out) / "results.json"
   results = {"entropy": {}, "rollout": {}, "alignment": {}, "ablation": {}, "views": {},
              "load_average_start": os.getloadavg()[0]}
   for part in parts:
     print(f"== analysis: {part}", flush=True)
     PARTS[part](workdir, args, results)
-  previous = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+  previous = json.loads(results_path.read_text()) if results_path.is_file() else {}
   for key, value in results.items():
     if isinstance(value, dict):
       previous.setdefault(key, {}).update(value)
     else:
       previous[key] = value
-  RESULTS.write_text(json.dumps(previous, indent=1) + "\n")
-  print(f"wrote {RESULTS} and {FIGURES}/")
+  results_path.write_text(json.dumps(previous, indent=1) + "\n")
+  print(f"wrote {results_path} and {_figures(args)}/")
   return 0
 
 
