@@ -325,7 +325,8 @@ class _EchoesOfFailedIo(logging.Filter):
 
   def __init__(self):
     super().__init__()
-    self.directories: set[str] = set()
+    # Replaced, never changed in place: a collection in another thread iterates a whole set.
+    self.directories: frozenset[str] = frozenset()
 
   def filter(self, record: logging.LogRecord) -> bool:
     if not str(record.msg).startswith(("Future exception was never retrieved",
@@ -337,7 +338,7 @@ class _EchoesOfFailedIo(logging.Filter):
   def add(self, directory: pathlib.Path) -> None:
     if not self.directories:
       logging.getLogger("asyncio").addFilter(self)
-    self.directories.add(str(directory))
+    self.directories = self.directories | {str(directory)}
 
 
 _ECHOES = _EchoesOfFailedIo()
