@@ -110,13 +110,42 @@ def test_kv_cache_greedy_equals_uncached_greedy(model_and_params, forward):
   assert int(cached.tokens.max()) < VOCAB and int(cached.lengths.min()) == 30
 
 
+def test_ragged_prompts_are_continued_as_if_alone(model_and_params, forward):
+  # Prompts of 1, 3 and 7 tokens in one batch. Greedy tokens must equal the independent loop
+  # (full forward pass, argmax at each row's own end) while they fit in block_size 16, and
+  # equal each prompt generated alone all the way, past the block size (the rows' caches fill
+  # and restart from their last `keep` tokens at different steps).
+  model, params = model_and_params
+  rng = np.random.default_rng(4)
+  prompts = [rng.integers(0, VOCAB, n).tolist() for n in (1, 3, 7)]
+  steps = 16 - 7
+  seq = [list(p) for p in prompts]
+  for _ in range(steps):
+    logits = np.asarray(forward(params, jnp.asarray([r + [0] * (16 - len(r)) for r in seq])))
+    for b, r in enumerate(seq):
+      r.append(int(np.argmax(logits[b, len(r) - 1])))
+  want = np.asarray([r[len(p):] for r, p in zip(seq, prompts)])
+  for use_cache in (True, False):
+    together = gpt.generate(model, params, prompts, jax.random.key(0), num_tokens=30,
+                            temperature=0.0, use_cache=use_cache).tokens
+    np.testing.assert_array_equal(together[:, :steps], want)
+    for b, prompt in enumerate(prompts):
+      alone = gpt.generate(model, params, prompt, jax.random.key(0), num_tokens=30,
+                           temperature=0.0, use_cache=use_cache).tokens
+      np.testing.assert_array_equal(together[b], alone[0])
+  assert len(set(want.ravel().tolist())) > 2
+
+
 def test_sampling_options_and_bad_prompts(model_and_params):
   model, params = model_and_params
   out = gpt.generate(model, params, [1, 2, 3], jax.random.key(5), num_tokens=8,
                      temperature=0.8, top_k=3, top_p=0.9)
   assert out.tokens.shape == (1, 8) and int(out.tokens.max()) < VOCAB
-  with pytest.raises(ValueError, match="len >= 1"):
-    gpt.generate(model, params, np.zeros((1, 0), np.int32), jax.random.key(0), num_tokens=2)
+  for bad in (np.zeros((1, 0), np.int32), [[1, 2], []]):
+    with pytest.raises(ValueError, match="non-empty list of token ids"):
+      gpt.generate(model, params, bad, jax.random.key(0), num_tokens=2)
+  with pytest.raises(ValueError, match=r"\[batch, len\] or \[len\]"):
+    gpt.generate(model, params, np.zeros((1, 2, 3), np.int32), jax.random.key(0), num_tokens=2)
   with pytest.raises(ValueError, match="keep"):
     gpt.generate(model, params, [1], jax.random.key(0), num_tokens=2, keep=16)
   with pytest.raises(ValueError, match="valid sizes"):
@@ -197,6 +226,10 @@ def test_runlocal_shakespeare_trains_reloads_and_generates(tmp_path, shared_data
   ids = reloaded.task.validation_ids()
   assert ids.dtype == np.int32 and len(ids) == len(val_text)
   assert reloaded.task.tokenizer.decode(ids) == val_text
+  # Prompts of different lengths in one batch: each continued as when sampled alone.
+  prompts, options = ["ROMEO:", "To be, or not", "O"], dict(num_tokens=12, temperature=0.0)
+  assert reloaded.task.sample_texts(reloaded.params, prompts, **options) == [
+      reloaded.task.sample_text(reloaded.params, p, **options) for p in prompts]
 
 
 def test_runlocal_addition_end_to_end(tmp_path):

@@ -19,6 +19,10 @@ step function over one of two states:
 While prompt + generated tokens fit in block_size the two give identical logits, hence
 identical tokens under greedy decoding (tests/test_gpt.py checks); beyond it their contexts
 differ as described.
+
+Prompts of different lengths go in one batch (a ragged batch): each row is padded after its
+tokens, every cache row writes and counts positions from its own length, and rows restart their
+full caches independently, so each row is continued as it would be alone.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attnlab import decoding
 from attnlab import models as models_lib
@@ -176,20 +181,39 @@ def decode_chunk(model: GPT, params: Any, cache: Any, tokens: Array) -> tuple[Ar
 _set_at = jax.vmap(lambda row, i, token: row.at[i].set(token))
 
 
+def _rows_where(rows: Array, new: Any, old: Any) -> Any:
+  """`new` in the batch rows where `rows` `[batch]` is True, else `old` (trees, batch first)."""
+  return jax.tree.map(lambda a, b: jnp.where(rows.reshape((-1,) + (1,) * (a.ndim - 1)), a, b),
+                      new, old)
+
+
+def _set_cache_lengths(cache: Any, lengths: Array) -> Any:
+  """The cache with every row's write index and position counter at `lengths` `[batch]`: what
+  follows overwrites the padding a shorter prompt left in the cache after its own tokens."""
+  def set_leaf(path, leaf):
+    name = getattr(path[-1], "key", None)
+    return lengths.astype(leaf.dtype) if name in ("cache_index", "position") else leaf
+  return jax.tree_util.tree_map_with_path(set_leaf, cache)
+
+
 def _cached_step_fn(model: GPT, params: Any, keep: int):
   """step_fn(state, token) for decoding.sample; state {cache, window, length}."""
   block = model.block_size
 
   def refill(state):
+    """Rows whose cache is full restart from their last `keep` tokens (a ragged batch fills its
+    rows at different steps: the others are left as they are)."""
+    full = state["length"] >= block  # [batch]
     window = state["window"]  # [batch, block]
     kept = window[:, block - keep:]  # [batch, keep]
     fresh = jax.tree.map(jnp.zeros_like, state["cache"])
     _, cache = decode_chunk(model, params, fresh, kept)
     window = jnp.zeros_like(window).at[:, :keep].set(kept)  # [batch, block]
-    return {"cache": cache, "window": window, "length": jnp.full_like(state["length"], keep)}
+    refilled = {"cache": cache, "window": window, "length": jnp.full_like(state["length"], keep)}
+    return _rows_where(full, refilled, state)
 
   def step_fn(state, token):
-    state = jax.lax.cond(state["length"][0] >= block, refill, lambda s: s, state)
+    state = jax.lax.cond(jnp.any(state["length"] >= block), refill, lambda s: s, state)
     logits, cache = decode_chunk(model, params, state["cache"], token[:, None])  # [b, 1, vocab]
     n = state["length"]  # [batch]
     window = _set_at(state["window"], n, token)  # [batch, block]
@@ -204,8 +228,8 @@ def _uncached_step_fn(model: GPT, params: Any):
 
   def step_fn(state, token):
     window, n = state["window"], state["length"]  # [batch, block], [batch]
-    full = n[0] >= block
-    window = jnp.where(full, jnp.roll(window, -1, axis=1), window)  # drop the oldest token
+    full = n >= block  # [batch]
+    window = jnp.where(full[:, None], jnp.roll(window, -1, axis=1), window)  # drop the oldest
     n = jnp.where(full, n - 1, n)
     window = _set_at(window, n, token)  # [batch, block]
     logits = model.apply({"params": params}, window)  # [batch, block, vocab]
@@ -217,17 +241,21 @@ def _uncached_step_fn(model: GPT, params: Any):
 
 @functools.partial(jax.jit, static_argnames=("model", "num_tokens", "top_k", "top_p",
                                              "use_cache", "keep", "end_id"))
-def _generate(model: GPT, params: Any, prompt: Array, rng: Array, temperature: Array, *,
-              num_tokens: int, top_k: int | None, top_p: float | None, use_cache: bool,
-              keep: int, end_id: int | None) -> decoding.Decoded:
+def _generate(model: GPT, params: Any, prompt: Array, lengths: Array, rng: Array,
+              temperature: Array, *, num_tokens: int, top_k: int | None, top_p: float | None,
+              use_cache: bool, keep: int, end_id: int | None) -> decoding.Decoded:
+  """prompt `[batch, len]`: row b's tokens first, lengths[b] of them, then padding."""
   batch, length = prompt.shape
-  context, start = prompt[:, :-1], prompt[:, -1]  # the last prompt token is the first input
+  # The last token of each prompt is its first input; the tokens before it are its context.
+  start = jnp.take_along_axis(prompt, (lengths - 1)[:, None], axis=1)[:, 0]  # [batch]
+  context = prompt[:, :-1]  # [batch, len - 1]: a shorter row's tail here is overwritten later
   window = jnp.zeros((batch, model.block_size), jnp.int32).at[:, :length - 1].set(context)
-  state = {"window": window, "length": jnp.full((batch,), length - 1, jnp.int32)}
+  state = {"window": window, "length": lengths - 1}
   if use_cache:
     cache = init_cache(model, batch)
     if length > 1:
       _, cache = decode_chunk(model, params, cache, context)
+      cache = _set_cache_lengths(cache, lengths - 1)
     state["cache"] = cache
     step_fn = _cached_step_fn(model, params, keep)
   else:
@@ -244,8 +272,9 @@ def generate(model: GPT, params: Any, prompt: Any, rng: Array, *, num_tokens: in
 
   Args:
     model, params: a GPT and its parameters.
-    prompt: int `[batch, len]` (or `[len]`), len >= 1; all rows the same length. Only the last
-      block_size tokens are used.
+    prompt: int token ids `[batch, len]` (or `[len]`), or a list of prompts of any lengths
+      >= 1 (a ragged batch: each row is continued as if it were alone). Only the last
+      block_size tokens of each are used.
     rng: JAX key for sampling.
     num_tokens: tokens to generate.
     temperature: 0 = greedy; otherwise softmax(logits / temperature) after top-k/top-p.
@@ -256,18 +285,37 @@ def generate(model: GPT, params: Any, prompt: Any, rng: Array, *, num_tokens: in
   Returns:
     decoding.Decoded with tokens `[batch, num_tokens]`.
   """
-  prompt = jnp.asarray(prompt, jnp.int32)
-  if prompt.ndim == 1:
-    prompt = prompt[None]
-  if prompt.ndim != 2 or prompt.shape[1] < 1:
-    raise ValueError(f"prompt must be token ids [batch, len] with len >= 1; got shape "
-                     f"{prompt.shape}. An empty text prompt can start from a newline")
-  prompt = prompt[:, -model.block_size:]
+  prompt, lengths = _prompt_rows(prompt, model.block_size)
   keep = model.block_size // 2 if keep is None else int(keep)
   if not 1 <= keep < model.block_size:
     raise ValueError(f"keep must be in [1, block_size={model.block_size}), got {keep}")
   if isinstance(temperature, (int, float)) and temperature < 0:
     raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-  return _generate(model, params, prompt, rng, jnp.asarray(temperature, jnp.float32),
+  return _generate(model, params, prompt, lengths, rng, jnp.asarray(temperature, jnp.float32),
                    num_tokens=int(num_tokens), top_k=top_k, top_p=top_p, use_cache=use_cache,
                    keep=keep, end_id=end_id)
+
+
+def _prompt_rows(prompt: Any, block_size: int) -> tuple[Array, Array]:
+  """(prompts `[batch, len]` padded after their tokens, lengths `[batch]`) of a `generate` prompt:
+  an array `[batch, len]` or `[len]`, or a list of 1-D prompts; each cropped to its last
+  block_size tokens."""
+  nested = isinstance(prompt, (list, tuple)) and any(np.ndim(row) for row in prompt)
+  if nested:
+    rows = [np.asarray(row, np.int32) for row in prompt]
+  else:
+    array = np.asarray(prompt, np.int32)
+    if array.ndim not in (1, 2):
+      raise ValueError(f"prompt must be token ids [batch, len] or [len], or a list of prompts; "
+                       f"got shape {array.shape}")
+    rows = [array] if array.ndim == 1 else list(array)
+  for i, row in enumerate(rows):
+    if row.ndim != 1 or row.size < 1:
+      raise ValueError(f"prompt {i} must be a non-empty list of token ids; got shape "
+                       f"{row.shape}. An empty text prompt can start from a newline")
+  rows = [row[-block_size:] for row in rows]
+  lengths = np.array([len(row) for row in rows], np.int32)
+  padded = np.zeros((len(rows), lengths.max()), np.int32)
+  for i, row in enumerate(rows):
+    padded[i, :len(row)] = row
+  return jnp.asarray(padded), jnp.asarray(lengths)

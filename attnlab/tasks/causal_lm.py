@@ -251,11 +251,18 @@ class CausalLMTask(Task):
                   top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                   use_cache: bool = True) -> str:
     """The prompt's continuation as text (KV-cache sampling; temperature 0 = greedy)."""
+    return self.sample_texts(params, [prompt], num_tokens=num_tokens, temperature=temperature,
+                             top_k=top_k, top_p=top_p, seed=seed, use_cache=use_cache)[0]
+
+  def sample_texts(self, params, prompts: list[str], *, num_tokens: int, temperature: float,
+                   top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                   use_cache: bool = True) -> list[str]:
+    """The continuations of several prompts, of any lengths, sampled as one batch."""
     end_id = self.tokenizer.end_id if self.seq_len else None
-    out = gpt_lib.generate(self.model, params, self.encode_prompt(prompt), jax.random.key(seed),
-                           num_tokens=num_tokens, temperature=temperature, top_k=top_k,
-                           top_p=top_p, use_cache=use_cache, end_id=end_id)
-    return self.decode(out.tokens[0])
+    out = gpt_lib.generate(self.model, params, [self.encode_prompt(p) for p in prompts],
+                           jax.random.key(seed), num_tokens=num_tokens, temperature=temperature,
+                           top_k=top_k, top_p=top_p, use_cache=use_cache, end_id=end_id)
+    return [self.decode(row) for row in out.tokens]
 
   def write_plots(self, params, workdir: pathlib.Path) -> None:
     """sample.txt (a generated continuation) and attention.png (every layer and head)."""
