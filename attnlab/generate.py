@@ -4,11 +4,14 @@
   attnlab generate --workdir=runs/gpt_nano --prompt="ROMEO:" --temperature=0 (greedy)
   attnlab generate --workdir=runs/gpt_nano --top_k=10 --top_p=0.9 --seed=3 --step=1000
   attnlab generate --workdir=runs/gpt_add --prompt="12+345=" --temperature=0
+  attnlab generate --workdir=runs/gpt_nano --prompt="ROMEO:" --prompt="O, be" (one batch)
 
 Restores the run's checkpoint (latest by default) with attnlab.analysis.load_run, encodes the
 prompt with the run's tokenizer, and samples with the KV cache (attnlab.models.gpt.generate).
-Prints the prompt followed by the generated text. Characters (or words, subword symbols) of the
-prompt outside the run's vocabulary are fed to the model as <unk>, with a warning naming them.
+Prints the prompt followed by the generated text; several --prompt flags are sampled as one batch
+(prompts of any lengths) and printed in order, a blank line between them. Characters (or words,
+subword symbols) of a prompt outside the run's vocabulary are fed to the model as <unk>, with a
+warning naming them.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ _LOG = logging.getLogger("attnlab.generate")  # not __name__: it is __main__ und
 
 def _define_flags() -> flags.FlagValues:
   fv = main_lib.tool_flags("Run directory of a causal_lm run.", step=True)
-  flags.DEFINE_string("prompt", "", "Text to continue (default: the dataset's usual prompt).",
-                      flag_values=fv)
+  flags.DEFINE_multi_string("prompt", [], "Text to continue (default: the dataset's usual "
+                            "prompt); give it several times to sample several texts as one batch.",
+                            flag_values=fv)
   flags.DEFINE_integer("num_tokens", 300, "Tokens to generate.", flag_values=fv)
   flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy.", flag_values=fv)
   flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens only (0: all).",
@@ -57,31 +61,42 @@ def _check(fv: flags.FlagValues) -> str | None:
   return main_lib.step_error(fv.step)
 
 
-def generate_text(workdir: str, prompt: str = "", *, num_tokens: int = 300,
-                  temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                  step: str | int = "latest", use_cache: bool = True,
-                  warn: Callable[[str], None] | None = None) -> tuple[str, str, float]:
-  """(prompt used, generated text, seconds spent generating incl. compilation).
+def generate_text(workdir: str, prompt: str = "", **options) -> tuple[str, str, float]:
+  """(prompt used, generated text, seconds spent generating incl. compilation); `options` as
+  for `generate_texts`."""
+  prompts, texts, seconds = generate_texts(workdir, [prompt], **options)
+  return prompts[0], texts[0], seconds
 
-  `warn` (default: a logged warning) gets the line naming the prompt's symbols that are not in the
+
+def generate_texts(workdir: str, prompts: Sequence[str], *, num_tokens: int = 300,
+                   temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                   step: str | int = "latest", use_cache: bool = True,
+                   warn: Callable[[str], None] | None = None
+                   ) -> tuple[list[str], list[str], float]:
+  """(prompts used, generated texts, seconds spent generating incl. compilation): the prompts
+  (an empty one: the dataset's usual prompt) are continued as one batch.
+
+  `warn` (default: a logged warning) gets the line naming a prompt's symbols that are not in the
   run's vocabulary, if any.
   """
   from attnlab.data import tokenizers  # pylint: disable=g-import-not-at-top
   from attnlab import analysis  # pylint: disable=g-import-not-at-top  (imports JAX)
   run = analysis.load_run(workdir, step)
   task = run.task
-  if not hasattr(task, "sample_text"):
+  if not hasattr(task, "sample_texts"):
     raise UserError(f"{workdir} is a {run.config.task!r} run; attnlab generate needs a causal_lm "
                     "run (configs/gpt.py)")
-  prompt = prompt or task.default_prompt
-  message = tokenizers.unknown_warning(task.tokenizer, prompt, "the prompt")
-  if message is not None:
-    (warn or _LOG.warning)(message)
+  prompts = [prompt or task.default_prompt for prompt in prompts]
+  for i, prompt in enumerate(prompts):
+    what = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
+    message = tokenizers.unknown_warning(task.tokenizer, prompt, what)
+    if message is not None:
+      (warn or _LOG.warning)(message)
   start = time.perf_counter()
-  text = task.sample_text(run.params, prompt, num_tokens=num_tokens, temperature=temperature,
-                          top_k=top_k or None, top_p=top_p if top_p < 1.0 else None, seed=seed,
-                          use_cache=use_cache)
-  return prompt, text, time.perf_counter() - start
+  texts = task.sample_texts(run.params, prompts, num_tokens=num_tokens, temperature=temperature,
+                            top_k=top_k or None, top_p=top_p if top_p < 1.0 else None, seed=seed,
+                            use_cache=use_cache)
+  return prompts, texts, time.perf_counter() - start
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -90,11 +105,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   prog, message = main_lib.parse_tool(argv, "attnlab.generate", fv, _check)
 
   def body() -> None:
-    prompt, text, seconds = generate_text(
-        fv.workdir, fv.prompt, num_tokens=fv.num_tokens, temperature=fv.temperature,
+    prompts, texts, seconds = generate_texts(
+        fv.workdir, fv.prompt or [""], num_tokens=fv.num_tokens, temperature=fv.temperature,
         top_k=fv.top_k, top_p=fv.top_p, seed=fv.seed, step=fv.step, use_cache=fv.use_cache,
         warn=lambda message: print(f"{prog}: warning: {message}", file=sys.stderr))
-    print(prompt + text)
+    print("\n\n".join(prompt + text for prompt, text in zip(prompts, texts)))
     if fv.timing:
       print(f"{fv.num_tokens} tokens in {seconds:.2f} s (including compilation)", file=sys.stderr)
   return main_lib.launch(prog, message, body)

@@ -230,6 +230,11 @@ def test_runlocal_shakespeare_trains_reloads_and_generates(tmp_path, shared_data
   prompts, options = ["ROMEO:", "To be, or not", "O"], dict(num_tokens=12, temperature=0.0)
   assert reloaded.task.sample_texts(reloaded.params, prompts, **options) == [
       reloaded.task.sample_text(reloaded.params, p, **options) for p in prompts]
+  # The same through the command line: --prompt given twice, one text per prompt in order.
+  argv = ["attnlab generate", f"--workdir={run}", "--num_tokens=12", "--temperature=0"]
+  assert generate_cli.main(argv + [f"--prompt={p}" for p in prompts[:2]]) == 0
+  alone = [p + reloaded.task.sample_text(reloaded.params, p, **options) for p in prompts[:2]]
+  assert capsys.readouterr().out == "\n\n".join(alone) + "\n"
 
 
 def test_runlocal_addition_end_to_end(tmp_path):
