@@ -136,6 +136,23 @@ def test_leading_dims_broadcast_and_per_head_params():
                                rtol=1e-4, atol=1e-4)
 
 
+def test_keys_projected_once_score_the_same(data):
+  # A decoder scores the same keys at every step: precompute_keys does the key-only part once
+  # (additive: W_k k) and the score with its params gives the NumPy additive score.
+  q, k, _, all_params = data
+  p = all_params["additive"]
+  keys, params = scores.precompute_keys("additive", p, k)
+  assert keys.shape == (2, K_LEN, D_ATTN) and params["w_k"] is None
+  np.testing.assert_allclose(scores.additive(q, keys, **params), np_additive(q, k, **p),
+                             rtol=1e-4, atol=1e-5)
+  for name in ("dot", "general"):  # nothing to precompute: keys and params as given
+    given = all_params.get(name, {})
+    keys, params = scores.precompute_keys(name, given, k)
+    assert keys is k and params is given
+  with pytest.raises(ValueError, match="projected already"):
+    scores.additive(q, k, p["w_q"], None, p["v"])  # d_k != d_attn: keys not projected
+
+
 def test_cosine_zero_vectors_finite_values_and_gradients():
   q = jnp.array([[0.0, 0.0, 0.0], [1.0, 2.0, 2.0]])  # [q_len, d]: first query is zero
   k = jnp.array([[0.0, 0.0, 0.0], [2.0, 0.0, 0.0]])  # [k_len, d]: first key is zero

@@ -107,21 +107,27 @@ def general(q: Array, k: Array, w: Array) -> Array:
   return jnp.matmul(qw, _keys_t(k))  # [..., q_len, k_len]
 
 
-def additive(q: Array, k: Array, w_q: Array, w_k: Array, v: Array) -> Array:
+def additive(q: Array, k: Array, w_q: Array, w_k: Array | None, v: Array) -> Array:
   """Additive (concat/MLP) score vᵀ tanh(W_q q + W_k k) (Bahdanau et al., 2015).
 
   w_q `[..., d_q, d_attn]`, w_k `[..., d_k, d_attn]`, v `[..., d_attn]`. Queries and keys
-  are projected once; the largest intermediate is `[..., q_len, k_len, d_attn]`.
+  are projected once; the largest intermediate is `[..., q_len, k_len, d_attn]`. w_k None: `k`
+  is already W_k k `[..., k_len, d_attn]` (`precompute_keys`).
   """
   _check_qk(q, k, same_dim=False)
   d_attn = jnp.shape(w_q)[-1] if jnp.ndim(w_q) else None
   _check_param("w_q", w_q, (q.shape[-1], d_attn), q, "queries",
                "[d_q, d_attn] or [heads, d_q, d_attn]")
-  _check_param("w_k", w_k, (k.shape[-1], d_attn), k, "keys",
-               "[d_k, d_attn] or [heads, d_k, d_attn]")
+  if w_k is None:
+    if k.shape[-1] != d_attn:
+      raise ValueError(f"with w_k=None the keys must be projected already, [..., k_len, "
+                       f"d_attn={d_attn}]; got {k.shape}")
+  else:
+    _check_param("w_k", w_k, (k.shape[-1], d_attn), k, "keys",
+                 "[d_k, d_attn] or [heads, d_k, d_attn]")
   _check_param("v", v, (d_attn,), q, "queries", "[d_attn] or [heads, d_attn]")
   qp = jnp.matmul(q, w_q)  # [..., q_len, d_attn]
-  kp = jnp.matmul(k, w_k)  # [..., k_len, d_attn]
+  kp = k if w_k is None else jnp.matmul(k, w_k)  # [..., k_len, d_attn]
   hidden = jnp.tanh(qp[..., :, None, :] + kp[..., None, :, :])  # [..., q_len, k_len, d_attn]
   v = jnp.asarray(v)
   v = v.reshape(v.shape[:-1] + (1, 1, v.shape[-1]))  # [..., 1, 1, d_attn]
@@ -177,6 +183,21 @@ SCORE_PARAM_NAMES: dict[str, tuple[str, ...]] = {
 
 # scores that cannot run without parameters
 PARAMETRIC_SCORES: frozenset[str] = frozenset(n for n, p in SCORE_PARAM_NAMES.items() if p)
+
+
+def precompute_keys(name: str, params: dict, k: Array) -> tuple[Array, dict]:
+  """(keys, params) that score any queries against `k` as `name` with `params` does, with the
+  part that depends on the keys alone computed here, once: for a decoder that scores the same
+  keys at every step. additive: W_k k, and params without w_k; other scores: unchanged.
+  """
+  if name == "additive" and params.get("w_k") is not None:
+    return jnp.matmul(k, params["w_k"]), precomputed_key_params(name, params)
+  return k, params
+
+
+def precomputed_key_params(name: str, params: dict) -> dict:
+  """The params that go with keys from `precompute_keys` (additive: w_k None)."""
+  return {**params, "w_k": None} if name == "additive" else params
 
 
 def get_score_fn(name: str) -> ScoreFn:

@@ -16,7 +16,8 @@ weights are spread: `global` (a softmax over every source position), `local` (lo
 centre and a Gaussian-weighted window of half-width D), or `hard` (one sampled position, trained
 with REINFORCE; the most likely position when decoding). Every step's attention weights are
 returned in `aux["attention_weights"]` `[batch, tgt_len, src_len]` and sown under
-`intermediates/attention_weights`.
+`intermediates/attention_weights`. The part of the score that depends on the source alone (the
+additive score's W_k h_j) is computed once per source in `encode`, not at every decoder step.
 
 Decoding goes through `attnlab.decoding` with `init_decode_state` and `Seq2Seq.decode_step`
 (see `make_step_fn`).
@@ -166,12 +167,22 @@ class DecoderCell(_Options):
     if self.attention == "luong":
       self.combine = nn.Dense(self.hidden_dim, use_bias=False, name="combine")
 
+  def score_keys(self, keys: jax.Array) -> jax.Array:
+    """The keys as the steps score them: with the key-only part of the score computed once per
+    source (the additive score's W_k k), not at every decoder step."""
+    if self.attention == "none" or self.score_params is None:
+      return keys
+    return attn_scores.precompute_keys(self.score, self.score_params, keys)[0]
+
   def _attend(self, query: jax.Array, memory: dict[str, jax.Array],
               deterministic: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Context `[batch, enc_dim]`, weights `[batch, src_len]`, log-prob `[batch]` of one step."""
     q = query[:, None, :]  # [batch, 1, hidden]
     keys, values, mask = memory["keys"], memory["values"], memory["mask"]
-    score = dict(score=self.score, params=self.score_params, mask=mask)
+    params = self.score_params  # with memory["keys"] from score_keys: the params for those
+    if params is not None:
+      params = attn_scores.precomputed_key_params(self.score, params)
+    score = dict(score=self.score, params=params, mask=mask)
     log_prob = jnp.zeros(query.shape[:1], jnp.float32)
     if self.window == "global":
       context, weights = attn_core.attend(q, keys, values, **score, implementation="reference")
@@ -269,7 +280,8 @@ class Seq2Seq(_Options):
     mask = attn_masks.padding_mask(src_lengths, src.shape[1])[:, 0]  # [batch, 1, src_len]
     batch = src.shape[0]
     carry = {"rnn": tuple(finals), "feed": jnp.zeros((batch, self.hidden_dim), states.dtype)}
-    memory = {"keys": keys, "values": states, "mask": mask, "lengths": src_lengths}
+    memory = {"keys": self.decoder_cell.score_keys(keys), "values": states, "mask": mask,
+              "lengths": src_lengths}
     return {"carry": carry, "memory": memory}
 
   def _logits(self, features: jax.Array, deterministic: bool) -> jax.Array:
