@@ -35,6 +35,7 @@ from attnlab.attention.scores import general
 from attnlab.attention.scores import get_score_fn
 from attnlab.attention.scores import init_score_params
 from attnlab.attention.scores import location
+from attnlab.attention.scores import precompute_keys
 from attnlab.attention.scores import scaled_dot
 
 __all__ = [
@@ -43,7 +44,7 @@ __all__ = [
     "choose_implementation", "combine", "cosine", "dot", "general", "get_score_fn",
     "hard_attend", "init_kernel_params", "init_score_params", "learned_kernel_pooling",
     "leave_one_out_mask", "local_attend", "local_mask", "local_window_weights", "location",
-    "masked_softmax", "merge_heads", "monotonic_centers",
+    "masked_softmax", "merge_heads", "monotonic_centers", "precompute_keys",
     "nadaraya_watson", "padding_mask", "predict_position", "reinforce_loss",
     "scaled_dot", "sinusoidal", "split_heads",
 ]

@@ -11,6 +11,10 @@ Per-head parameters: a parameter may carry extra leading dims that broadcast
 against the leading dims of q, e.g. `general` w `[heads, d_q, d_k]` with
 q `[batch, heads, q_len, d_q]`; additive v `[heads, d_attn]`; cosine beta
 `[heads, 1, 1]` (beta broadcasts against the logits).
+
+Scoring the same keys many times (an RNN decoder's steps): `precompute_keys(name, params, k)`
+does the part that depends on the keys alone once (additive: W_k k) and returns the keys and
+params to score with.
 """
 
 from __future__ import annotations
