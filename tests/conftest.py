@@ -7,13 +7,6 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # ../shared/data beside the repository (see its README); tests read real data from here.
 SHARED_DATA = REPO.parent / "shared" / "data"
-# Test files of several minutes each: collected first, so that under `-n 2 --dist loadfile` one
-# worker starts on them while the other takes the rest, instead of one worker finishing alone.
-LONG_FILES = ("test_experiments.py",)
-
-
-def pytest_collection_modifyitems(items):
-  items.sort(key=lambda item: item.path.name not in LONG_FILES)  # stable: order kept otherwise
 
 
 @pytest.fixture(scope="session")
