@@ -245,6 +245,8 @@ def _is_closed_loop_error(exc: BaseException | None) -> bool:
 
 # The loggers orbax's threads log a failed read or write through.
 _NOISY_LOGGERS = ("absl", "asyncio")
+# How asyncio's records of a failed future that nobody awaited begin.
+_UNRETRIEVED = ("Future exception was never retrieved", "Task exception was never retrieved")
 
 
 class _FailedIoNoiseFilter:
@@ -273,8 +275,7 @@ class _FailedIoNoiseFilter:
     """The log filter (of the absl and asyncio loggers) that drops the noise records."""
     message = str(record.msg)
     return not ("_SignalingThread.run() raised an exception" in message
-                or message.startswith(("Future exception was never retrieved",
-                                       "Task exception was never retrieved")))
+                or message.startswith(_UNRETRIEVED))
 
   def _on_unraisable(self, unraisable: Any) -> None:
     if not (self._installed and _is_closed_loop_error(unraisable.exc_value)):
@@ -329,8 +330,7 @@ class _EchoesOfFailedIo(logging.Filter):
     self.directories: frozenset[str] = frozenset()
 
   def filter(self, record: logging.LogRecord) -> bool:
-    if not str(record.msg).startswith(("Future exception was never retrieved",
-                                       "Task exception was never retrieved")):
+    if not str(record.msg).startswith(_UNRETRIEVED):
       return True
     text = record.getMessage() + (str(record.exc_info[1]) if record.exc_info else "")
     return not any(directory in text for directory in self.directories)

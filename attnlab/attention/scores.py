@@ -189,17 +189,17 @@ SCORE_PARAM_NAMES: dict[str, tuple[str, ...]] = {
 PARAMETRIC_SCORES: frozenset[str] = frozenset(n for n, p in SCORE_PARAM_NAMES.items() if p)
 
 
-def precompute_keys(name: str, params: dict, k: Array) -> tuple[Array, dict]:
+def precompute_keys(name: str, params: dict | None, k: Array) -> tuple[Array, dict | None]:
   """(keys, params) that score any queries against `k` as `name` with `params` does, with the
   part that depends on the keys alone computed here, once: for a decoder that scores the same
   keys at every step. additive: W_k k, and params without w_k; other scores: unchanged.
   """
-  if name == "additive" and params.get("w_k") is not None:
+  if name == "additive" and params["w_k"] is not None:
     return jnp.matmul(k, params["w_k"]), precomputed_key_params(name, params)
   return k, params
 
 
-def precomputed_key_params(name: str, params: dict) -> dict:
+def precomputed_key_params(name: str, params: dict | None) -> dict | None:
   """The params that go with keys from `precompute_keys` (additive: w_k None)."""
   return {**params, "w_k": None} if name == "additive" else params
 

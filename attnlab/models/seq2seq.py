@@ -170,7 +170,7 @@ class DecoderCell(_Options):
   def score_keys(self, keys: jax.Array) -> jax.Array:
     """The keys as the steps score them: with the key-only part of the score computed once per
     source (the additive score's W_k k), not at every decoder step."""
-    if self.attention == "none" or self.score_params is None:
+    if self.attention == "none":
       return keys
     return attn_scores.precompute_keys(self.score, self.score_params, keys)[0]
 
@@ -179,9 +179,8 @@ class DecoderCell(_Options):
     """Context `[batch, enc_dim]`, weights `[batch, src_len]`, log-prob `[batch]` of one step."""
     q = query[:, None, :]  # [batch, 1, hidden]
     keys, values, mask = memory["keys"], memory["values"], memory["mask"]
-    params = self.score_params  # with memory["keys"] from score_keys: the params for those
-    if params is not None:
-      params = attn_scores.precomputed_key_params(self.score, params)
+    # memory["keys"] come from score_keys: the score params that go with them.
+    params = attn_scores.precomputed_key_params(self.score, self.score_params)
     score = dict(score=self.score, params=params, mask=mask)
     log_prob = jnp.zeros(query.shape[:1], jnp.float32)
     if self.window == "global":
