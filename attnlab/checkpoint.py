@@ -245,8 +245,32 @@ def _is_closed_loop_error(exc: BaseException | None) -> bool:
 
 # The loggers orbax's threads log a failed read or write through.
 _NOISY_LOGGERS = ("absl", "asyncio")
-# How asyncio's records of a failed future that nobody awaited begin.
-_UNRETRIEVED = ("Future exception was never retrieved", "Task exception was never retrieved")
+# How asyncio's record of a failed future that nobody awaited begins: "<its class> exception was
+# never retrieved" (Future, Task, _GatheringFuture for asyncio.gather, ...).
+_UNRETRIEVED = re.compile(r"\w+ exception was never retrieved")
+# orbax's package folder: a future's error whose traceback passes through it came from orbax.
+_ORBAX_DIR = os.path.dirname(os.path.abspath(ocp.__file__)) + os.sep
+
+
+def _is_noise(record: logging.LogRecord) -> bool:
+  """A record of orbax's threads' failure (absl) or of a failed future nobody awaited (asyncio)."""
+  message = str(record.msg)
+  return ("_SignalingThread.run() raised an exception" in message
+          or _UNRETRIEVED.match(message) is not None)
+
+
+def _raised_in_orbax(exc: BaseException | None) -> bool:
+  """Whether `exc`, or an error in its cause/context chain, passed through orbax's code."""
+  seen = set()
+  while exc is not None and id(exc) not in seen:
+    seen.add(id(exc))
+    tb = exc.__traceback__
+    while tb is not None:
+      if tb.tb_frame.f_code.co_filename.startswith(_ORBAX_DIR):
+        return True
+      tb = tb.tb_next
+    exc = exc.__cause__ or exc.__context__
+  return False
 
 
 class _FailedIoNoiseFilter:
@@ -273,9 +297,7 @@ class _FailedIoNoiseFilter:
 
   def filter(self, record: logging.LogRecord) -> bool:
     """The log filter (of the absl and asyncio loggers) that drops the noise records."""
-    message = str(record.msg)
-    return not ("_SignalingThread.run() raised an exception" in message
-                or message.startswith(_UNRETRIEVED))
+    return not _is_noise(record)
 
   def _on_unraisable(self, unraisable: Any) -> None:
     if not (self._installed and _is_closed_loop_error(unraisable.exc_value)):
@@ -317,11 +339,14 @@ class _FailedIoNoiseFilter:
 
 
 class _EchoesOfFailedIo(logging.Filter):
-  """Drops asyncio's "Future/Task exception was never retrieved" records that name a directory
-  whose checkpoint read or write failed. orbax reads and writes each array in its own future; the
-  first failure is reported, and the others are collected whenever their writer thread lets go of
-  them, which can be after the Checkpointer closed (its `_FailedIoNoiseFilter` is gone by then).
-  Stays on the asyncio logger for good: it drops only those echoes of a failure already reported.
+  """Once a checkpoint read or write has failed (and been reported), drops the noise records
+  (`_is_noise`) of errors that came out of orbax's code or name a failed directory.
+
+  orbax reads and writes each array (and each small file) in its own future; the first failure is
+  reported, and the others are collected whenever their writer thread lets go of them, which can
+  be after the Checkpointer closed (its `_FailedIoNoiseFilter` is gone by then). Not all of them
+  name the directory (a refused `write_text` fails with a bare "[Errno 28]"), hence the traceback
+  test. Stays on the absl and asyncio loggers for good; until a failure it drops nothing.
   """
 
   def __init__(self):
@@ -330,14 +355,16 @@ class _EchoesOfFailedIo(logging.Filter):
     self.directories: frozenset[str] = frozenset()
 
   def filter(self, record: logging.LogRecord) -> bool:
-    if not str(record.msg).startswith(_UNRETRIEVED):
+    if not (self.directories and _is_noise(record)):
       return True
-    text = record.getMessage() + (str(record.exc_info[1]) if record.exc_info else "")
-    return not any(directory in text for directory in self.directories)
+    exc = record.exc_info[1] if record.exc_info else None
+    text = record.getMessage() + ("" if exc is None else str(exc))
+    return not (_raised_in_orbax(exc) or any(directory in text for directory in self.directories))
 
   def add(self, directory: pathlib.Path) -> None:
     if not self.directories:
-      logging.getLogger("asyncio").addFilter(self)
+      for logger in _NOISY_LOGGERS:
+        logging.getLogger(logger).addFilter(self)
     self.directories = self.directories | {str(directory)}
 
 

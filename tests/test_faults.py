@@ -23,6 +23,8 @@ import time
 
 import numpy as np
 import pytest
+from etils import epath
+from orbax.checkpoint._src.path import async_path
 
 from attnlab import analysis
 from attnlab import checkpoint
@@ -454,6 +456,8 @@ def test_echoes_of_a_refused_write_are_dropped_after_the_checkpointer_closed(tmp
   def refuse(self, step, *args, **kwargs):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.directory))
   monkeypatch.setattr(checkpoint.ocp.CheckpointManager, "save", refuse)
+  echoes = checkpoint._ECHOES  # pylint: disable=protected-access
+  monkeypatch.setattr(echoes, "directories", frozenset())
   refused, other = tmp_path / "refused", tmp_path / "other"
   with checkpoint.Checkpointer(refused) as ckpt:
     with pytest.raises(errors.CheckpointWriteError):
@@ -466,11 +470,30 @@ def test_echoes_of_a_refused_write_are_dropped_after_the_checkpointer_closed(tmp
     task = loop.create_task(write())
     loop.run_until_complete(asyncio.wait([task]))  # done, its exception never retrieved
     loop.close()
+  def failed_orbax_writes():
+    # As CI saw them: orbax's own path code refused (a bare "[Errno ..]" naming no directory), in a
+    # plain task and under asyncio.gather (asyncio calls that one a _GatheringFuture).
+    async def write():
+      await async_path.write_text(epath.Path(tmp_path / "missing" / "meta.json"), "{}")
+    loop = asyncio.new_event_loop()
+    task, gathered = loop.create_task(write()), asyncio.gather(loop.create_task(write()))
+    loop.run_until_complete(asyncio.wait([task, gathered]))
+    loop.close()
   buffer = io.StringIO()
   handler = logging.StreamHandler(buffer)
   logging.getLogger("asyncio").addHandler(handler)
   try:
+    with monkeypatch.context() as before_any_failure:
+      before_any_failure.setattr(echoes, "directories", frozenset())
+      failed_orbax_writes()
+      gc.collect()
+    logged = buffer.getvalue()  # what asyncio prints of them: kept while no checkpoint I/O failed
+    assert "Task exception was never retrieved" in logged, logged
+    assert "_GatheringFuture exception was never retrieved" in logged, logged
+    buffer.truncate(0)
+    buffer.seek(0)
     failed_task(refused)
+    failed_orbax_writes()
     gc.collect()
     assert buffer.getvalue() == ""
     failed_task(other)
