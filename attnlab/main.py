@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from absl import flags
 from ml_collections import config_flags
@@ -144,11 +145,24 @@ def prog_name(argv: Sequence[str], module: str) -> str:
   return module if prog.endswith(".py") else prog
 
 
+class _StderrHandler(logging.StreamHandler):
+  """A StreamHandler on whatever `sys.stderr` is when a record comes, not the one at setup: a
+  redirect or capture (and its closing) after `setup_logging` must not break later messages."""
+
+  @property
+  def stream(self) -> Any:
+    return sys.stderr
+
+  @stream.setter
+  def stream(self, _: Any) -> None:
+    pass  # StreamHandler.__init__ and setStream set it; the live sys.stderr wins
+
+
 def setup_logging() -> None:
   """Progress messages of attnlab to stderr; other libraries only warn."""
   logger = logging.getLogger("attnlab")
   if not logger.handlers:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname).1s %(message)s", "%H:%M:%S"))
     logger.addHandler(handler)
   logger.setLevel(logging.INFO)

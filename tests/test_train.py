@@ -1,5 +1,6 @@
 """The training loop: run directory, one compile, NaN guard, resume after SIGTERM and SIGKILL."""
 
+import io
 import json
 import logging
 import math
@@ -263,3 +264,22 @@ def test_weight_decay_on_matrices_only():
   opt.decay = "biases"
   with pytest.raises(config_utils.ConfigError, match="optimizer.decay"):
     train.make_optimizer(opt, train.make_schedule(opt, 10))
+
+
+def test_progress_messages_follow_stderr_when_it_is_replaced(monkeypatch):
+  # A tool run under one stderr (a capture, a redirect) and a later run under another: messages go
+  # to the live stderr, and the first one's closing breaks nothing ("--- Logging error ---").
+  logger = logging.getLogger("attnlab")
+  monkeypatch.setattr(logger, "handlers", [])
+  first, second = io.StringIO(), io.StringIO()
+  monkeypatch.setattr(sys, "stderr", first)
+  main_lib.setup_logging()
+  logger.info("first message")
+  assert first.getvalue().rstrip().endswith("I first message")
+  first.close()
+  monkeypatch.setattr(sys, "stderr", second)
+  main_lib.setup_logging()  # the handler is kept (not added twice) ...
+  logger.info("second message")
+  assert len(logger.handlers) == 1
+  assert second.getvalue().rstrip().endswith("I second message")  # ... and writes here
+  assert "Logging error" not in second.getvalue()
