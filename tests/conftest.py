@@ -1,10 +1,15 @@
 """Shared pytest set-up."""
 
+import os
 import pathlib
 
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+# Scripts and CLIs the tests start in a subprocess import attnlab from this checkout, installed
+# or not (one place for every test that runs one).
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 # ../shared/data beside the repository (see its README); tests read real data from here.
 SHARED_DATA = REPO.parent / "shared" / "data"
 

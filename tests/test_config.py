@@ -2,7 +2,6 @@
 
 import importlib.util
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -251,10 +250,9 @@ def test_cli_errors_are_one_line(flags_, expected, tmp_path, capsys):
 
 
 def test_python_dash_m_error_exits_non_zero_without_traceback(tmp_path):
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
   result = subprocess.run(
       [sys.executable, "-m", "attnlab.main", f"--config={NW}:runlocal=True,seed=x",
-       f"--workdir={tmp_path}"], capture_output=True, text=True, env=env, timeout=120, check=False)
+       f"--workdir={tmp_path}"], capture_output=True, text=True, timeout=120, check=False)
   assert result.returncode == 2
   assert result.stderr.strip().splitlines() == [
       "attnlab.main: error: config key 'seed' expects an int, got 'x'"]

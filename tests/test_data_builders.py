@@ -22,8 +22,6 @@ from attnlab import data
 from attnlab.data import builders
 from attnlab.data.builders import anki_mar_eng, sst2, tiny_shakespeare
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module", autouse=True)
 def _quiet_tfds():
@@ -156,7 +154,7 @@ def test_no_tensorflow_import(tmp_path, shared_data):
       f"'--manual_dir={shared_data}', '--nodownload', '--split=validation'])\n"
       "assert not [m for m in sys.modules if m.split('.')[0] == 'tensorflow'], 'TF imported'\n"
       "sys.exit(rc)\n")
-  env = {**os.environ, "PYTHONPATH": str(REPO)}
+  env = dict(os.environ)
   env.pop(builders.DATA_DIR_ENV, None)
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                         timeout=120)

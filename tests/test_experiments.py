@@ -25,7 +25,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 def _run(script: str, *args: str, data_dir: pathlib.Path | None = None) -> str:
   """stdout of `python experiments/<script> args` from the repository root; rc must be 0."""
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+  env = dict(os.environ)
   if data_dir is not None:
     env["ATTNLAB_DATA_DIR"] = str(data_dir)
   proc = subprocess.run([sys.executable, str(REPO / "experiments" / script), *args],

@@ -43,13 +43,9 @@ LONG = "runlocal=True,write_plots=False,num_train_steps=40,log_every=2,eval_ever
 SPEC = f"{NW}:{LONG},checkpoint_every=2"
 
 
-def _env():
-  return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-
-
 def _cli(*args, **kwargs) -> subprocess.CompletedProcess:
   """`attnlab <args>` in a subprocess; stdout and stderr as text."""
-  return subprocess.run([sys.executable, "-m", "attnlab.cli", *map(str, args)], env=_env(),
+  return subprocess.run([sys.executable, "-m", "attnlab.cli", *map(str, args)], 
                         capture_output=True, text=True, timeout=300, **kwargs)
 
 
@@ -67,8 +63,7 @@ def _start_train(workdir: pathlib.Path, log: pathlib.Path, prelude: str = "") ->
           f"sys.exit(cli.main(['attnlab', 'train', {'--config=' + SPEC!r}, "
           f"{'--workdir=' + str(workdir)!r}]))")
   with open(log, "w") as f:
-    return subprocess.Popen([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT,
-                            env=_env())
+    return subprocess.Popen([sys.executable, "-c", code], stdout=f, stderr=subprocess.STDOUT)
 
 
 @contextlib.contextmanager

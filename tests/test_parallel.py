@@ -145,8 +145,8 @@ def _in_fresh_process(worker_name: str, out: pathlib.Path, **env_vars: str) -> d
   count when it starts); returns the JSON the worker wrote. No XLA_FLAGS unless given."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env.update(JAX_PLATFORMS="cpu", ATTNLAB_DISTRIBUTED="0",
-             PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"),
-                                         os.environ.get("PYTHONPATH", "")]), **env_vars)
+             PYTHONPATH=os.pathsep.join([str(REPO / "tests"), os.environ["PYTHONPATH"]]),
+             **env_vars)
   code = f"import test_parallel; test_parallel.{worker_name}({str(out)!r})"
   proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                         timeout=300, check=False)

@@ -4,7 +4,6 @@ import io
 import json
 import logging
 import math
-import os
 import pathlib
 import shutil
 import signal
@@ -178,10 +177,6 @@ def test_corrupt_checkpoint_falls_back_to_previous(local_run, tmp_path):
   assert float(resumed.params["w"]) == float(state.params["w"])  # redone from step 10, same result
 
 
-def _env():
-  return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-
-
 def _steps(workdir: pathlib.Path) -> list[int]:
   directory = workdir / "checkpoints"
   if not directory.is_dir():
@@ -192,8 +187,7 @@ def _steps(workdir: pathlib.Path) -> list[int]:
 def _start(spec: str, workdir: pathlib.Path, log: pathlib.Path) -> subprocess.Popen:
   with open(log, "w") as f:
     return subprocess.Popen([sys.executable, "-m", "attnlab.main", f"--config={spec}",
-                             f"--workdir={workdir}"], stdout=f, stderr=subprocess.STDOUT,
-                            env=_env())
+                             f"--workdir={workdir}"], stdout=f, stderr=subprocess.STDOUT)
 
 
 def _wait_for_checkpoint_after(proc, workdir, step, timeout=120.0):
