@@ -107,11 +107,28 @@ def _attention_mask(mask: Any, causal: bool, logits_shape: tuple[int, ...]) -> A
   return mask
 
 
-def _zero_empty_rows(context: Array, mask: Array | None) -> Array:
-  """Zeroes the context of queries with no allowed key (matches the reference path)."""
+def _zero_empty_rows(context: Array, mask: Array | None, causal: bool = False,
+                     k_len: int = 0) -> Array:
+  """Zeroes the context of queries with no allowed key (matches the reference path): no key
+  under `mask` AND, with `causal`, the end-aligned causal mask that the fused kernel applied as
+  a flag (query i sees keys j <= i + max(k_len - q_len, 0)); computed without a q_len x k_len
+  causal mask."""
   if mask is None:
-    return context
-  row_ok = jnp.any(mask, axis=-1, keepdims=True)  # [..., q_len|1, 1]
+    return context  # causal alone leaves every query at least one key
+  if not causal:
+    row_ok = jnp.any(mask, axis=-1, keepdims=True)  # [..., q_len|1, 1]
+    return jnp.where(row_ok, context, 0.0).astype(context.dtype)
+  q_len = context.shape[-2]
+  mask = mask.reshape((1,) * max(2 - mask.ndim, 0) + mask.shape)
+  mask = jnp.broadcast_to(mask, mask.shape[:-1] + (k_len,))  # [..., q_len|1, k_len]
+  last = jnp.minimum(jnp.arange(q_len) + max(k_len - q_len, 0), k_len - 1)  # [q_len]
+  # seen[..., i, j]: some key <= j is allowed under the mask.
+  seen = jax.lax.cummax(mask.astype(jnp.int32), axis=mask.ndim - 1) > 0  # [..., q_len|1, k_len]
+  if mask.shape[-2] == 1:
+    row_ok = jnp.take(seen[..., 0, :], last, axis=-1)[..., None]  # [..., q_len, 1]
+  else:
+    row_ok = jnp.take_along_axis(
+        seen, jnp.broadcast_to(last[:, None], seen.shape[:-1] + (1,)), axis=-1)  # [..., q_len, 1]
   return jnp.where(row_ok, context, 0.0).astype(context.dtype)
 
 
@@ -272,7 +289,7 @@ def attend(q: Array, k: Array, v: Array, *, score: str | Callable = "scaled_dot"
     q, k, v = (jnp.broadcast_to(x, all_lead + x.shape[-2:]) for x in (q, k, v))
     context = blocked.blocked_attention(q, k, v, scale=scale, mask=full_mask,
                                         causal=flag_causal)  # [..., q_len, d_v]
-  return _zero_empty_rows(context, full_mask), None
+  return _zero_empty_rows(context, full_mask, causal=flag_causal, k_len=k_len), None
 
 
 # ----------------------------------------------------------------------------- hard attention
