@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import pathlib
 import re
@@ -91,14 +92,70 @@ def read_hf_config(folder: PathLike) -> dict[str, Any]:
   return config
 
 
+# safetensors dtype -> bytes per element (the names of the format's header).
+SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
+                        "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+                        "F8_E4M3": 1, "F8_E5M2": 1}
+# The largest header a safetensors file may have (the format's own limit).
+SAFETENSORS_MAX_HEADER = 100_000_000
+
+
+def check_safetensors_header(path: PathLike) -> None:
+  """Checks a safetensors file's header before any tensor is read: its length inside the file,
+  every entry a known dtype, a shape of non-negative integers and data offsets inside the data
+  that hold exactly shape x itemsize bytes. Raises HFError naming the file and the tensor."""
+  path = pathlib.Path(path)
+  size = path.stat().st_size
+
+  def bad(what: str) -> HFError:
+    return HFError(f"{path}: {what}; not a readable safetensors file (damaged or forged)")
+
+  with open(path, "rb") as f:
+    head = f.read(8)
+    if len(head) < 8:
+      raise bad(f"{size} bytes, shorter than the 8-byte header length")
+    length = int.from_bytes(head, "little")
+    if length > min(size - 8, SAFETENSORS_MAX_HEADER):
+      raise bad(f"the header claims {length} bytes but the file has {size - 8} after its length")
+    try:
+      header = json.loads(f.read(length).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+      raise bad(f"the header is not JSON ({' '.join(str(e).split())[:80]})") from None
+  if not isinstance(header, dict):
+    raise bad("the header is not a JSON object")
+  data_size = size - 8 - length
+  for name, entry in header.items():
+    if name == "__metadata__":
+      continue
+    if not isinstance(entry, dict):
+      raise bad(f"tensor {name!r:.80} has no dtype/shape/data_offsets entry")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in SAFETENSORS_ITEMSIZE:
+      raise bad(f"tensor {name!r:.80} has dtype {dtype!r:.40}; valid: "
+                f"{', '.join(SAFETENSORS_ITEMSIZE)}")
+    if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)):
+      raise bad(f"tensor {name!r:.80} has shape {shape!r:.80}, not non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= data_size):
+      raise bad(f"tensor {name!r:.80} has data_offsets {offsets!r:.80} outside the "
+                f"{data_size} data bytes")
+    nbytes = math.prod(shape) * SAFETENSORS_ITEMSIZE[dtype]
+    if offsets[1] - offsets[0] != nbytes:
+      raise bad(f"tensor {name!r:.80} of shape {tuple(shape)} and dtype {dtype} needs {nbytes} "
+                f"bytes but its data_offsets hold {offsets[1] - offsets[0]}")
+
+
 def _read_weight_file(path: pathlib.Path) -> dict[str, np.ndarray]:
   if path.suffix == ".safetensors":
+    check_safetensors_header(path)
     from safetensors import SafetensorError  # pylint: disable=g-import-not-at-top
     from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
     try:
       return load_file(str(path))
     except (SafetensorError, OSError, ValueError, TypeError) as e:
-      raise HFError(f"{path}: not a readable safetensors file ({e})") from None
+      message = " ".join(str(e).split())[:200]
+      raise HFError(f"{path}: not a readable safetensors file ({message})") from None
   try:
     return torch_pickle.load_state_dict(path)
   except TorchFileError as e:
@@ -120,6 +177,10 @@ def read_weights(folder: PathLike) -> dict[str, np.ndarray]:
                       f"{e})") from None
       tensors: dict[str, np.ndarray] = {}
       for shard in shards:
+        if not isinstance(shard, str) or shard in ("", ".", "..") \
+            or pathlib.Path(shard).name != shard:
+          raise HFError(f"{index} names the shard {shard!r:.80}, which is not a file name in "
+                        f"{folder}; shards lie beside the index")
         if not (folder / shard).is_file():
           raise HFError(f"{index} names the shard {shard}, which is missing from {folder}")
         tensors.update(_read_weight_file(folder / shard))
@@ -169,6 +230,48 @@ def _get(config: dict[str, Any], key: str) -> Any:
   if config.get(key) is None:
     raise HFError(f"config.json lacks {key!r}, which this architecture needs")
   return config[key]
+
+
+# The most parameters config.json may imply: checked before anything is built or read (GPT-2 XL
+# has 1.6e9).
+MAX_IMPORT_PARAMS = 10_000_000_000
+
+
+def _positive(hf: dict[str, Any], key: str, default: Any = None) -> int:
+  """config.json's `key` (or `default` when it is absent or null), a positive integer."""
+  value = hf.get(key)
+  if value is None:
+    value = default if default is not None else _get(hf, key)
+  if type(value) is not int or value < 1:  # bool and float are refused too
+    raise HFError(f"config.json has {key}={value!r:.40}; it must be a positive integer")
+  return value
+
+
+def _check_sizes(dims: dict[str, Any], names: dict[str, str], params: int) -> None:
+  """Heads that divide the width, and at most MAX_IMPORT_PARAMS parameters (`params`, as the
+  sizes imply them); `names`: attnlab name -> config.json key."""
+  d, h = dims["d_model"], dims["num_heads"]
+  if d % h:
+    raise HFError(f"config.json has {names['num_heads']}={h}, which does not divide "
+                  f"{names['d_model']}={d}; the heads split the width evenly")
+  if params > MAX_IMPORT_PARAMS:
+    raise HFError(f"config.json implies {params:.3g} parameters ({names['num_layers']}="
+                  f"{dims['num_layers']}, {names['d_model']}={d}, {names['vocab_size']}="
+                  f"{dims['vocab_size']}), more than the {MAX_IMPORT_PARAMS:.0e} import-hf "
+                  f"takes; the file is damaged or not a GPT-2/BERT config")
+
+
+def _check_layer_count(tensors: dict[str, np.ndarray], pattern: str, key: str,
+                       num_layers: int, folder: PathLike) -> None:
+  """The layers the weights hold (tensor names matching `pattern`, a layer index group) are
+  exactly 0..num_layers-1, checked before the layout of num_layers layers is built."""
+  indices = {int(m[1]) for name in tensors if (m := re.match(pattern, name))}
+  if indices != set(range(num_layers)):
+    held = f"layers 0..{max(indices)}" if indices == set(range(len(indices))) and indices \
+        else f"{len(indices)} layers"
+    raise HFError(f"config.json has {key}={num_layers} but the weights in {folder} hold "
+                  f"{held if indices else 'no layers'}; the weights and config.json do not "
+                  f"belong together")
 
 
 def _activation(name: str) -> str:
@@ -231,8 +334,8 @@ def _tensors_from(params: Any, layout: _Layout, prefix: str = "") -> dict[str, n
 
 
 def _gpt2_dims(hf: dict[str, Any]) -> dict[str, Any]:
-  d = int(_get(hf, "n_embd"))
-  inner = int(hf.get("n_inner") or 4 * d)
+  d = _positive(hf, "n_embd")
+  inner = _positive(hf, "n_inner", 4 * d)
   if inner % d:
     raise HFError(f"n_inner={inner} is not a multiple of n_embd={d}; attnlab's GPT takes the "
                   f"MLP size as mlp_ratio * d_model")
@@ -241,13 +344,22 @@ def _gpt2_dims(hf: dict[str, Any]) -> dict[str, Any]:
     if bool(hf.get(key, ok)) != ok:
       raise HFError(f"config.json has {key}={hf.get(key)}, which attnlab's GPT does not "
                     f"express (it needs {ok})")
-  return dict(vocab_size=int(_get(hf, "vocab_size")), num_layers=int(_get(hf, "n_layer")),
-              num_heads=int(_get(hf, "n_head")), d_model=d, block_size=int(_get(hf, "n_positions")),
+  dims = dict(vocab_size=_positive(hf, "vocab_size"), num_layers=_positive(hf, "n_layer"),
+              num_heads=_positive(hf, "n_head"), d_model=d, block_size=_positive(hf, "n_positions"),
               mlp_ratio=inner // d,
               activation=_activation(hf.get("activation_function", "gelu_new")),
               layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
               dropout_rate=float(hf.get("resid_pdrop", 0.0)),
               attention_dropout_rate=float(hf.get("attn_pdrop", 0.0)))
+  v, n, layers = dims["vocab_size"], dims["block_size"], dims["num_layers"]
+  _check_sizes(dims, _GPT2_NAMES,
+               (v + n) * d + layers * (4 * d * d + 2 * d * inner + 9 * d + inner))
+  return dims
+
+
+# attnlab model field -> its GPT-2 config.json key (for messages).
+_GPT2_NAMES = {"vocab_size": "vocab_size", "num_layers": "n_layer", "num_heads": "n_head",
+               "d_model": "n_embd"}
 
 
 def _gpt2_layout(hf: dict[str, Any]) -> _Layout:
@@ -272,6 +384,8 @@ def _gpt2_layout(hf: dict[str, Any]) -> _Layout:
 def gpt2_to_params(hf: dict[str, Any], tensors: dict[str, np.ndarray],
                    folder: PathLike = "") -> dict[str, Any]:
   """attnlab GPT params from GPT-2 tensors (GPT2LMHeadModel or GPT2Model names)."""
+  _check_layer_count(tensors, r"(?:transformer\.)?h\.(\d+)\.", "n_layer",
+                     _gpt2_dims(hf)["num_layers"], folder)
   layout = _gpt2_layout(hf)
   t = _Tensors(tensors, "transformer." if "transformer.wte.weight" in tensors else "", folder)
   params = _params_from(t, layout)
@@ -337,16 +451,26 @@ def _bert_dims(hf: dict[str, Any]) -> dict[str, Any]:
                   f"supported; attnlab's BERT has absolute (learned) positions")
   if hf.get("is_decoder", False):
     raise HFError("config.json has is_decoder=true; attnlab's BERT is an encoder")
-  return dict(vocab_size=int(_get(hf, "vocab_size")),
-              num_layers=int(_get(hf, "num_hidden_layers")),
-              d_model=int(_get(hf, "hidden_size")), num_heads=int(_get(hf, "num_attention_heads")),
-              mlp_dim=int(_get(hf, "intermediate_size")),
-              max_len=int(_get(hf, "max_position_embeddings")),
-              type_vocab_size=int(hf.get("type_vocab_size", 2)),
+  dims = dict(vocab_size=_positive(hf, "vocab_size"),
+              num_layers=_positive(hf, "num_hidden_layers"),
+              d_model=_positive(hf, "hidden_size"), num_heads=_positive(hf, "num_attention_heads"),
+              mlp_dim=_positive(hf, "intermediate_size"),
+              max_len=_positive(hf, "max_position_embeddings"),
+              type_vocab_size=_positive(hf, "type_vocab_size", 2),
               activation=_activation(hf.get("hidden_act", "gelu")),
               layer_norm_epsilon=float(hf.get("layer_norm_eps", 1e-12)),
               dropout_rate=float(hf.get("hidden_dropout_prob", 0.1)),
               attention_dropout_rate=float(hf.get("attention_probs_dropout_prob", 0.1)))
+  d, f, v = dims["d_model"], dims["mlp_dim"], dims["vocab_size"]
+  _check_sizes(dims, _BERT_NAMES,
+               (v + dims["max_len"] + dims["type_vocab_size"]) * d + 2 * d * d + v
+               + dims["num_layers"] * (4 * d * d + 2 * d * f + 9 * d + f))
+  return dims
+
+
+# attnlab model field -> its BERT config.json key (for messages).
+_BERT_NAMES = {"vocab_size": "vocab_size", "num_layers": "num_hidden_layers",
+               "num_heads": "num_attention_heads", "d_model": "hidden_size"}
 
 
 # Older names of the LayerNorm parameters.
@@ -390,6 +514,8 @@ def bert_to_params(hf: dict[str, Any], tensors: dict[str, np.ndarray],
   c = "cls.predictions"
   # The MLM output bias; some checkpoints keep it only as the decoder's bias.
   mlm_bias = f"{c}.bias" if f"{c}.bias" in tensors else f"{c}.decoder.bias"
+  _check_layer_count(tensors, r"bert\.encoder\.layer\.(\d+)\.", "num_hidden_layers",
+                     _bert_dims(hf)["num_layers"], folder)
   layout = _bert_layout(hf, mlm_bias)
   t = _Tensors(tensors, "", folder)
   params = _params_from(t, layout)
