@@ -117,3 +117,278 @@ def test_query_with_no_allowed_key_gets_zero_context_and_gradients(implementatio
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, expected, atol=tol * 5, rtol=tol * 5)
   assert np.all(np.asarray(grads[0], np.float32)[empty] == 0)  # dq of a query with no key
+
+
+# ---------------------------------------------------------------------------------------------------
+# 1-2. pytorch_model.bin with only allowed globals but forged tensor rebuilds; safetensors headers
+
+FIXTURES = REPO / "tests" / "fixtures" / "hf"
+
+
+def _int(n: int) -> bytes:
+  """pickle LONG1 of any int."""
+  raw = n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True) if n else b""
+  return b"\x8a" + bytes([len(raw)]) + raw
+
+
+def _str(text: str) -> bytes:
+  raw = text.encode()
+  return b"X" + struct.pack("<I", len(raw)) + raw
+
+
+def _tuple(items) -> bytes:
+  return b"(" + b"".join(_int(i) for i in items) + b"t"
+
+
+def _global(module: str, name: str) -> bytes:
+  return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def _rebuild(key: str, numel: int, offset: int, size, stride, storage="FloatStorage") -> bytes:
+  """torch._utils._rebuild_tensor_v2(storage key, offset, size, stride, False, OrderedDict())."""
+  pid = b"(" + _str("storage") + _global("torch", storage) + _str(key) + _str("cpu") \
+      + _int(numel) + b"tQ"
+  hooks = _global("collections", "OrderedDict") + b")R"
+  return _global("torch._utils", "_rebuild_tensor_v2") + b"(" + pid + _int(offset) \
+      + _tuple(size) + _tuple(stride) + b"\x89" + hooks + b"tR"
+
+
+def _state_dict_pickle(tensors: dict[str, bytes]) -> bytes:
+  """The data.pkl of an OrderedDict {name: rebuild} (protocol 2, as torch writes it)."""
+  items = b"".join(_str(name) + rebuild for name, rebuild in tensors.items())
+  return b"\x80\x02" + _global("collections", "OrderedDict") + b")R(" + items + b"u."
+
+
+def _torch_file(path: pathlib.Path, data_pkl: bytes, storages: dict[str, bytes]) -> pathlib.Path:
+  with zipfile.ZipFile(path, "w") as z:
+    z.writestr("archive/data.pkl", data_pkl)
+    z.writestr("archive/byteorder", "little")
+    for key, raw in storages.items():
+      z.writestr(f"archive/data/{key}", raw)
+  return path
+
+
+# The forged rebuilds the issue found, each with a 4-element float storage: (offset, size, stride).
+HOSTILE = {
+    "negative_stride": (3, (4096,), (-1,)),
+    "negative_offset": (-4095, (4096,), (1,)),
+    "zero_stride_huge": (0, (10**6, 10**6), (0, 0)),
+    "past_the_end": (2, (2, 2), (2, 1)),
+}
+STORAGE = np.arange(1, 5, dtype=np.float32)
+
+
+def _hostile_file(path: pathlib.Path, case: str, name: str = "w") -> pathlib.Path:
+  offset, size, stride = HOSTILE[case]
+  data = _state_dict_pickle({name: _rebuild("0", STORAGE.size, offset, size, stride)})
+  return _torch_file(path, data, {"0": STORAGE.tobytes()})
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_forged_tensor_rebuilds_are_refused_by_name(tmp_path, case):
+  from attnlab.interop import torch_pickle  # pylint: disable=g-import-not-at-top
+  path = _hostile_file(tmp_path / "pytorch_model.bin", case, name="h.0.attn.c_attn.weight")
+  with pytest.raises(errors.TorchFileError) as info:
+    torch_pickle.load_state_dict(path)
+  message = str(info.value)
+  assert "\n" not in message and "tensor 'h.0.attn.c_attn.weight'" in message, message
+  assert isinstance(info.value, errors.UserError)
+
+
+def test_valid_strided_views_read_what_numpy_reads(tmp_path):
+  """The checks keep every rebuild a real state dict has: a transposed view, an offset view, a
+  scalar, an empty tensor, a broadcast (stride 0) row, read exactly as NumPy indexes them."""
+  from attnlab.interop import torch_pickle  # pylint: disable=g-import-not-at-top
+  storage = np.arange(12, dtype=np.float32) * 1.5
+  cases = {"t": (0, (4, 3), (1, 4)), "offset": (5, (2, 3), (3, 1)), "scalar": (11, (), ()),
+           "empty": (12, (0, 3), (3, 1)), "broadcast": (2, (3, 2), (0, 1))}
+  data = _state_dict_pickle({n: _rebuild("0", 12, *c) for n, c in cases.items()})
+  got = torch_pickle.load_state_dict(_torch_file(tmp_path / "ok.bin", data,
+                                                 {"0": storage.tobytes()}))
+  for name, (offset, size, stride) in cases.items():
+    index = offset + sum(np.arange(n).reshape([-1 if i == j else 1 for j in range(len(size))]) * s
+                         for i, (n, s) in enumerate(zip(size, stride)))
+    np.testing.assert_array_equal(got[name], storage[np.asarray(index, int)].reshape(size))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["negative_stride", "negative_offset", "zero_stride_huge"])
+def test_import_hf_refuses_forged_rebuilds_in_one_line(tmp_path, case):
+  folder = tmp_path / "gpt2"
+  folder.mkdir()
+  shutil.copy(FIXTURES / "gpt2" / "config.json", folder)
+  _hostile_file(folder / "pytorch_model.bin", case, name="transformer.wte.weight")
+  result = _cli("import-hf", folder, f"--workdir={tmp_path / 'run'}", timeout=120)
+  assert result.returncode == 2, result.stderr
+  line = _one_line(result.stderr)
+  assert line.startswith("attnlab import-hf: error: ") and "'transformer.wte.weight'" in line
+  assert not (tmp_path / "run" / "config.json").exists()
+
+
+def _mutations(rng: np.random.Generator, good: bytes, count: int):
+  """Damaged copies of `good`: random bytes, truncations, flipped and inserted bytes."""
+  for i in range(count):
+    kind = i % 4
+    if kind == 0:
+      yield rng.integers(0, 256, int(rng.integers(0, 200)), dtype=np.uint8).tobytes()
+    elif kind == 1:
+      yield good[:int(rng.integers(0, len(good)))]
+    elif kind == 2:
+      data = bytearray(good)
+      for at in rng.integers(0, len(data), int(rng.integers(1, 8))):
+        data[at] = int(rng.integers(0, 256))
+      yield bytes(data)
+    else:
+      at = int(rng.integers(0, len(good)))
+      yield good[:at] + rng.integers(0, 256, int(rng.integers(1, 16)), dtype=np.uint8).tobytes() \
+          + good[at:]
+
+
+def _hostile_number(rng: np.random.Generator) -> int:
+  return int(rng.choice([0, 1, 2, 3, -1, -2, -4095, 4, 5, 7, 2**31, 2**63, -2**63, 10**6,
+                         int(rng.integers(-50, 50))]))
+
+
+def test_fuzz_torch_reader(tmp_path):
+  """Seeded malformed files: every one loads what a NumPy index of its storage gives (then every
+  element lies inside the storage) or raises TorchFileError with one line; never anything else."""
+  from attnlab.interop import torch_pickle  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(27)
+  storage = np.arange(1, 13, dtype=np.float32)
+  good_pickle = _state_dict_pickle({"a": _rebuild("0", 12, 0, (3, 4), (4, 1)),
+                                    "b": _rebuild("0", 12, 1, (2, 2), (1, 3))})
+  good_zip = _torch_file(tmp_path / "good.bin", good_pickle, {"0": storage.tobytes()}).read_bytes()
+  path = tmp_path / "fuzz.bin"
+  outcomes = {"loaded": 0, "refused": 0}
+
+  def check(expected=None):
+    """`expected`: None (either outcome), "refused", or {name: array} (must load as that)."""
+    try:
+      tensors = torch_pickle.load_state_dict(path)
+    except errors.TorchFileError as e:
+      assert "\n" not in str(e), str(e)
+      assert expected is None or expected == "refused", str(e)
+      outcomes["refused"] += 1
+      return
+    assert expected != "refused", "a forged rebuild was loaded"
+    outcomes["loaded"] += 1
+    for name, array in tensors.items():
+      assert isinstance(array, np.ndarray)
+      if expected is not None:
+        np.testing.assert_array_equal(array, expected[name])
+
+  # Whole files and data.pkl damaged at random (zip and raw).
+  for data in _mutations(rng, good_zip, 120):
+    path.write_bytes(data)
+    check()
+  for data in _mutations(rng, good_pickle, 200):
+    _torch_file(path, data, {"0": storage.tobytes()})
+    check()
+  for data in _mutations(rng, good_pickle, 40):
+    path.write_bytes(data)  # a raw (pre-zip) pickle
+    check()
+  # Well-formed pickles with hostile offsets, sizes and strides.
+  for _ in range(300):
+    ndim = int(rng.integers(0, 4))
+    offset = _hostile_number(rng)
+    size = [abs(_hostile_number(rng)) % 6 if rng.random() < 0.7 else _hostile_number(rng)
+            for _ in range(ndim)]
+    stride = [abs(_hostile_number(rng)) % 5 if rng.random() < 0.7 else _hostile_number(rng)
+              for _ in range(ndim)]
+    _torch_file(path, _state_dict_pickle({"x": _rebuild("0", 12, offset, size, stride)}),
+                {"0": storage.tobytes()})
+    count = int(np.prod(size, dtype=object)) if size else 1
+    expected = "refused"
+    if offset >= 0 and all(n >= 0 for n in size) and all(s >= 0 for s in stride):
+      if count * 4 > 1 << 20:
+        expected = "refused" if count * 4 > 1 << 30 else None  # vs. the file-size limit
+      elif count == 0:
+        expected = {"x": np.zeros(size, np.float32)} if offset <= storage.size else "refused"
+      elif offset + sum((n - 1) * s for n, s in zip(size, stride)) < storage.size:
+        grids = np.indices(size).astype(object)
+        index = offset + sum(g * s for g, s in zip(grids, stride)) if size else offset
+        expected = {"x": storage[np.asarray(index, int)]}
+    check(expected)
+  assert outcomes["loaded"] > 50 and outcomes["refused"] > 300, outcomes
+
+
+def test_fuzz_safetensors_reader(tmp_path):
+  """Seeded damaged safetensors files (random bytes, truncations, flipped bytes, forged header
+  fields): each loads with every tensor the size its header promises, or raises HFError (one line)."""
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  from attnlab.interop import hf  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(28)
+  good_path = tmp_path / "good.safetensors"
+  save_file({"a": np.arange(12, dtype=np.float32).reshape(3, 4),
+             "b": np.ones((2, 5), np.int64)}, str(good_path))
+  good = good_path.read_bytes()
+  length = int.from_bytes(good[:8], "little")
+  header = json.loads(good[8:8 + length])
+  path = tmp_path / "fuzz.safetensors"
+
+  def forged() -> bytes:
+    h = json.loads(json.dumps(header))
+    entry = h[str(rng.choice(["a", "b"]))]
+    field = str(rng.choice(["shape", "data_offsets", "dtype", "length"]))
+    if field == "shape":
+      entry["shape"] = [_hostile_number(rng) for _ in range(int(rng.integers(0, 4)))]
+    elif field == "data_offsets":
+      entry["data_offsets"] = [_hostile_number(rng), _hostile_number(rng)]
+    elif field == "dtype":
+      entry["dtype"] = str(rng.choice(["F32", "F16", "I8", "Q4", "", "F64"]))
+    text = json.dumps(h).encode()
+    claimed = len(text) if field != "length" else _hostile_number(rng) % 2**64
+    return struct.pack("<Q", claimed) + text + good[8 + length:]
+
+  datas = list(_mutations(rng, good, 160)) + [forged() for _ in range(200)]
+  refused = 0
+  for data in datas:
+    path.write_bytes(data)
+    try:
+      tensors = hf._read_weight_file(path)  # pylint: disable=protected-access
+    except errors.HFError as e:
+      assert "\n" not in str(e), str(e)
+      refused += 1
+      continue
+    for array in tensors.values():
+      assert array.nbytes <= len(data)
+  assert refused > 150
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. Sizes of an imported config.json, checked before anything is built
+
+
+def _gpt2_folder(tmp_path: pathlib.Path, **changes) -> pathlib.Path:
+  folder = tmp_path / "gpt2"
+  shutil.copytree(FIXTURES / "gpt2", folder, dirs_exist_ok=True)
+  config = json.loads((folder / "config.json").read_text())
+  config.update(changes)
+  (folder / "config.json").write_text(json.dumps(config))
+  return folder
+
+
+@pytest.mark.slow
+def test_import_hf_refuses_a_billion_layers_at_once(tmp_path):
+  folder = _gpt2_folder(tmp_path, n_layer=10**9)
+  result = _cli("import-hf", folder, f"--workdir={tmp_path / 'run'}", timeout=60)
+  assert result.returncode == 2, result.stderr
+  assert "n_layer=1000000000" in _one_line(result.stderr)
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({"n_head": 0}, "n_head=0; it must be a positive integer"),
+    ({"n_head": 3}, "n_head=3, which does not divide n_embd=32"),
+    ({"n_embd": -32}, "n_embd=-32; it must be a positive integer"),
+    ({"n_layer": 3}, "n_layer=3 but the weights in "),
+    ({"n_layer": 1}, "hold layers 0..1"),
+    ({"vocab_size": 10**12}, "more than the 1e+10 import-hf takes"),
+    ({"n_positions": 2.5}, "n_positions=2.5; it must be a positive integer"),
+])
+def test_imported_config_sizes_get_one_line(tmp_path, capsys, changes, expected):
+  from attnlab import import_hf  # pylint: disable=g-import-not-at-top
+  folder = _gpt2_folder(tmp_path, **changes)
+  status = import_hf.main(["attnlab import-hf", str(folder), f"--workdir={tmp_path / 'run'}"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert status == 2 and len(err) == 1, err
+  assert expected in err[0], err[0]

@@ -115,10 +115,12 @@ class _Tensor:
       raise bad(f"size {size} with stride {stride} at offset {offset} reads element {furthest} "
                 f"of a storage of {array.size} elements")
     if not size:
-      return array[offset].copy()
+      return np.array(array[offset])  # a 0-d array, not a NumPy scalar
     item = array.dtype.itemsize
+    # The stride of a length-1 axis is never used (and may be any size): 0.
     view = np.lib.stride_tricks.as_strided(array[offset:], shape=size,
-                                           strides=tuple(s * item for s in stride),
+                                           strides=tuple(s * item if n > 1 else 0
+                                                         for n, s in zip(size, stride)),
                                            writeable=False)
     return np.array(view)  # a contiguous copy
 
