@@ -129,9 +129,11 @@ def read_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
                           f"`attnlab train` (it writes {CONFIG_FILE} there)")
   try:
     return config_utils.from_jsonable(json.loads(path.read_text()))
-  except json.JSONDecodeError as e:
+  except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
     raise CheckpointError(f"{path} is not valid JSON ({e}); restore it from the run's launch "
                           f"command or remove the workdir") from None
+  except config_utils.ConfigError as e:
+    raise CheckpointError(f"{path}: {e}") from None
 
 
 def _write_atomically(path: pathlib.Path, text: str) -> None:

@@ -590,8 +590,33 @@ def to_jsonable(config: ConfigDict | Mapping[str, Any]) -> dict[str, Any]:
 
 
 def from_jsonable(data: Mapping[str, Any]) -> ConfigDict:
-  """Inverse of `to_jsonable` (lists stay lists); keys of older versions get their RENAMED names."""
+  """Inverse of `to_jsonable` (lists stay lists); keys of older versions get their RENAMED names.
+
+  Raises ConfigError (one line) for a key that cannot be a config field (`check_keys`).
+  """
+  if not isinstance(data, Mapping):
+    raise ConfigError(f"a config is a JSON object of fields, got a {type(data).__name__}")
+  check_keys(data)
   return ConfigDict(rename_old_keys(data))
+
+
+# Names a config field cannot have: the attributes and methods of ConfigDict itself.
+RESERVED_KEYS = frozenset(name for name in dir(ConfigDict) if not name.startswith("__"))
+
+
+def check_keys(data: Mapping[str, Any], prefix: str = "") -> None:
+  """Every key of `data` (and of its nested groups) is a plain field name: an identifier that does
+  not start with '_' and is not a ConfigDict attribute (RESERVED_KEYS); ConfigError otherwise."""
+  for key, value in data.items():
+    name = f"{prefix}{key}"
+    if not isinstance(key, str) or not key.isidentifier() or key.startswith("_"):
+      raise ConfigError(f"config key {name!r:.80} is not a config field (a field name is an "
+                        f"identifier that does not start with '_'); remove it from the config")
+    if key in RESERVED_KEYS:
+      raise ConfigError(f"config key {name!r:.80} is reserved (a method of the config object); "
+                        f"remove it from the config")
+    if isinstance(value, Mapping):
+      check_keys(value, f"{name}.")
 
 
 # Config keys renamed after runs existed: old key -> current key. A config.json holding an old key

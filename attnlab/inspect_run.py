@@ -71,7 +71,7 @@ def describe(workdir: str | pathlib.Path, step: int | None = None, verify: bool 
   Raises:
     DamagedCheckpoints: a checkpoint is damaged (its `report` is the text, with the bad ones marked).
   """
-  workdir = pathlib.Path(workdir).absolute()
+  workdir = pathlib.Path(main_lib.resolve_path(workdir))
   config = checkpoint.read_config(workdir)
   lines = [f"run: {workdir}", "config:"]
   lines += [f"  {key} = {value!r}" for key, value in sorted(config_utils.flatten(config).items())]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import pathlib
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -110,10 +111,28 @@ def check_config_args(argv: Sequence[str]) -> str | None:
   return None
 
 
+# Flags naming a directory, resolved by every tool once its flags are parsed (`resolve_paths`).
+PATH_FLAGS = ("workdir", "member", "export_to")
+
+
+def resolve_path(path: str | os.PathLike) -> str:
+  """`path` absolute, with '~', '..' and symbolic links resolved: the one form every tool hands
+  on (orbax and tensorstore refuse a path with '..' in it)."""
+  return str(pathlib.Path(os.path.expanduser(os.fspath(path))).resolve())
+
+
+def resolve_paths(flag_values: flags.FlagValues) -> None:
+  """Replaces the value of each PATH_FLAGS flag that is set with its `resolve_path`."""
+  for name in PATH_FLAGS:
+    if name in flag_values and flag_values[name].value:
+      flag_values[name].value = resolve_path(flag_values[name].value)
+
+
 def parse_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> str | None:
   """Parses argv into flag_values; returns None, or the one-line message of a usage error.
 
-  With -h/--help among the arguments it prints the flags' help and exits with status 0.
+  With -h/--help among the arguments it prints the flags' help and exits with status 0. The
+  directories of PATH_FLAGS come out resolved (`resolve_path`).
   """
   if any(arg in ("-h", "--help", "-help", "--helpfull") for arg in argv[1:]):
     print(f"usage: {argv[0] if argv else 'attnlab'} [flags]\n\n{flag_values.get_help()}")
@@ -127,6 +146,7 @@ def parse_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> str | Non
     return error_line(e)
   if len(extra) > 1:
     return f"unexpected arguments {extra[1:]}; pass options as --name=value"
+  resolve_paths(flag_values)
   return None
 
 

@@ -101,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   except (flags.Error, ValueError) as e:
     sentences, message = [], main_lib.error_line(e)
   else:
+    main_lib.resolve_paths(flag_values)
     message = _check(flag_values, sentences)
 
   def body() -> None:
