@@ -337,6 +337,9 @@ class SweepResult:
     on stderr, each starting with `prog`); returns `status`."""
     if summary:
       print(self.summary_md.read_text())
+      for name, what in incomplete_members(self.members).items():
+        print(f"{prog}: warning: member {name} has no final evaluation record ({what}); it is "
+              f"left out of the summary's means", file=sys.stderr)
     for member in self.failed:
       print(f"{prog}: member {member.name} failed: {member.error}", file=sys.stderr)
     return self.status
@@ -413,20 +416,38 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
   return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
+def incomplete_members(members: Sequence[Member]) -> dict[str, str]:
+  """{name: what is missing} of the members that did not fail but whose final evaluation record
+  is missing from their metrics.jsonl (not run yet, interrupted, or the record lost): the
+  summary leaves them out of its means and names them."""
+  missing = {}
+  for member in members:
+    steps = member.config.num_train_steps
+    if member.status == "failed" or checkpoint.is_complete(member.workdir, steps):
+      continue
+    last = checkpoint.last_records(checkpoint.read_metrics(member.workdir)).get("eval")
+    missing[member.name] = (f"its last evaluation is at step {last['step']} of {steps}" if last
+                            else "it has no evaluation record")
+  return missing
+
+
 def summarize(members: Sequence[Member], keys: Sequence[str]) -> list[dict[str, Any]]:
   """One row per setting of the non-seed keys: {key: value, "seeds": n, "failed": n,
-  "<metric>": (mean, std)} over the complete members of that setting (each replica of a
-  num_seeds=N member counts as one seed)."""
+  "incomplete": n, "<metric>": (mean, std)} over the complete members of that setting (each
+  replica of a num_seeds=N member counts as one seed); a member without its final evaluation
+  record counts as incomplete, not as a seed (`incomplete_members`)."""
   group_keys = [key for key in keys if key != SEED_KEY]
   groups: dict[tuple, list[Member]] = {}
   for member in members:
     groups.setdefault(tuple(member.values[k] for k in group_keys), []).append(member)
+  missing = incomplete_members(members)
   rows = []
   for setting, group in groups.items():
-    finished = [m for m in group if m.status in ("done", "skipped")]
+    finished = [m for m in group if m.status in ("done", "skipped") and m.name not in missing]
     per_member = [metrics for m in finished for metrics in final_metrics_per_seed(m.workdir)]
     row: dict[str, Any] = {**dict(zip(group_keys, setting)), "seeds": len(per_member),
-                           "failed": sum(m.status == "failed" for m in group)}
+                           "failed": sum(m.status == "failed" for m in group),
+                           "incomplete": sum(m.name in missing for m in group)}
     for name in sorted(set().union(*per_member)):
       row[name] = _mean_std([metrics[name] for metrics in per_member if name in metrics])
     rows.append(row)
@@ -447,10 +468,13 @@ def write_summary(workdir: str | os.PathLike, members: Sequence[Member],
   """Writes DIR/summary.csv (mean and std columns) and DIR/summary.md; returns their paths."""
   workdir = pathlib.Path(workdir)
   rows = summarize(members, keys)
+  missing = incomplete_members(members)
   group_keys = [key for key in keys if key != SEED_KEY]
-  metric_names = sorted({k for row in rows for k in row} - set(group_keys) - {"seeds", "failed"})
+  metric_names = sorted({k for row in rows for k in row} - set(group_keys)
+                        - {"seeds", "failed", "incomplete"})
   csv_path, md_path = workdir / SUMMARY_CSV, workdir / SUMMARY_MD
-  header = [*group_keys, "seeds", "failed"]
+  # The incomplete column only when a member lacks its final record (a finished sweep has none).
+  header = [*group_keys, "seeds", "failed"] + (["incomplete"] if missing else [])
   lines = ["| " + " | ".join(header + metric_names) + " |",
            "|" + "---|" * (len(header) + len(metric_names))]
   with open(csv_path, "w", newline="") as f:
@@ -465,8 +489,13 @@ def write_summary(workdir: str | os.PathLike, members: Sequence[Member],
   seeds = f" over `{SEED_KEY}`" if SEED_KEY in keys else ""
   if any(m.config.get("num_seeds", 1) > 1 for m in members):
     seeds += " and over the replicas of each `num_seeds` run"
+  note = ""
+  if missing:
+    note = ("\nLeft out of the means, their final evaluation record missing (`incomplete`): "
+            + "; ".join(f"`{name}` ({what})" for name, what in missing.items())
+            + ". Run the sweep again to complete them.\n")
   md_path.write_text(f"# Sweep {workdir.name}\n\nFinal metrics, mean ± std (ddof=1){seeds}; "
-                     f"`seeds` counts finished members.\n\n" + "\n".join(lines) + "\n")
+                     f"`seeds` counts finished members.\n\n" + "\n".join(lines) + "\n" + note)
   return csv_path, md_path
 
 

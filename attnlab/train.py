@@ -11,7 +11,8 @@ naming the file and the last good checkpoint; a second process on a busy workdir
 Determinism: the keys are functions of the seed and the step (attnlab/state.py: `run_keys`), so
 they need no saving; the data order comes from the task's iterator, whose state is in every
 checkpoint. A resumed run therefore ends with the same parameters, bit for bit, as an
-uninterrupted one.
+uninterrupted one. A step's evaluation follows its checkpoint; a run killed between the two
+evaluates that checkpoint when it resumes, so no evaluation record is lost.
 
 The train state, its N >= 1 replicas (`config.num_seeds`, trained in one program by `jax.vmap`)
 and their keys, data and evaluation are in attnlab/state.py; checkpoints hold all replicas, and
@@ -394,6 +395,7 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
     if start >= num_steps:
       _finish_complete_run(task, state, workdir, start, seeds)
       return state
+    _evaluate_if_missing(config, task, state, workdir, start, seeds)
     train_step = make_train_step(task, tx, parts.schedule, num_seeds=num_seeds, mesh=mesh,
                                  state_shardings=shardings)
     state = _train_loop(config, workdir, task, state, train_iter, ckpt, train_step,
@@ -415,6 +417,22 @@ def _finish_complete_run(task: tasks.Task, state: TrainState, workdir: pathlib.P
       metrics, per_seed = state_lib.evaluate(task, state.params, len(seeds))
       logger.write(step, "eval", metrics, per_seed)
   _LOG.info("%s is complete (step %d); nothing to train", workdir, step)
+
+
+def _evaluate_if_missing(config: ml_collections.ConfigDict, task: tasks.Task, state: TrainState,
+                         workdir: pathlib.Path, step: int, seeds: list[int]) -> None:
+  """A run resumed from checkpoint `step`, an evaluation step whose record is missing (the run
+  was killed after saving the checkpoint and before evaluating, or stopped by a signal there):
+  evaluate it now, so that no step's evaluation is lost."""
+  if step <= 0 or config.eval_every <= 0 or step % config.eval_every:
+    return
+  if any(r["step"] == step and r.get("split") == "eval" for r in checkpoint.read_metrics(workdir)):
+    return
+  _LOG.info("evaluating checkpoint step %d, whose evaluation is missing from %s", step,
+            checkpoint.METRICS_FILE)
+  with _MetricLogger(workdir, step, seeds) as logger:
+    metrics, per_seed = state_lib.evaluate(task, state.params, len(seeds))
+    logger.write(step, "eval", metrics, per_seed)
 
 
 def _check_finite(pending: list[tuple[int, dict]], ckpt: checkpoint.Checkpointer,
