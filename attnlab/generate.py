@@ -47,11 +47,20 @@ def _define_flags() -> flags.FlagValues:
   return fv
 
 
+# The most tokens one call generates per prompt, and the most prompts in one batch: decoding keeps
+# every token ([prompts, num_tokens]) and runs num_tokens steps (a prompt longer than the model's
+# block_size is cut to its last block_size tokens, as the model reads it).
+MAX_NEW_TOKENS = 100_000
+MAX_PROMPTS = 256
+
+
 def _check(fv: flags.FlagValues) -> str | None:
   if not fv.workdir:
     return "--workdir is required: the run directory of a causal_lm run (attnlab train ...)"
-  if fv.num_tokens < 1:
-    return f"--num_tokens must be >= 1, got {fv.num_tokens}"
+  if not 1 <= fv.num_tokens <= MAX_NEW_TOKENS:
+    return f"--num_tokens must be between 1 and {MAX_NEW_TOKENS}, got {fv.num_tokens}"
+  if len(fv.prompt) > MAX_PROMPTS:
+    return f"at most {MAX_PROMPTS} --prompt flags are sampled as one batch, got {len(fv.prompt)}"
   if fv.temperature < 0:
     return f"--temperature must be >= 0 (0 = greedy), got {fv.temperature}"
   if fv.top_k < 0:
@@ -81,6 +90,9 @@ def generate_texts(workdir: str, prompts: Sequence[str], *, num_tokens: int = 30
   """
   from attnlab.data import tokenizers  # pylint: disable=g-import-not-at-top
   from attnlab import analysis  # pylint: disable=g-import-not-at-top  (imports JAX)
+  if not 1 <= num_tokens <= MAX_NEW_TOKENS or not 1 <= len(prompts) <= MAX_PROMPTS:
+    raise UserError(f"generate takes 1 to {MAX_PROMPTS} prompts and 1 to {MAX_NEW_TOKENS} tokens; "
+                    f"got {len(prompts)} prompts and num_tokens={num_tokens}")
   run = analysis.load_run(workdir, step)
   task = run.task
   if not hasattr(task, "sample_texts"):

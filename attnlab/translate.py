@@ -83,11 +83,17 @@ def translate(workdir: str, sentences: Sequence[str], *, step: str = "latest",
   return lines
 
 
+# The widest beam translate searches with (its memory grows with beams x steps x source length).
+MAX_BEAM_SIZE = 64
+
+
 def _check(fv: flags.FlagValues, sentences: Sequence[str]) -> str | None:
   if not fv.workdir:
     return "--workdir is required: the run directory of a trained translation model"
   if not sentences:
     return 'give the sentence(s) to translate, e.g. attnlab translate --workdir=DIR "Hello"'
+  if fv.beam_size is not None and not 1 <= fv.beam_size <= MAX_BEAM_SIZE:
+    return f"--beam_size must be between 1 (greedy) and {MAX_BEAM_SIZE}, got {fv.beam_size}"
   return main_lib.step_error(fv.step)
 
 

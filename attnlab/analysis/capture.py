@@ -232,9 +232,14 @@ def _translation_text(run, text: str, target: str | None) -> dict[str, Any]:
   src = task.encode_source(text)
   if not src:
     raise ValueError("cannot capture an empty input; give at least one source token")
+  task.check_source(src)
   inputs: dict[str, Any] = {"source": np.asarray(src, np.int32)}
   if target is not None:
-    inputs["target"] = np.asarray(task.encode_target(target), np.int32)
+    tgt = task.encode_target(target)
+    if len(tgt) > task.max_target_len():
+      raise ValueError(f"the target has {len(tgt)} tokens with <start> and <end> but this model "
+                       f"reads at most {task.max_target_len()}; shorten it")
+    inputs["target"] = np.asarray(tgt, np.int32)
   return inputs
 
 

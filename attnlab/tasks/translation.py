@@ -65,6 +65,10 @@ TOKENIZER_KINDS = ("char", "word", "subword")
 _PUNCT = re.compile(r"([?.!,¿\"“”;:])")
 # Examples drawn for write_plots' heatmaps.
 NUM_PLOTS = 4
+# translate and view take a source (or target) up to this many times the longest of training
+# (unless the model's position table holds fewer): decoding runs up to twice the source's length,
+# and its memory grows with source length x steps (a 10,000-character input took 15 GB).
+MAX_INPUT_FACTOR = 4
 
 
 def separate_punctuation(text: str) -> str:
@@ -312,16 +316,43 @@ class TranslationTask(Task):
       ids = ids[:ids.index(self.tgt_tok.end_id) + 1]
     return ids
 
+  def max_source_len(self) -> int:
+    """The most source tokens `translate` and `view` take: the padded training width for the
+    location score (its positions are learned), else MAX_INPUT_FACTOR x that width, within the
+    model's position table (a Transformer's max_len)."""
+    if self.config.model.get("score") == "location":
+      return self.src_width
+    return min(MAX_INPUT_FACTOR * self.src_width,
+               getattr(self.model, "max_decode_len", None) or MAX_INPUT_FACTOR * self.src_width)
+
+  def max_target_len(self) -> int:
+    """The most target tokens (<start> ... <end>) a teacher-forced target may have."""
+    return min(MAX_INPUT_FACTOR * self.max_tgt_len,
+               getattr(self.model, "max_decode_len", None) or MAX_INPUT_FACTOR * self.max_tgt_len)
+
+  def check_source(self, ids: Sequence[int], what: str = "the input") -> None:
+    """ValueError (one line naming the limit) for a source this model cannot take."""
+    if not ids:
+      raise ValueError("cannot translate an empty input; give at least one token")
+    limit = self.max_source_len()
+    if len(ids) > limit:
+      why = ("its location score has learned positions for the training sources"
+             if self.config.model.get("score") == "location" else
+             f"{MAX_INPUT_FACTOR} x the longest training source, {self.src_width}")
+      raise ValueError(f"{what} has {len(ids)} source tokens but this model reads at most "
+                       f"{limit} ({why}); shorten it or split it into sentences")
+
   def translate(self, params, texts: Sequence[str], beam_size: int | None = None
                 ) -> list[Translation]:
-    """Translates raw source texts; returns the outputs and their attention weights."""
+    """Translates raw source texts; returns the outputs and their attention weights.
+
+    Raises ValueError for an input longer than `max_source_len` tokens (decoding is bounded by
+    twice that in steps, and runs data.eval_batch_size inputs at a time).
+    """
     encoded = [self.encode_source(t) for t in texts]
-    if any(len(ids) == 0 for ids in encoded):
-      raise ValueError("cannot translate an empty input; give at least one token")
+    for i, ids in enumerate(encoded):
+      self.check_source(ids, "the input" if len(texts) == 1 else f"input {i + 1}")
     longest = max(len(ids) for ids in encoded)
-    if self.config.model.get("score") == "location" and longest > self.src_width:
-      raise ValueError(f"this model (location score) reads at most {self.src_width} source "
-                       f"tokens; the input has {longest}")
     src = np.zeros((len(texts), longest), np.int32)
     for i, ids in enumerate(encoded):
       src[i, :len(ids)] = ids
@@ -329,8 +360,9 @@ class TranslationTask(Task):
     # Inputs longer than the training data may need longer outputs (up to what the model holds).
     max_len = max(self._max_decode_len(), 2 * longest + 2)
     max_len = min(max_len, getattr(self.model, "max_decode_len", max_len))
-    tokens, weights = self.decode_arrays(params, src, src_len, beam_size, max_len,
-                                         batch_size=len(texts))
+    tokens, weights = self.decode_arrays(
+        params, src, src_len, beam_size, max_len,
+        batch_size=min(len(texts), self.config.data.eval_batch_size))
     return [self._translation(text, encoded[i], tokens[i], weights[i])
             for i, text in enumerate(texts)]
 
