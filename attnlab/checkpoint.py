@@ -128,12 +128,16 @@ def read_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
     raise CheckpointError(f"{workdir} {what}: give the --workdir of a run started with "
                           f"`attnlab train` (it writes {CONFIG_FILE} there)")
   try:
-    return config_utils.from_jsonable(json.loads(path.read_text()))
+    data = json.loads(path.read_text())
   except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
     raise CheckpointError(f"{path} is not valid JSON ({e}); restore it from the run's launch "
                           f"command or remove the workdir") from None
+  try:
+    return config_utils.from_jsonable(data)
   except config_utils.ConfigError as e:
-    raise CheckpointError(f"{path}: {e}") from None
+    problem = str(e)
+  # Raised outside the handler, so that this line (naming the file) is the one the tools print.
+  raise CheckpointError(f"{path}: {problem}")
 
 
 def _write_atomically(path: pathlib.Path, text: str) -> None:

@@ -221,7 +221,8 @@ def test_import_hf_refuses_forged_rebuilds_in_one_line(tmp_path, case):
   result = _cli("import-hf", folder, f"--workdir={tmp_path / 'run'}", timeout=120)
   assert result.returncode == 2, result.stderr
   line = _one_line(result.stderr)
-  assert line.startswith("attnlab import-hf: error: ") and "'transformer.wte.weight'" in line
+  assert line.startswith(f"attnlab import-hf: error: {folder / 'pytorch_model.bin'}: tensor "
+                         f"'transformer.wte.weight': ")
   assert not (tmp_path / "run" / "config.json").exists()
 
 
@@ -392,3 +393,192 @@ def test_imported_config_sizes_get_one_line(tmp_path, capsys, changes, expected)
   err = capsys.readouterr().err.strip().splitlines()
   assert status == 2 and len(err) == 1, err
   assert expected in err[0], err[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# A trained tiny run shared by the CLI cases below (each copies it before changing anything)
+
+NW = str(REPO / "configs" / "nadaraya_watson.py")
+NW_ARGS = "runlocal=True,write_plots=False"
+
+
+@pytest.fixture(scope="module")
+def nw_run(tmp_path_factory):
+  """A runlocal Nadaraya-Watson run: 20 steps, checkpoints and evaluations at 10 and 20."""
+  from attnlab import config_utils, train  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path_factory.mktemp("nw") / "run"
+  train.train_and_evaluate(config_utils.load_config_file(f"{NW}:{NW_ARGS}"), workdir)
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def translation_run(tmp_path_factory):
+  """A runlocal dates translation run (RNN seq2seq, character tokens), trained for one step."""
+  from attnlab import config_utils, train  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path_factory.mktemp("dates") / "run"
+  config = config_utils.load_config_file(
+      f"{REPO / 'configs' / 'seq2seq.py'}:runlocal=True,num_train_steps=1,eval_every=0,"
+      "write_plots=False")
+  train.train_and_evaluate(config, workdir)
+  return workdir
+
+
+# ---------------------------------------------------------------------------------------------------
+# 4. A run's config.json with keys that are not config fields
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["__class__", "to_dict"])
+def test_reserved_keys_in_a_run_config_get_one_line(nw_run, tmp_path, key):
+  workdir = tmp_path / "run"
+  shutil.copytree(nw_run, workdir)
+  config = json.loads((workdir / "config.json").read_text())
+  config["model"][key] = {"x": 1}
+  (workdir / "config.json").write_text(json.dumps(config))
+  result = _cli("inspect", f"--workdir={workdir}")
+  assert result.returncode == 2, result.stderr
+  assert _one_line(result.stderr) == (
+      f"attnlab inspect: error: {workdir / 'config.json'}: config key 'model.{key}' "
+      + ("is not a config field (a field name is an identifier that does not start with '_'); "
+         if key.startswith("_") else "is reserved (a method of the config object); ")
+      + "remove it from the config")
+
+
+# ---------------------------------------------------------------------------------------------------
+# 5. Inputs bounded by what the model takes; decoding bounded
+
+
+@pytest.mark.slow
+def test_translate_refuses_an_input_longer_than_the_model_takes(translation_run, tmp_path):
+  from attnlab import analysis  # pylint: disable=g-import-not-at-top
+  task = analysis.load_run(translation_run).task
+  limit = task.max_source_len()
+  assert limit == 4 * task.src_width
+  result = _cli("translate", f"--workdir={translation_run}", f"--output={tmp_path / 'a.png'}",
+                "9" * 10_000, timeout=60)
+  assert result.returncode == 2, result.stderr
+  assert _one_line(result.stderr) == (
+      f"attnlab translate: error: the input has 10000 source tokens but this model reads at most "
+      f"{limit} (4 x the longest training source, {task.src_width}); shorten it or split it into "
+      f"sentences")
+  result = _cli("view", f"--workdir={translation_run}", f"--text={'9' * (limit + 1)}",
+                f"--out={tmp_path / 'v.html'}", timeout=60)
+  assert result.returncode == 2, result.stderr
+  assert f"has {limit + 1} source tokens but this model reads at most {limit}" in \
+      _one_line(result.stderr)
+
+
+def test_translate_at_the_limit_decodes_a_bounded_number_of_steps(translation_run):
+  from attnlab import analysis  # pylint: disable=g-import-not-at-top
+  run = analysis.load_run(translation_run)
+  limit = run.task.max_source_len()
+  [t] = run.task.translate(run.params, ["1" * limit], beam_size=1)
+  assert len(t.output_tokens) <= 2 * limit + 2
+  assert t.weights.shape[1] == limit
+
+
+@pytest.mark.slow
+def test_generate_and_translate_bound_their_decoding_flags(tmp_path):
+  result = _cli("generate", f"--workdir={tmp_path}", "--num_tokens=1000000000", timeout=60)
+  assert result.returncode == 2
+  assert _one_line(result.stderr) == ("attnlab generate: error: --num_tokens must be between 1 "
+                                      "and 100000, got 1000000000")
+  result = _cli("translate", f"--workdir={tmp_path}", "--beam_size=100000", "hello", timeout=60)
+  assert result.returncode == 2
+  assert "--beam_size must be between 1 (greedy) and 64" in _one_line(result.stderr)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 6. A workdir path with '..'
+
+
+@pytest.mark.slow
+def test_inspect_resolves_a_workdir_with_dotdot(nw_run, tmp_path):
+  shutil.copytree(nw_run, tmp_path / "run_b")
+  (tmp_path / "run_a").mkdir()
+  result = _cli("inspect", f"--workdir={tmp_path}/run_a/../run_b")
+  assert result.returncode == 0, result.stderr
+  assert "checkpoints: 10, 20 (of 20 steps; complete)\n  all complete and readable\n" in \
+      result.stdout
+  assert f"run: {tmp_path.resolve() / 'run_b'}\n" in result.stdout
+
+
+def test_every_tool_resolves_its_path_flags(tmp_path):
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
+  fv = main_lib.tool_flags("w")
+  flags.DEFINE_string("export_to", None, "e", flag_values=fv)
+  assert main_lib.parse_flags(fv, ["prog", f"--workdir={tmp_path}/a/../b",
+                                   f"--export_to={tmp_path}/./c//d"]) is None
+  assert fv.workdir == str(tmp_path.resolve() / "b")
+  assert fv.export_to == str(tmp_path.resolve() / "c" / "d")
+
+
+# ---------------------------------------------------------------------------------------------------
+# 7. A kill between a checkpoint and its evaluation
+
+KILL_ARGS = f"{NW_ARGS},num_train_steps=8,log_every=2,checkpoint_every=4,eval_every=4"
+# kill -9 of the run right after checkpoint 4 is saved, before step 4 is evaluated.
+KILL_AFTER_SAVE = """
+import os, signal
+from attnlab import checkpoint
+_save = checkpoint.Checkpointer.save
+def save(self, step, *args, **kwargs):
+  _save(self, step, *args, **kwargs)
+  if step == 4:
+    os.kill(os.getpid(), signal.SIGKILL)
+checkpoint.Checkpointer.save = save
+"""
+
+
+def _eval_records(workdir: pathlib.Path) -> dict[int, dict]:
+  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  return {r["step"]: {k: v for k, v in r.items() if k != "wall_time"}
+          for r in checkpoint.read_metrics(workdir) if r["split"] == "eval"}
+
+
+@pytest.mark.slow
+def test_a_kill_between_save_and_evaluation_loses_no_record(tmp_path):
+  from attnlab import config_utils, train  # pylint: disable=g-import-not-at-top
+  reference = tmp_path / "reference"
+  train.train_and_evaluate(config_utils.load_config_file(f"{NW}:{KILL_ARGS}"), reference)
+  workdir = tmp_path / "run"
+  code = (f"import sys\n{KILL_AFTER_SAVE}\nfrom attnlab import cli\n"
+          f"sys.exit(cli.main(['attnlab', 'train', '--config={NW}:{KILL_ARGS}', "
+          f"'--workdir={workdir}']))")
+  killed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+  assert killed.returncode == -9, killed.stderr
+  assert (workdir / "checkpoints" / "4").is_dir() and 4 not in _eval_records(workdir)
+  result = _cli("train", f"--config={NW}:{KILL_ARGS}", f"--workdir={workdir}")
+  assert result.returncode == 0, result.stderr
+  assert sorted(_eval_records(workdir)) == [4, 8]
+  assert _eval_records(workdir) == _eval_records(reference)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 8. `sweep --summarize` over a member without its final evaluation record
+
+
+@pytest.mark.slow
+def test_sweep_summary_names_members_without_their_final_record(nw_run, tmp_path):
+  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  sweep_dir = tmp_path / "sweep"
+  for seed in (0, 1):  # the shared run stands for both members: summarize reads their metrics
+    shutil.copytree(nw_run, sweep_dir / f"seed={seed}")
+  metrics = sweep_dir / "seed=1" / checkpoint.METRICS_FILE
+  records = checkpoint.read_metrics(metrics.parent)
+  metrics.write_text("".join(json.dumps(r) + "\n" for r in records
+                             if not (r["split"] == "eval" and r["step"] == 20)))
+  result = _cli("sweep", f"--config={NW}:{NW_ARGS}", f"--workdir={sweep_dir}", "--sweep=seed=0,1",
+                "--summarize")
+  assert result.returncode == 0, result.stderr
+  assert _one_line(result.stderr) == (
+      "attnlab sweep: warning: member seed=1 has no final evaluation record (its last evaluation "
+      "is at step 10 of 20); it is left out of the summary's means")
+  final = {k: v for k, v in checkpoint.last_records(records)["eval"].items()}
+  table = result.stdout
+  assert "| seeds | failed | incomplete | eval/test_mse |" in table
+  row = [l for l in table.splitlines() if l.startswith("| 1 | 0 | 1 |")]
+  assert row and f"{final['test_mse']:.4g}" in row[0].split("|")[4], table
+  assert "`seed=1` (its last evaluation is at step 10 of 20)" in table

@@ -159,7 +159,8 @@ def _read_weight_file(path: pathlib.Path) -> dict[str, np.ndarray]:
   try:
     return torch_pickle.load_state_dict(path)
   except TorchFileError as e:
-    raise HFError(str(e)) from None
+    problem = str(e)
+  raise HFError(problem)  # outside the handler: this is the line the tools print
 
 
 def read_weights(folder: PathLike) -> dict[str, np.ndarray]:

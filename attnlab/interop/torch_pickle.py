@@ -201,13 +201,17 @@ def load_state_dict(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
                          f"to model.safetensors")
   file_size = os.path.getsize(path)
   limit = MAX_EXPANSION * file_size + MIN_LIMIT_BYTES
+  # Errors are raised outside their handlers, so that the line naming the file is the innermost
+  # one (the one the command-line tools print).
+  problem = None
   try:
     state = _read_archive(path, limit)
   except TorchFileError as e:
-    raise TorchFileError(f"{path}: {e}") from None
+    problem = str(e)
   except _READ_ERRORS as e:
-    message = " ".join(str(e).split())[:200] or type(e).__name__
-    raise TorchFileError(f"{path}: not a readable state dict ({message})") from None
+    problem = f"not a readable state dict ({' '.join(str(e).split())[:200] or type(e).__name__})"
+  if problem is not None:
+    raise TorchFileError(f"{path}: {problem}")
   if not isinstance(state, dict):
     raise TorchFileError(f"{path} holds a {type(state).__name__}, not a state dict of tensors")
   bad = [str(k) for k, v in state.items() if not isinstance(v, _Tensor)]
@@ -219,7 +223,9 @@ def load_state_dict(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     try:
       tensors[name] = array = tensor.materialize(str(name), limit)
     except TorchFileError as e:
-      raise TorchFileError(f"{path}: {e}") from None
+      problem = str(e)
+    if problem is not None:
+      raise TorchFileError(f"{path}: {problem}")
     total += array.nbytes
     if total > total_limit:
       raise TorchFileError(f"{path}: the tensors up to {str(name)!r} hold {total} bytes, more "
