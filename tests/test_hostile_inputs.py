@@ -413,13 +413,24 @@ def nw_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def translation_run(tmp_path_factory):
-  """A runlocal dates translation run (RNN seq2seq, character tokens), trained for one step."""
-  from attnlab import config_utils, train  # pylint: disable=g-import-not-at-top
+  """A runlocal dates translation run (RNN seq2seq, character tokens) at its initial step 0,
+  written as `attnlab train` writes a run (config, assets, checkpoint), without its training."""
+  # pylint: disable=g-import-not-at-top
+  from attnlab import checkpoint, config_utils, state as state_lib, tasks
+  from attnlab.data import assets
+  # pylint: enable=g-import-not-at-top
   workdir = tmp_path_factory.mktemp("dates") / "run"
-  config = config_utils.load_config_file(
-      f"{REPO / 'configs' / 'seq2seq.py'}:runlocal=True,num_train_steps=1,eval_every=0,"
-      "write_plots=False")
-  train.train_and_evaluate(config, workdir)
+  config = config_utils.load_config_file(f"{REPO / 'configs' / 'seq2seq.py'}:runlocal=True")
+  task = tasks.build_task(config)
+  task.save_assets(workdir / assets.DIRNAME)
+  params = task.init(jax.random.key(0))
+  tx = state_lib.make_optimizer(config.optimizer, state_lib.make_schedule(
+      config.optimizer, config.num_train_steps))
+  state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                               opt_state=tx.init(params))
+  checkpoint.write_config(workdir, config)
+  with checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR) as ckpt:
+    ckpt.save(0, state, {"index": 0})
   return workdir
 
 
