@@ -479,13 +479,27 @@ def test_translate_refuses_an_input_longer_than_the_model_takes(translation_run,
       _one_line(result.stderr)
 
 
-def test_translate_at_the_limit_decodes_a_bounded_number_of_steps(translation_run):
-  from attnlab import analysis  # pylint: disable=g-import-not-at-top
+def test_translate_at_the_limit_decodes_a_bounded_number_of_steps(translation_run, tmp_path):
+  from attnlab import analysis, view  # pylint: disable=g-import-not-at-top
   run = analysis.load_run(translation_run)
   limit = run.task.max_source_len()
   [t] = run.task.translate(run.params, ["1" * limit], beam_size=1)
   assert len(t.output_tokens) <= 2 * limit + 2
   assert t.weights.shape[1] == limit
+  # view's teacher-forced target is bounded too (before anything runs).
+  longest = run.task.max_target_len()
+  with pytest.raises(errors.UserError, match=f"the target has {longest + 1} tokens with <start> "
+                     f"and <end> but this model reads at most {longest}; shorten it"):
+    view.view_text(run, "1 2", target="1" * (longest - 1), out=tmp_path / "v.html")
+
+
+def test_weight_index_shards_stay_in_the_folder(tmp_path):
+  from attnlab.interop import hf  # pylint: disable=g-import-not-at-top
+  (tmp_path / "model.safetensors.index.json").write_text(
+      json.dumps({"weight_map": {"w": "../elsewhere/model.safetensors"}}))
+  with pytest.raises(errors.HFError, match="names the shard '../elsewhere/model.safetensors', "
+                     "which is not a file name in"):
+    hf.read_weights(tmp_path)
 
 
 @pytest.mark.slow
