@@ -46,7 +46,7 @@ def _one_line(stderr: str) -> str:
   return lines[0]
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 9. A query that may see no key: zero context and zero gradients on every implementation
 
 
@@ -119,7 +119,7 @@ def test_query_with_no_allowed_key_gets_zero_context_and_gradients(implementatio
   assert np.all(np.asarray(grads[0], np.float32)[empty] == 0)  # dq of a query with no key
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 1-2. pytorch_model.bin with only allowed globals but forged tensor rebuilds; safetensors headers
 
 FIXTURES = REPO / "tests" / "fixtures" / "hf"
@@ -193,6 +193,19 @@ def test_forged_tensor_rebuilds_are_refused_by_name(tmp_path, case):
   message = str(info.value)
   assert "\n" not in message and "tensor 'h.0.attn.c_attn.weight'" in message, message
   assert isinstance(info.value, errors.UserError)
+
+
+def test_a_compressed_storage_larger_than_the_file_allows_is_not_inflated(tmp_path):
+  from attnlab.interop import torch_pickle  # pylint: disable=g-import-not-at-top
+  path = tmp_path / "bomb.bin"
+  numel = 2 * 2**20  # 8 MiB of zeros, deflated to a few KiB
+  with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
+    z.writestr("archive/data.pkl",
+               _state_dict_pickle({"w": _rebuild("0", numel, 0, (numel,), (1,))}))
+    z.writestr("archive/data/0", bytes(4 * numel))
+  assert path.stat().st_size < 100_000
+  with pytest.raises(errors.TorchFileError, match="storage '0' holds 8388608 bytes"):
+    torch_pickle.load_state_dict(path)
 
 
 def test_valid_strided_views_read_what_numpy_reads(tmp_path):
@@ -315,7 +328,7 @@ def test_fuzz_torch_reader(tmp_path):
 
 def test_fuzz_safetensors_reader(tmp_path):
   """Seeded damaged safetensors files (random bytes, truncations, flipped bytes, forged header
-  fields): each loads with every tensor the size its header promises, or raises HFError (one line)."""
+  fields): each loads with every tensor inside the file, or raises HFError (one line)."""
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   from attnlab.interop import hf  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(28)
@@ -356,7 +369,7 @@ def test_fuzz_safetensors_reader(tmp_path):
   assert refused > 150
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 3. Sizes of an imported config.json, checked before anything is built
 
 
@@ -395,7 +408,7 @@ def test_imported_config_sizes_get_one_line(tmp_path, capsys, changes, expected)
   assert expected in err[0], err[0]
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # A trained tiny run shared by the CLI cases below (each copies it before changing anything)
 
 NW = str(REPO / "configs" / "nadaraya_watson.py")
@@ -434,7 +447,7 @@ def translation_run(tmp_path_factory):
   return workdir
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 4. A run's config.json with keys that are not config fields
 
 
@@ -455,7 +468,7 @@ def test_reserved_keys_in_a_run_config_get_one_line(nw_run, tmp_path, key):
       + "remove it from the config")
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 5. Inputs bounded by what the model takes; decoding bounded
 
 
@@ -513,7 +526,7 @@ def test_generate_and_translate_bound_their_decoding_flags(tmp_path):
   assert "--beam_size must be between 1 (greedy) and 64" in _one_line(result.stderr)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 6. A workdir path with '..'
 
 
@@ -539,7 +552,7 @@ def test_every_tool_resolves_its_path_flags(tmp_path):
   assert fv.export_to == str(tmp_path.resolve() / "c" / "d")
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 7. A kill between a checkpoint and its evaluation
 
 KILL_ARGS = f"{NW_ARGS},num_train_steps=8,log_every=2,checkpoint_every=4,eval_every=4"
@@ -581,7 +594,7 @@ def test_a_kill_between_save_and_evaluation_loses_no_record(tmp_path):
   assert _eval_records(workdir) == _eval_records(reference)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 8. `sweep --summarize` over a member without its final evaluation record
 
 

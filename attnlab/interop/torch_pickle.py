@@ -145,11 +145,16 @@ _ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
 class _Unpickler(pickle.Unpickler):
   """Unpickles a state dict, storages read from the zip archive (see the module docstring)."""
 
-  def __init__(self, file: Any, archive: zipfile.ZipFile, prefix: str, limit_bytes: int):
+  def __init__(self, file: Any, archive: zipfile.ZipFile, prefix: str, limit_bytes: int,
+               total_limit_bytes: int):
     super().__init__(file)
     self._archive = archive
     self._prefix = prefix
+    # The most bytes one storage, and all storages together, may hold (declared sizes, checked
+    # before a compressed storage is inflated).
     self._limit_bytes = limit_bytes
+    self._total_limit_bytes = total_limit_bytes
+    self._storage_bytes = 0
     self._storages: dict[str, _Storage] = {}
 
   def find_class(self, module: str, name: str) -> Any:
@@ -171,9 +176,12 @@ class _Unpickler(pickle.Unpickler):
         info = self._archive.getinfo(member)
       except KeyError:
         raise TorchFileError(f"storage {key!r:.80} is missing from the archive") from None
-      if info.file_size > self._limit_bytes:
-        raise TorchFileError(f"storage {key!r:.80} holds {info.file_size} bytes, more than "
-                             f"{self._limit_bytes} allowed for a file of this size")
+      self._storage_bytes += info.file_size
+      if info.file_size > self._limit_bytes or self._storage_bytes > self._total_limit_bytes:
+        raise TorchFileError(f"storage {key!r:.80} holds {info.file_size} bytes (the storages "
+                             f"so far {self._storage_bytes}), more than a file of this size "
+                             f"allows ({self._limit_bytes} each, {self._total_limit_bytes} in "
+                             f"all); the file is damaged or forged")
       raw = self._archive.read(member)
       if len(raw) % dtype.itemsize:
         raise TorchFileError(f"storage {key!r:.80} has {len(raw)} bytes, not a whole number of "
@@ -201,11 +209,12 @@ def load_state_dict(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
                          f"to model.safetensors")
   file_size = os.path.getsize(path)
   limit = MAX_EXPANSION * file_size + MIN_LIMIT_BYTES
+  total_limit = MAX_TOTAL_EXPANSION * file_size + MIN_LIMIT_BYTES
   # Errors are raised outside their handlers, so that the line naming the file is the innermost
   # one (the one the command-line tools print).
   problem = None
   try:
-    state = _read_archive(path, limit)
+    state = _read_archive(path, limit, total_limit)
   except TorchFileError as e:
     problem = str(e)
   except _READ_ERRORS as e:
@@ -218,7 +227,6 @@ def load_state_dict(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
   if bad:
     raise TorchFileError(f"{path}: entries that are not tensors: {', '.join(bad[:5])}")
   tensors, total = {}, 0
-  total_limit = MAX_TOTAL_EXPANSION * file_size + MIN_LIMIT_BYTES
   for name, tensor in state.items():
     try:
       tensors[name] = array = tensor.materialize(str(name), limit)
@@ -234,7 +242,7 @@ def load_state_dict(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
   return tensors
 
 
-def _read_archive(path: str, limit: int) -> Any:
+def _read_archive(path: str, limit: int, total_limit: int) -> Any:
   """The unpickled data.pkl of a torch.save archive (tensors not yet materialized)."""
   with zipfile.ZipFile(path) as archive:
     pickles = [n for n in archive.namelist() if n.endswith("data.pkl")]
@@ -248,4 +256,4 @@ def _read_archive(path: str, limit: int) -> Any:
       raise TorchFileError(f"data.pkl holds {archive.getinfo(pickles[0]).file_size} bytes, more "
                            f"than {limit} allowed for a file of this size")
     with archive.open(pickles[0]) as f:
-      return _Unpickler(f, archive, prefix, limit).load()
+      return _Unpickler(f, archive, prefix, limit, total_limit).load()
