@@ -228,7 +228,8 @@ def test_bias_gradients_of_blocked_kernel_match_dense_formula(qkv):
                                      bias=positions.AlibiBias(slopes))
 
   for ref, ker, p in ((dense_t5, kernel_t5, table), (dense_alibi, kernel_alibi, slopes)):
-    g_ref = jax.grad(lambda *a: jnp.sum(ref(*a) * ct), argnums=(0, 1, 2, 3))(q, k, v, p)
+    g_ref = jax.jit(jax.grad(lambda *a: jnp.sum(ref(*a) * ct), argnums=(0, 1, 2, 3)))(
+        q, k, v, p)
     g_ker = jax.jit(jax.grad(lambda *a: jnp.sum(ker(*a) * ct), argnums=(0, 1, 2, 3)))(
         q, k, v, p)
     for a, b in zip(g_ref, g_ker):
@@ -314,8 +315,8 @@ def test_normalizers_match_numpy_with_masks(logits_and_mask, name):
   assert np.all(np.asarray(got)[0, :, 2] == 0)  # fully masked row: all zeros
   assert np.all(np.asarray(got)[~np.broadcast_to(allowed, x.shape)] == 0)
   # gradients exist and are finite everywhere, zero on the fully masked row
-  g = jax.grad(lambda x: jnp.sum(normalizers.normalize(name, x, allowed, params=params,
-                                                       topk=2) * x))(jnp.asarray(x))
+  g = jax.jit(jax.grad(lambda x: jnp.sum(normalizers.normalize(
+      name, x, allowed, params=params, topk=2) * x)))(x)
   assert np.all(np.isfinite(g)) and np.all(np.asarray(g)[0, :, 2] == 0)
 
 
@@ -340,7 +341,7 @@ def test_sparsemax_jacobian_and_sink_gradient():
   z = jnp.array([0.9, 0.7, -0.3, 0.6])
   p = np.asarray(normalizers.sparsemax(z))
   s = (p > 0).astype(np.float64)
-  np.testing.assert_allclose(jax.jacobian(normalizers.sparsemax)(z),
+  np.testing.assert_allclose(jax.jit(jax.jacobian(normalizers.sparsemax))(z),
                              np.diag(s) - np.outer(s, s) / s.sum(), atol=1e-6)
   # d/d sink of sum(w * c) against NumPy central differences of the formula
   x, c = rand(9, 2, 3, 4), rand(10, 2, 3, 4)
@@ -354,7 +355,7 @@ def test_sparsemax_jacobian_and_sink_gradient():
   eps = 1e-5
   fd = [(np_loss(sink + eps * np.eye(2)[h]) - np_loss(sink - eps * np.eye(2)[h])) / (2 * eps)
         for h in range(2)]
-  g = jax.grad(lambda s: jnp.sum(normalizers.softmax_sink(x, sink=s) * c))(jnp.asarray(sink))
+  g = jax.jit(jax.grad(lambda s: jnp.sum(normalizers.softmax_sink(x, sink=s) * c)))(sink)
   np.testing.assert_allclose(g, fd, rtol=1e-4, atol=1e-6)
 
 
@@ -403,21 +404,21 @@ def test_linear_causal_chunked_equals_quadratic_form_with_gradients():
   def chunked(q, k, v):
     return efficient.linear_attention(q, k, v, causal=True, chunk_size=7)
 
-  g_quad = jax.grad(lambda *a: jnp.sum(quadratic(*a) * ct), argnums=(0, 1, 2))(q, k, v)
+  g_quad = jax.jit(jax.grad(lambda *a: jnp.sum(quadratic(*a) * ct), argnums=(0, 1, 2)))(q, k, v)
   g_chunk = jax.jit(jax.grad(lambda *a: jnp.sum(chunked(*a) * ct), argnums=(0, 1, 2)))(q, k, v)
-  np.testing.assert_allclose(chunked(q, k, v), quadratic(q, k, v), **TOL)
+  np.testing.assert_allclose(jax.jit(chunked)(q, k, v), jax.jit(quadratic)(q, k, v), **TOL)
   for a, b in zip(g_quad, g_chunk):
     np.testing.assert_allclose(b, a, **GRAD_TOL)
 
 
 def test_linear_attention_decoding_and_empty_rows():
   q, k, v = rand(18, 2, 1, 1, 4), rand(19, 2, 1, 9, 4), rand(20, 2, 1, 9, 4)
-  got = efficient.linear_attention(q, k, v, causal=True)  # one query, end-aligned: sees all
+  got = _linear(q, k, v, causal=True)  # one query, end-aligned: sees every key
   np.testing.assert_allclose(got, np_linear_attention(q, k, v), **TOL)
   none = np.zeros((2, 9), bool)
-  out = efficient.linear_attention(q, k, v, mask=none)
+  out = _linear(q, k, v, mask=none)
   assert np.all(np.asarray(out) == 0)
-  g = jax.grad(lambda q: jnp.sum(efficient.linear_attention(q, k, v, mask=none)))(q)
+  g = jax.jit(jax.grad(lambda q: jnp.sum(efficient.linear_attention(q, k, v, mask=none))))(q)
   assert np.all(np.isfinite(g))
   with pytest.raises(ValueError, match="key padding mask"):
     efficient.linear_attention(q, k, v, mask=np.ones((2, 1, 3, 9), bool))
@@ -437,33 +438,47 @@ def test_performer_features_are_orthogonal_gaussian_rows():
 
 def test_performer_estimate_converges_to_softmax():
   """Mean |performer - softmax attention| shrinks as the feature count m grows (FAVOR+ is an
-  unbiased estimator whose variance falls as 1/m), below 0.03 at m = 4096."""
+  unbiased estimator whose error falls as 1/sqrt(m)), below 0.01 at m = 4096 (about 0.004
+  measured; 0.03 at m = 64). Orthogonal features without the QR sign fix stalled at 0.011."""
   b, h, s, d = 1, 2, 24, 8
   q, k, v = rand(21, b, h, s, d) * 0.5, rand(22, b, h, s, d) * 0.5, rand(23, b, h, s, d)
-  perf = jax.jit(efficient.performer_attention, static_argnames=("causal",))
-  for causal in (False, True):
-    exact = np_attention(q, k, v, causal=causal)
-    errs = {}
-    for m in (64, 256, 4096):
-      errs[m] = np.mean([np.mean(np.abs(np.asarray(perf(
-          q, k, v, features=efficient.performer_features(jax.random.PRNGKey(seed), m, d),
-          causal=causal)) - exact)) for seed in range(3)])
-    assert errs[4096] < errs[256] < errs[64], errs
-    assert errs[4096] < 0.03, errs
-    assert errs[64] > 2 * errs[4096], errs
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)  # three feature draws per m
+
+  @jax.jit
+  def both(keys, m_like):
+    def one(key):
+      feats = efficient.performer_features(key, m_like.shape[0], d)
+      return tuple(efficient.performer_attention(q, k, v, features=feats, causal=c)
+                   for c in (False, True))
+    return jax.vmap(one)(keys)
+
+  errs = {}
+  for m in (64, 256, 4096):
+    outs = both(keys, jnp.zeros(m))
+    errs[m] = [float(np.mean(np.abs(np.asarray(o) - np_attention(q, k, v, causal=c))))
+               for o, c in zip(outs, (False, True))]
+  print("performer mean |error| by m (non-causal, causal):", errs)
+  for c in (0, 1):  # non-causal, causal
+    assert errs[4096][c] < errs[256][c] < errs[64][c], errs
+    assert errs[4096][c] < 0.01, errs
+    assert errs[64][c] > 4 * errs[4096][c], errs  # ~ 1/sqrt(m): 8x in expectation
 
 
 def test_performer_weights_and_mask():
   q, k, v = rand(24, 2, 2, 10, 4), rand(25, 2, 2, 10, 4), rand(26, 2, 2, 10, 4)
   feats = efficient.performer_features(jax.random.PRNGKey(3), 16, 4)
   valid = np.arange(10)[None] < np.array([10, 6])[:, None]
-  for causal in (False, True):
-    w = efficient.performer_weights(q, k, features=feats, causal=causal, mask=valid)
+
+  @jax.jit
+  def run(q, k, v):
+    return [(efficient.performer_weights(q, k, features=feats, causal=c, mask=valid),
+             efficient.performer_attention(q, k, v, features=feats, causal=c, mask=valid,
+                                           chunk_size=4)) for c in (False, True)]
+
+  for w, ctx in run(q, k, v):
     np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, rtol=1e-5)
     assert np.all(np.asarray(w)[1, :, :, 6:] == 0)
-    ctx = efficient.performer_attention(q, k, v, features=feats, causal=causal, mask=valid,
-                                        chunk_size=4)
-    np.testing.assert_allclose(ctx, w @ v, **TOL)
+    np.testing.assert_allclose(ctx, np.asarray(w) @ v, **TOL)
 
 
 # ----------------------------------------------------------------------------- Linformer
@@ -544,7 +559,7 @@ def test_block_sparse_equals_reference_attention_with_same_mask(causal):
                                np_attention(q, k, v, allowed=allowed, causal=causal), **TOL)
     ref = lambda q, k, v: core.attend(q, k, v, mask=allowed, causal=causal,
                                       implementation="reference")[0]
-    g_ref = jax.grad(lambda *a: jnp.sum(ref(*a) * ct), argnums=(0, 1, 2))(q, k, v)
+    g_ref = jax.jit(jax.grad(lambda *a: jnp.sum(ref(*a) * ct), argnums=(0, 1, 2)))(q, k, v)
     g_fn = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2)))(q, k, v)
     for a, g in zip(g_ref, g_fn):
       np.testing.assert_allclose(g, a, **GRAD_TOL)
