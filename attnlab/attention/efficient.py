@@ -296,11 +296,12 @@ def sliding_window_mask(q_len: int, k_len: int, window: int, *, causal: bool) ->
   if window < 0:
     raise ValueError(f"window must be >= 0 (keys within distance window); got {window}")
   off = _causal_offset(q_len, k_len)
-  dist = np.arange(k_len)[None, :] - (np.arange(q_len)[:, None] + off)  # [q_len, k_len]
-  ok = np.abs(dist) <= window
+  # built from iotas (no [q_len, k_len] constant in the compiled program)
+  dist = jnp.arange(k_len)[None, :] - (jnp.arange(q_len)[:, None] + off)  # [q_len, k_len]
+  ok = jnp.abs(dist) <= window
   if causal:
-    ok &= dist <= 0
-  return jnp.asarray(ok)[None, None]
+    ok = ok & (dist <= 0)
+  return ok[None, None]
 
 
 def bigbird_mask(q_len: int, k_len: int, *, block: int, num_global: int = 1,
@@ -329,10 +330,12 @@ def bigbird_mask(q_len: int, k_len: int, *, block: int, num_global: int = 1,
     if num_random and hi > 0:
       picks = rng.choice(hi, size=min(num_random, hi), replace=False)
       blocks[row, picks] = True
-  ok = np.repeat(np.repeat(blocks, block, 0), block, 1)[:q_len, :k_len]
+  # only the [q_blocks, k_blocks] table is a constant; the expansion happens on the device
+  ok = jnp.repeat(jnp.repeat(jnp.asarray(blocks), block, 0), block, 1)[:q_len, :k_len]
   if causal:
-    ok &= np.arange(k_len)[None, :] <= np.arange(q_len)[:, None] + _causal_offset(q_len, k_len)
-  return jnp.asarray(ok)[None, None]
+    ok = ok & (jnp.arange(k_len)[None, :]
+               <= jnp.arange(q_len)[:, None] + _causal_offset(q_len, k_len))
+  return ok[None, None]
 
 
 def block_sparse_attention(q: Array, k: Array, v: Array, pattern: Array, *,
