@@ -517,7 +517,7 @@ def _group_size(rows: int, target: int) -> int:
   return next(g for g in range(max(1, min(rows, target)), 0, -1) if rows % g == 0)
 
 
-def _batch_shards(q: Array, k: Array, v: Array, mask: Any):
+def _batch_shards(q: Array, k: Array, v: Array, mask: Any, bias: Any = None):
   """Under a mesh (`jax.set_mesh`, or `jax.sharding.use_abstract_mesh` as the train step traces
   the model) whose devices split the batch: a
   function that runs a kernel on each device's slice of the batch (`jax.shard_map` over every
@@ -537,10 +537,12 @@ def _batch_shards(q: Array, k: Array, v: Array, mask: Any):
   mask_split = mask is not None and mask.ndim == q.ndim and mask.shape[0] == batch
 
   def run(kernel):
-    inner = lambda q, k, v, m: kernel(q, k, v, mask=m)
-    specs = (split, split, split, split if mask_split else P())
+    # the bias's parameters enter as a replicated argument (a closed-over traced array does
+    # not lower inside shard_map on CPU)
+    inner = lambda q, k, v, m, b: kernel(q, k, v, mask=m, bias=b)
+    specs = (split, split, split, split if mask_split else P(), P())
     return jax.shard_map(inner, mesh=mesh, in_specs=specs, out_specs=split,
-                         check_vma=False)(q, k, v, mask)
+                         check_vma=False)(q, k, v, mask, bias)
   return run
 
 
@@ -589,12 +591,12 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
   """
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   core.check_qkv(q, k, v)
-  per_shard = _batch_shards(q, k, v, mask)
+  per_shard = _batch_shards(q, k, v, mask, bias)
   if per_shard is not None:
     return per_shard(functools.partial(
         blocked_attention, scale=scale, causal=causal, block_q=block_q, block_k=block_k,
         head_group=head_group, skip_empty_tiles=skip_empty_tiles, parallel=parallel,
-        bias=bias, block_sparse=block_sparse, pattern=pattern))
+        block_sparse=block_sparse, pattern=pattern))
   if q.shape[-1] != k.shape[-1]:
     raise ValueError(f"q and k must share the feature dim d for a dot score; got q {q.shape}, "
                      f"k {k.shape}")

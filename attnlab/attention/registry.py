@@ -5,7 +5,7 @@ Layers and config validation read this table; nothing else branches on a mechani
 | name | paper | cost | causal | bidirectional | KV cache | weights | scores | bias (ALiBi/T5) | normalizers |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
 | full | Vaswani et al. 2017 | O(n²) (blocked kernel: O(n) memory) | yes | yes | yes | yes | all | yes | all |
-| linear | Katharopoulos et al. 2020 | O(n) | yes (chunked prefix sums) | yes | yes (quadratic in the cache) | implicit | none: phi(q)ᵀphi(k) replaces the score | no | none (own normalisation) |
+| linear | Katharopoulos et al. 2020 | O(n) | yes (chunked prefix sums) | yes | yes (quadratic in the cache) | implicit | scaled_dot (the default) only: phi(q)ᵀphi(k) replaces it | no | softmax (the default) only: its own normalisation replaces it |
 | performer | Choromanski et al. 2021 | O(n) | yes (chunked prefix sums) | yes | yes (quadratic in the cache) | implicit | scaled_dot only (estimates it) | no | softmax only (estimates it) |
 | linformer | Wang et al. 2020 | O(n) | no | yes | no | implicit | scaled_dot only | no | softmax only |
 | sliding_window | Beltagy et al. 2020 | O(n · window) | yes | yes | yes | yes | all (non-dot scores: reference path) | yes | all (non-softmax: reference path) |
@@ -124,7 +124,7 @@ def _linear(q, k, v, *, mask=None, causal=False, params=None, return_weights=Fal
             **options):
   del params, options
   _refuse("linear", score=score, bias=bias, normalizer=normalizer,
-          allowed_scores=(None, "scaled_dot", "dot"))
+          allowed_scores=(None, "scaled_dot"))
   context = efficient.linear_attention(q, k, v, causal=causal, mask=mask, chunk_size=chunk_size)
   weights = (efficient.linear_attention_weights(q, k, causal=causal, mask=mask)
              if return_weights else None)
@@ -251,7 +251,7 @@ MECHANISMS: dict[str, Mechanism] = {
                   "Vaswani et al. 2017", "softmax attention over every key (today's default)"),
         Mechanism("linear", _linear, _no_params,
                   Supports(causal=True, bidirectional=True, cache=True, weights=True,
-                           scores=(), bias=False, normalizers=()),
+                           scores=("scaled_dot",), bias=False, normalizers=("softmax",)),
                   "Katharopoulos et al. 2020", "phi(q)ᵀ phi(k) with phi = elu + 1, O(n)"),
         Mechanism("performer", _performer, _performer_init,
                   Supports(causal=True, bidirectional=True, cache=True, weights=True,
