@@ -615,3 +615,23 @@ def test_mechanisms_under_vmap_and_jit():
       q, k, v, bias=positions.AlibiBias(positions.alibi_slopes(2)), causal=True)[0]))
   np.testing.assert_allclose(g(q, k, v), np_attention(
       q, k, v, bias=np_alibi(16, 16, positions.alibi_slopes(2)), causal=True), **TOL)
+
+
+def test_decoding_one_query_equals_the_full_rows():
+  """KV-cache decoding: query p alone (q_offset = p) sees what row p of the full causal
+  computation sees, for ALiBi (bias array with a [batch] offset) and the sliding window."""
+  b, h, s, d = 2, 2, 12, 4
+  q, k, v = rand(43, b, h, s, d), rand(44, b, h, s, d), rand(45, b, h, s, d)
+  pos = np.array([7, 3])  # each sequence's current position
+  rows = q[np.arange(b), :, pos][:, :, None]  # [b, h, 1, d]
+  slopes = positions.alibi_slopes(h)
+  full = np_attention(q, k, v, bias=np_alibi(s, s, slopes), causal=True)
+  bias = positions.alibi_bias(1, s, h, causal=True, q_offset=pos)  # [b, h, 1, s]
+  visible = np.arange(s)[None, None, None, :] <= pos[:, None, None, None]
+  got = core.attend(rows, k, v, bias=bias, mask=visible)[0]
+  np.testing.assert_allclose(got[:, :, 0], full[np.arange(b), :, pos], **TOL)
+  window = registry.get_mechanism("sliding_window")
+  full = np_attention(q, k, v, allowed=np.asarray(efficient.sliding_window_mask(
+      s, s, 3, causal=True)), causal=True)
+  got = window.fn(rows, k, v, causal=True, window=3, q_offset=pos)[0]
+  np.testing.assert_allclose(got[:, :, 0], full[np.arange(b), :, pos], **TOL)
