@@ -108,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   unknown = [x for x in args.impls if x not in IMPLS]
   if unknown:
     p.error(f"unknown --impls {unknown}; valid: {', '.join(IMPLS)}")
-  if "blocked-devices" in args.impls:
+  if "blocked-devices" in args.impls and not args.mechanisms:
     cores = len(os.sched_getaffinity(0))
     if cores < 2 or args.batch % cores:
       print(f"blocked-devices needs >= 2 cores and a batch that splits over them ({cores} cores, "
