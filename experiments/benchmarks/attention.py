@@ -361,7 +361,8 @@ MECHANISM_CELLS: dict[str, tuple[str, dict, dict]] = {
 
 def mechanism_fn(cell: str, causal: bool, h: int, d: int, s: int) -> Callable | None:
   """f(q, k, v) -> context for one MECHANISM_CELLS cell, or None where it is not defined."""
-  from attnlab.attention import normalizers, positions, registry  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from attnlab.attention import normalizers, positions, registry
   name, opts, init_opts = MECHANISM_CELLS[cell]
   mech = registry.get_mechanism(name)
   if causal and not mech.supports.causal:
