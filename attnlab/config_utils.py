@@ -93,10 +93,11 @@ def base_config() -> ConfigDict:
   config.mesh.fsdp = 1
   # Under FSDP, state leaves with fewer elements than this stay replicated.
   config.mesh.fsdp_min_size = 1024
-  # On a CPU-only machine, JAX devices to split the process into (0: one per core, or the most
-  # that divide batch_size), so that the data axis above spreads each batch over the cores; set
-  # before JAX starts (the trainer does it first). 1: one device, the plain path.
-  config.mesh.cpu_devices = 1
+  # JAX CPU devices to split the process into, so that the data axis above spreads each batch
+  # over the cores; set before JAX starts (the trainer does it first). -1: automatic, one per core
+  # (or the most that divide batch_size) on a CPU-only machine, devices left alone when JAX may use
+  # a GPU/TPU; 0: the same on any machine; 1: one device, the plain path; N: N devices.
+  config.mesh.cpu_devices = -1
 
   config.optimizer = ConfigDict()
   # One of adamw, adam, sgd.
@@ -497,8 +498,9 @@ def validate(config: ConfigDict) -> None:
     data, fsdp = mesh.get("data", -1), mesh.get("fsdp", 1)
     need(data == -1 or data >= 1, f"mesh.data must be -1 (all devices) or >= 1, got {data}")
     need(fsdp >= 1, f"mesh.fsdp must be >= 1 (1: parameters replicated), got {fsdp}")
-    cpu = mesh.get("cpu_devices", 1)
-    need(cpu >= 0, f"mesh.cpu_devices must be >= 0 (0: one per core, 1: one device), got {cpu}")
+    cpu = mesh.get("cpu_devices", -1)
+    need(cpu >= -1, f"mesh.cpu_devices must be >= -1 (-1: automatic, 0: one per core, 1: one "
+         f"device), got {cpu}")
   opt = config.optimizer
   check_choice("optimizer.name", opt.name, OPTIMIZERS, "optimizers")
   check_choice("optimizer.schedule", opt.schedule, SCHEDULES, "schedules")

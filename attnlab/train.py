@@ -275,7 +275,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   """
   config_utils.validate(config)
   # Before anything touches a device:
-  parallel.use_cpu_devices(config.mesh.get("cpu_devices", 1), config.batch_size)
+  parallel.use_cpu_devices(config.mesh.get("cpu_devices", parallel.AUTO_CPU_DEVICES),
+                           config.batch_size, config.get("mesh"))
   parallel.maybe_initialize_distributed()
   workdir = pathlib.Path(workdir).absolute()
   mesh = parallel.make_mesh(config)

@@ -353,9 +353,9 @@ def test_cpu_device_count_takes_the_cores_that_split_the_batch():
   assert parallel.cpu_device_count(3, 12, cores=2) == 3  # explicit: as asked
 
 
-def test_cpu_devices_must_not_be_negative():
-  with pytest.raises(ConfigError, match="mesh.cpu_devices must be >= 0"):
-    config_utils.validate(probe_config(**{"mesh.cpu_devices": -1}))
+def test_cpu_devices_must_not_be_below_minus_one():
+  with pytest.raises(ConfigError, match="mesh.cpu_devices must be >= -1"):
+    config_utils.validate(probe_config(**{"mesh.cpu_devices": -2}))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -425,3 +425,59 @@ def test_sweep_members_as_array_tasks(tmp_path, capsys):
             ["test_mse"] for s in (0, 1)]
   table = (tmp_path / sweep.SUMMARY_MD).read_text()
   assert f"| 2 | 0 | {np.mean(finals):.4g} ± {np.std(finals, ddof=1):.2g} |" in table
+
+
+# The nano GPT's runlocal config, shortened: the default run a user starts, for a few steps.
+GPT_DEFAULT = (f"{REPO / 'configs' / 'gpt.py'}:runlocal=True,num_train_steps=4,log_every=1,"
+               f"eval_every=0,checkpoint_every=0,write_plots=False,"
+               f"data.manual_dir={REPO.parent / 'shared' / 'data'}")
+
+
+def default_devices_worker(out: str) -> None:
+  """Runs in a fresh process without XLA_FLAGS or mesh flags: the GPT config as it comes, so
+  `mesh.cpu_devices` keeps its default (JSON to `out`)."""
+  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  from attnlab import train  # pylint: disable=g-import-not-at-top
+  workdir = pathlib.Path(out).parent / "default"
+  config = config_utils.load_config_file(f"{GPT_DEFAULT},data.data_dir={workdir.parent / 'tfds'}")
+  state = train.train_and_evaluate(config, workdir)
+  result = {"default": config.mesh.cpu_devices, "devices": jax.device_count(),
+            "batch_size": config.batch_size,
+            "state_devices": len(jax.tree.leaves(state.params)[0].sharding.device_set),
+            "losses": [r["loss"] for r in checkpoint.read_metrics(workdir)
+                       if r["split"] == "train"]}
+  pathlib.Path(out).write_text(json.dumps(result))
+
+
+@pytest.mark.slow
+def test_default_trains_on_every_core_with_the_losses_of_one_device(tmp_path, shared_data):
+  """The default run of a CPU-only machine is split over one device per core (2 here) and trains
+  as one device does, up to float rounding."""
+  result = _in_fresh_process("default_devices_worker", tmp_path / "result.json")
+  cores = len(os.sched_getaffinity(0))
+  expected = parallel.cpu_device_count(0, result["batch_size"], cores)
+  assert result["default"] == parallel.AUTO_CPU_DEVICES
+  assert result["devices"] == expected and result["state_devices"] == expected
+  # The same run on one device, in this process (conftest started JAX with one CPU device).
+  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  from attnlab import train  # pylint: disable=g-import-not-at-top
+  config = config_utils.load_config_file(
+      f"{GPT_DEFAULT},data.data_dir={tmp_path / 'tfds'},mesh.cpu_devices=1")
+  train.train_and_evaluate(config, tmp_path / "one")
+  one = [r["loss"] for r in checkpoint.read_metrics(tmp_path / "one") if r["split"] == "train"]
+  assert len(one) == len(result["losses"]) == 4
+  np.testing.assert_allclose(result["losses"], one, rtol=2e-5)
+
+
+def test_automatic_devices_leave_accelerators_and_forced_counts_alone(monkeypatch):
+  """-1 resolves to nothing (JAX's own devices) where JAX may use a GPU/TPU or XLA_FLAGS fixes
+  the host device count; the running process is not changed either way."""
+  running = jax.device_count()
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+  assert parallel.use_cpu_devices(-1, 12) is None
+  monkeypatch.delenv("XLA_FLAGS")
+  monkeypatch.setattr(parallel, "_cpu_only", lambda: False)
+  assert parallel.use_cpu_devices(-1, 12) is None
+  monkeypatch.setattr(parallel, "_cpu_only", lambda: True)
+  assert parallel.use_cpu_devices(-1, 12) is None  # JAX has started: it keeps what runs
+  assert jax.device_count() == running
