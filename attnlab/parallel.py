@@ -201,6 +201,37 @@ def cpu_device_count(count: int, batch_size: int | None, cores: int, multiple_of
   return max(fits) if fits else multiple_of
 
 
+# Environment switch of JAX's persistent compilation cache: a folder, or 0/off for none (default:
+# the user's cache folder, $XDG_CACHE_HOME or ~/.cache, /attnlab/jax).
+COMPILATION_CACHE_ENV = "ATTNLAB_COMPILATION_CACHE"
+
+
+def enable_compilation_cache(environ: dict[str, str] | None = None) -> str | None:
+  """Turns on JAX's persistent compilation cache in the user's cache folder, so that a run of a
+  config compiled before (a resume, the same command again, generate after train) loads its
+  programs from disk instead of compiling them. Programs that took under a second to compile are
+  not stored. Left alone when JAX's own setting (JAX_COMPILATION_CACHE_DIR) names a folder;
+  ATTNLAB_COMPILATION_CACHE=DIR picks another folder, =0 turns it off. Returns the folder or None.
+  """
+  env = os.environ if environ is None else environ
+  if jax.config.jax_compilation_cache_dir:
+    return jax.config.jax_compilation_cache_dir
+  choice = env.get(COMPILATION_CACHE_ENV, "").strip()
+  if choice.lower() in ("0", "off", "false", "no"):
+    return None
+  if not choice:
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    choice = os.path.join(base, "attnlab", "jax")
+  try:
+    os.makedirs(choice, exist_ok=True)
+  except OSError as e:  # a read-only home: compile as usual
+    _LOG.info("no compilation cache (%s: %s)", choice, e.strerror)
+    return None
+  jax.config.update("jax_compilation_cache_dir", choice)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  return choice
+
+
 def is_main_process() -> bool:
   """Whether this process writes logs, metrics and plots (process 0)."""
   return jax.process_index() == 0
