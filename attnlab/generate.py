@@ -92,10 +92,19 @@ def generate_texts(workdir: str, prompts: Sequence[str], *, num_tokens: int = 30
     message = tokenizers.unknown_warning(task.tokenizer, prompt, what)
     if message is not None:
       (warn or _LOG.warning)(message)
+  few = analysis.few_steps_warning(run)
+  if few is not None:
+    (warn or _LOG.warning)(few)
   start = time.perf_counter()
-  texts = task.sample_texts(run.params, prompts, num_tokens=num_tokens, temperature=temperature,
-                            top_k=top_k or None, top_p=top_p if top_p < 1.0 else None, seed=seed,
-                            use_cache=use_cache)
+  texts, counts = task.sample_rows(run.params, prompts, num_tokens=num_tokens,
+                                   temperature=temperature, top_k=top_k or None,
+                                   top_p=top_p if top_p < 1.0 else None, seed=seed,
+                                   use_cache=use_cache)
+  for i, count in enumerate(counts):
+    if count < num_tokens:
+      what = "the text" if len(prompts) == 1 else f"text {i + 1}"
+      (warn or _LOG.warning)(f"{what} stopped after {count} of {num_tokens} tokens: the model "
+                             f"wrote <end>, the end of an answer in this dataset")
   return prompts, texts, time.perf_counter() - start
 
 
