@@ -29,6 +29,7 @@ def _nw_weights(queries, keys, w):
   return weights / weights.sum(1, keepdims=True)
 
 
+@pytest.mark.slow
 def test_load_run_restores_the_final_parameters(finished):
   workdir, state = finished
   run = analysis.load_run(workdir)
@@ -38,6 +39,7 @@ def test_load_run_restores_the_final_parameters(finished):
   np.testing.assert_array_equal(np.asarray(run.params["w"]), np.asarray(state.params["w"]))
 
 
+@pytest.mark.slow
 def test_load_run_at_a_step_matches_the_logged_evaluation(finished):
   workdir, _ = finished
   run = analysis.load_run(workdir, step=10)
@@ -45,6 +47,7 @@ def test_load_run_at_a_step_matches_the_logged_evaluation(finished):
   assert run.step == 10 and float(run.params["w"]) == logged[0]["w"]
 
 
+@pytest.mark.slow
 def test_attention_maps_match_numpy(finished):
   workdir, _ = finished
   run = analysis.load_run(workdir)
@@ -55,12 +58,14 @@ def test_attention_maps_match_numpy(finished):
   np.testing.assert_allclose(np.asarray(maps["."]), expected, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_run_writes_plots(finished):
   workdir, _ = finished
   for name in ("fit.png", "attention.png"):
     assert (workdir / name).read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_load_run_errors_name_what_is_missing(finished, tmp_path):
   workdir, _ = finished
   with pytest.raises(checkpoint.CheckpointError, match="does not exist"):
@@ -69,6 +74,7 @@ def test_load_run_errors_name_what_is_missing(finished, tmp_path):
     analysis.load_run(workdir, step=7)
 
 
+@pytest.mark.slow
 def test_inspect_prints_config_metrics_and_checkpoints(finished, capsys):
   workdir, _ = finished
   assert inspect_run.main(["attnlab inspect", f"--workdir={workdir}", "--step=10"]) == 0

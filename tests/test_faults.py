@@ -124,6 +124,7 @@ def test_config_file_with_a_syntax_error(tmp_path):
   assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_config_and_sweep_files_that_fail_when_run(tmp_path, capsys):
   bad = tmp_path / "bad_body.py"
   bad.write_text("import os\n\ndef get_config(arg=None):\n  return undefined_name\n")
@@ -322,6 +323,7 @@ def local_run(tmp_path_factory):
   return workdir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["every_file", "array_data"])
 def test_inspect_marks_damaged_checkpoints(local_run, tmp_path, damage):
   workdir = tmp_path / "run"
@@ -340,6 +342,7 @@ def test_inspect_marks_damaged_checkpoints(local_run, tmp_path, damage):
   assert line.endswith("; the newest good checkpoint is step 10 (a resumed run starts from it)")
 
 
+@pytest.mark.slow
 def test_inspect_verify_restores_every_checkpoint(local_run, capsys):
   from attnlab import inspect_run  # pylint: disable=g-import-not-at-top
   assert inspect_run.main(["attnlab inspect", f"--workdir={local_run}", "--verify"]) == 0

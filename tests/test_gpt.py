@@ -193,6 +193,7 @@ def test_config_aliases_sizes_and_errors():
     _load_config("sise=nano")
 
 
+@pytest.mark.slow
 def test_runlocal_shakespeare_trains_reloads_and_generates(tmp_path, shared_data, capsys):
   """The runlocal config end to end (plots included); then the checkpoint feeds the CLI."""
   config = _load_config(f"runlocal=True,num_train_steps=4,eval_every=2,checkpoint_every=2,"
@@ -245,6 +246,7 @@ def test_runlocal_shakespeare_trains_reloads_and_generates(tmp_path, shared_data
   assert capsys.readouterr().out == "\n\n".join(alone) + "\n"
 
 
+@pytest.mark.slow
 def test_runlocal_addition_end_to_end(tmp_path):
   config = _load_config("runlocal=True,dataset=addition,num_train_steps=4,write_plots=False")
   state = train.train_and_evaluate(config, tmp_path)

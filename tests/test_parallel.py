@@ -172,6 +172,7 @@ def _numpy_sgd(kernel: np.ndarray, seed: int = 0,
   return w, curve
 
 
+@pytest.mark.slow
 def test_data_parallel_and_fsdp_match_numpy_sgd(four_devices):
   _, result = four_devices
   assert result["devices"] == 4
@@ -192,6 +193,7 @@ def test_data_parallel_and_fsdp_match_numpy_sgd(four_devices):
   np.testing.assert_allclose(runs["dp4"]["losses"], runs["one"]["losses"], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_shardings_follow_the_mesh(four_devices):
   runs = four_devices[1]["runs"]
   assert runs["one"]["devices"] == 1 and runs["one"]["specs"]["kernel"] == "single device"
@@ -204,6 +206,7 @@ def test_shardings_follow_the_mesh(four_devices):
   assert runs["resumed"]["devices"] == 2 and runs["resumed"]["specs"]["kernel"] == "P()"
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_restores_on_other_device_counts(four_devices):
   root, result = four_devices
   runs = result["runs"]
@@ -216,6 +219,7 @@ def test_sharded_checkpoint_restores_on_other_device_counts(four_devices):
   np.testing.assert_array_equal(np.asarray(run.params["kernel"]), runs["fsdp4"]["kernel"])
 
 
+@pytest.mark.slow
 def test_seeds_on_a_mesh_match_single_seed_runs(four_devices):
   result = four_devices[1]
   runs = result["runs"]
@@ -229,6 +233,7 @@ def test_seeds_on_a_mesh_match_single_seed_runs(four_devices):
   np.testing.assert_allclose(runs["seeds_dp4"]["losses"], per_step.mean(1), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_batch_that_does_not_split_is_a_clear_error(four_devices):
   message = four_devices[1]["bad_batch_error"]
   assert "batch_size=6 does not split over the 4 devices" in message and "multiple of 4" in message
@@ -318,6 +323,7 @@ def _numpy_attention(q, k, v, mask):
   return p, p @ v
 
 
+@pytest.mark.slow
 def test_cpu_devices_split_a_fresh_process_into_a_data_parallel_mesh(tmp_path):
   result = _in_fresh_process("cpu_devices_worker", tmp_path / "result.json")
   assert result["devices"] == 2 and result["kernel_devices"] == 2
@@ -407,6 +413,7 @@ def test_distributed_start_follows_the_launcher_environment():
     parallel.distributed_env({**manual, "JAX_PROCESS_ID": ""})
 
 
+@pytest.mark.slow
 def test_sweep_members_as_array_tasks(tmp_path, capsys):
   """--list, one member per --member_index (as cluster array tasks would), then --summarize."""
   from attnlab import sweep  # pylint: disable=g-import-not-at-top

@@ -218,6 +218,7 @@ def _wait_for_checkpoint_after(proc, workdir, step, timeout=120.0):
   raise AssertionError(f"no checkpoint after step {step} within {timeout}s")
 
 
+@pytest.mark.slow
 def test_sigterm_and_sigkill_then_resume_is_bit_identical(tmp_path):
   args = f"{LOCAL},num_train_steps=40,log_every=2,eval_every=0,keep_checkpoints=3"
   spec = f"{NW}:{args},checkpoint_every=2"  # a save every 2 steps makes the run last seconds
