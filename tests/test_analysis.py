@@ -89,3 +89,18 @@ def test_inspect_error_is_one_line(tmp_path, capsys):
   assert inspect_run.main(["attnlab inspect", f"--workdir={tmp_path / 'x'}"]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("attnlab inspect: error: ")
+
+
+def test_few_steps_warning_names_barely_trained_runs_only(tmp_path):
+  from attnlab import config_utils  # pylint: disable=g-import-not-at-top
+  config = config_utils.base_config()
+  config.runlocal = True
+  run = analysis.Run(workdir=tmp_path, config=config, task=None, model=None, params=None, step=4)
+  assert "trained for only 4 steps (runlocal=True" in analysis.few_steps_warning(run)
+  config.runlocal = False
+  assert "trained for only 4 steps: expect" in analysis.few_steps_warning(run)
+  run.step = 200
+  assert analysis.few_steps_warning(run) is None
+  run.step = 0
+  (tmp_path / "import_hf.json").write_text("{}")  # weights trained elsewhere
+  assert analysis.few_steps_warning(run) is None

@@ -80,8 +80,11 @@ def load_run(workdir: str | os.PathLike, step: int | str = "latest",
 
 def few_steps_warning(run: Run) -> str | None:
   """A line warning that `run`'s checkpoint trained for very few steps (fewer than FEW_STEPS, a
-  runlocal run), whose outputs are therefore close to random; None for a trained run."""
-  if run.step >= FEW_STEPS:
+  runlocal run), whose outputs are therefore close to random; None for a trained run, and for
+  weights trained elsewhere (an imported checkpoint: import_hf.json; `config.init_from`)."""
+  if run.step >= FEW_STEPS or run.config.get("init_from", ""):
+    return None
+  if (pathlib.Path(run.workdir) / "import_hf.json").is_file():  # attnlab.interop.hf.IMPORT_FILE
     return None
   why = " (runlocal=True: a smoke-test run)" if run.config.get("runlocal", False) else ""
   return (f"{run.workdir} step {run.step} was trained for only {run.step} steps{why}: expect "
