@@ -8,7 +8,9 @@
 
 Restores the run's checkpoint (latest by default) with attnlab.analysis.load_run, encodes the
 prompt with the run's tokenizer, and samples with the KV cache (attnlab.models.gpt.generate).
-Prints the prompt followed by the generated text; several --prompt flags are sampled as one batch
+Prints the prompt followed by exactly --num_tokens generated tokens (special tokens that the
+training text never holds are never sampled; an addition answer that ends with <end> sooner is
+named on stderr), with a warning first when the run trained for very few steps; several --prompt flags are sampled as one batch
 (prompts of any lengths) and printed in order, a blank line between them. Characters (or words,
 subword symbols) of a prompt outside the run's vocabulary are fed to the model as <unk>, with a
 warning naming them.
