@@ -488,3 +488,23 @@ def test_automatic_devices_leave_accelerators_and_forced_counts_alone(monkeypatc
   monkeypatch.setattr(parallel, "_cpu_only", lambda: True)
   assert parallel.use_cpu_devices(-1, 12) is None  # JAX has started: it keeps what runs
   assert jax.device_count() == running
+
+
+def test_automatic_devices_fall_back_to_one_with_one_line(monkeypatch):
+  """A batch that does not split over the cores: one device, and one line saying why."""
+  import io  # pylint: disable=g-import-not-at-top
+  import logging  # pylint: disable=g-import-not-at-top
+  lines = io.StringIO()
+  handler, logger = logging.StreamHandler(lines), logging.getLogger("attnlab.parallel")
+  monkeypatch.setattr(logger, "level", logging.INFO)
+  monkeypatch.setattr(parallel, "_cpu_only", lambda: True)
+  monkeypatch.setattr(parallel, "_backend_started", lambda: False)
+  monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid: {0, 1})
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  logger.addHandler(handler)
+  try:
+    assert parallel.use_cpu_devices(-1, 7) is None  # 7 rows: no split over 2 cores
+  finally:
+    logger.removeHandler(handler)
+  [line] = lines.getvalue().splitlines()
+  assert line.startswith("batch_size=7 does not split over the 2 CPU cores: training on 1 device")
