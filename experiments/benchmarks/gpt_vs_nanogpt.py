@@ -256,13 +256,13 @@ def main(argv=None) -> int:
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--contender", default="learned", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  if args.worker:
+    worker(args)
+    return 0
   if args.rounds < 0 or args.wall_steps < 0 or (args.rounds and args.iters <= args.skip):
     parser.error("--rounds and --wall_steps must be >= 0 and --iters > --skip")
   if not args.rounds and not args.wall_steps:
     parser.error("--rounds=0 and --wall_steps=0 leave nothing to measure")
-  if args.worker:
-    worker(args)
-    return 0
 
   contenders = [c for c in args.contenders.split(",") if c]
   nanogpts = [c for c in contenders if c.startswith("nanogpt")]
