@@ -73,6 +73,11 @@ def base_config() -> ConfigDict:
   config.log_every = 50
   # Evaluate every this many steps (0: only at the end); always evaluates after the last step.
   config.eval_every = 500
+  # Evaluation batches before the last step (0: the whole validation split): the first this many
+  # of the task's evaluation batches, a fixed subset, for the periodic evaluations; the evaluation
+  # after the last step always covers the whole split. Tasks with their own evaluate (decoding,
+  # BLEU: translation, regression) always evaluate in full.
+  config.eval_batches = 0
   # Save a checkpoint every this many steps (0: only at the end); also at the end and on SIGTERM/Ctrl-C.
   config.checkpoint_every = 500
   # How many of the most recent checkpoints to keep.
@@ -93,10 +98,11 @@ def base_config() -> ConfigDict:
   config.mesh.fsdp = 1
   # Under FSDP, state leaves with fewer elements than this stay replicated.
   config.mesh.fsdp_min_size = 1024
-  # On a CPU-only machine, JAX devices to split the process into (0: one per core, or the most
-  # that divide batch_size), so that the data axis above spreads each batch over the cores; set
-  # before JAX starts (the trainer does it first). 1: one device, the plain path.
-  config.mesh.cpu_devices = 1
+  # JAX CPU devices to split the process into, so that the data axis above spreads each batch
+  # over the cores; set before JAX starts (the trainer does it first). -1: automatic, one per core
+  # (or the most that divide batch_size) on a CPU-only machine, devices left alone when JAX may use
+  # a GPU/TPU; 0: the same on any machine; 1: one device, the plain path; N: N devices.
+  config.mesh.cpu_devices = -1
 
   config.optimizer = ConfigDict()
   # One of adamw, adam, sgd.
@@ -487,8 +493,9 @@ def validate(config: ConfigDict) -> None:
   at_end = " (0: only at the end)"
   for key, least, note in (("num_train_steps", 0, ""), ("batch_size", 1, ""), ("log_every", 1, ""),
                            ("eval_every", 0, at_end), ("checkpoint_every", 0, at_end),
+                           ("eval_batches", 0, " (0: the whole split)"),
                            ("keep_checkpoints", 1, "")):
-    need(config[key] >= least, f"{key} must be >= {least}{note}, got {config[key]}")
+    need(config.get(key, least) >= least, f"{key} must be >= {least}{note}, got {config[key]}")
   num_seeds = config.get("num_seeds", 1)
   need(isinstance(num_seeds, int) and num_seeds >= 1,
        f"num_seeds must be an int >= 1 (1: an ordinary run), got {num_seeds!r}")
@@ -497,8 +504,9 @@ def validate(config: ConfigDict) -> None:
     data, fsdp = mesh.get("data", -1), mesh.get("fsdp", 1)
     need(data == -1 or data >= 1, f"mesh.data must be -1 (all devices) or >= 1, got {data}")
     need(fsdp >= 1, f"mesh.fsdp must be >= 1 (1: parameters replicated), got {fsdp}")
-    cpu = mesh.get("cpu_devices", 1)
-    need(cpu >= 0, f"mesh.cpu_devices must be >= 0 (0: one per core, 1: one device), got {cpu}")
+    cpu = mesh.get("cpu_devices", -1)
+    need(cpu >= -1, f"mesh.cpu_devices must be >= -1 (-1: automatic, 0: one per core, 1: one "
+         f"device), got {cpu}")
   opt = config.optimizer
   check_choice("optimizer.name", opt.name, OPTIMIZERS, "optimizers")
   check_choice("optimizer.schedule", opt.schedule, SCHEDULES, "schedules")
@@ -662,12 +670,12 @@ def rename_old_keys(data: Mapping[str, Any]) -> dict[str, Any]:
 # defaults (so such runs resume without allow_config_change).
 ADDED_DEFAULTS: dict[str, Any] = {"num_seeds": 1, "mesh.data": -1, "mesh.fsdp": 1,
                                   "mesh.fsdp_min_size": 1024, "mesh.cpu_devices": 1,
-                                  "optimizer.decay": "all"}
+                                  "optimizer.decay": "all", "eval_batches": 0}
 
 
 # Keys that may change when a run resumes: they change where it runs, not what it computes.
 RESUMABLE_KEYS = ("allow_config_change", "write_plots", "mesh.data", "mesh.fsdp",
-                  "mesh.fsdp_min_size", "mesh.cpu_devices")
+                  "mesh.fsdp_min_size", "mesh.cpu_devices", "eval_batches")
 
 
 def config_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:

@@ -88,16 +88,20 @@ def greedy(step_fn: StepFn, state, start_tokens: jax.Array, *, max_len: int,
 
 def sample(step_fn: StepFn, state, start_tokens: jax.Array, rng: jax.Array, *, num_steps: int,
            temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-           end_id: int | None = None, pad_id: int = 0) -> Decoded:
+           end_id: int | None = None, pad_id: int = 0, banned_ids: tuple[int, ...] = ()
+           ) -> Decoded:
   """Samples from softmax(logits / temperature) after top-k / top-p filtering.
 
-  temperature 0 means greedy. `scores` are log-probabilities under the unfiltered model.
+  temperature 0 means greedy. `banned_ids` are never picked (e.g. special tokens that a text
+  stream never holds). `scores` are log-probabilities under the unfiltered model.
   """
   if isinstance(temperature, (int, float)) and temperature < 0:
     raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
 
   def pick(logits, step_rng):
     logits = logits.astype(jnp.float32)
+    if banned_ids:
+      logits = logits.at[:, jnp.asarray(banned_ids, jnp.int32)].set(NEG_INF)  # [batch, vocab]
     safe_t = jnp.maximum(temperature, 1e-6)
     sampled = jax.random.categorical(step_rng, filter_logits(logits / safe_t, top_k, top_p))
     return jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1))

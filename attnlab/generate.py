@@ -8,7 +8,9 @@
 
 Restores the run's checkpoint (latest by default) with attnlab.analysis.load_run, encodes the
 prompt with the run's tokenizer, and samples with the KV cache (attnlab.models.gpt.generate).
-Prints the prompt followed by the generated text; several --prompt flags are sampled as one batch
+Prints the prompt followed by exactly --num_tokens generated tokens (special tokens that the
+training text never holds are never sampled; an addition answer that ends with <end> sooner is
+named on stderr), with a warning first when the run trained for very few steps; several --prompt flags are sampled as one batch
 (prompts of any lengths) and printed in order, a blank line between them. Characters (or words,
 subword symbols) of a prompt outside the run's vocabulary are fed to the model as <unk>, with a
 warning naming them.
@@ -104,10 +106,19 @@ def generate_texts(workdir: str, prompts: Sequence[str], *, num_tokens: int = 30
     message = tokenizers.unknown_warning(task.tokenizer, prompt, what)
     if message is not None:
       (warn or _LOG.warning)(message)
+  few = analysis.few_steps_warning(run)
+  if few is not None:
+    (warn or _LOG.warning)(few)
   start = time.perf_counter()
-  texts = task.sample_texts(run.params, prompts, num_tokens=num_tokens, temperature=temperature,
-                            top_k=top_k or None, top_p=top_p if top_p < 1.0 else None, seed=seed,
-                            use_cache=use_cache)
+  texts, counts = task.sample_rows(run.params, prompts, num_tokens=num_tokens,
+                                   temperature=temperature, top_k=top_k or None,
+                                   top_p=top_p if top_p < 1.0 else None, seed=seed,
+                                   use_cache=use_cache)
+  for i, count in enumerate(counts):
+    if count < num_tokens:
+      what = "the text" if len(prompts) == 1 else f"text {i + 1}"
+      (warn or _LOG.warning)(f"{what} stopped after {count} of {num_tokens} tokens: the model "
+                             f"wrote <end>, the end of an answer in this dataset")
   return prompts, texts, time.perf_counter() - start
 
 

@@ -21,16 +21,42 @@ _LOG = logging.getLogger(__name__)
 # Fonts with Devanagari glyphs (Marathi labels), in order of preference.
 DEVANAGARI_FONTS = ("Noto Sans Devanagari", "Lohit Devanagari", "Mukta", "Gargi", "Nakula",
                     "Sahadeva", "Samyak Devanagari", "Annapurna SIL")
+# PyPI packages whose font files attnlab registers with matplotlib (module name, font family):
+# one of attnlab's dependencies (pyproject.toml), so a fresh install draws Devanagari labels.
+PACKAGED_FONTS = (("fontpkg_noto_sans_devanagari", "Noto Sans Devanagari"),)
+# The install line a warning names when no Devanagari font is found.
+DEVANAGARI_INSTALL = ("pip install fontpkg-noto-sans-devanagari (an attnlab dependency), or "
+                      "apt-get install fonts-noto-core")
+
+
+def register_packaged_fonts() -> list[str]:
+  """Adds the font files of the installed PACKAGED_FONTS packages to matplotlib's font list (once
+  per process); returns the families added."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  from matplotlib import font_manager  # pylint: disable=g-import-not-at-top
+  added = []
+  for module, family in PACKAGED_FONTS:
+    try:
+      root = pathlib.Path(importlib.import_module(module).__file__).parent
+    except ImportError:
+      continue
+    known = {f.fname for f in font_manager.fontManager.ttflist}
+    for path in sorted(root.rglob("*.[to]tf")):
+      if str(path) not in known:
+        font_manager.fontManager.addfont(str(path))
+    added.append(family)
+  return added
 
 
 @functools.lru_cache(maxsize=None)
 def _installed_devanagari_fonts() -> tuple[str, ...]:
   from matplotlib import font_manager  # pylint: disable=g-import-not-at-top
+  register_packaged_fonts()
   installed = {f.name for f in font_manager.fontManager.ttflist}
   found = tuple(name for name in DEVANAGARI_FONTS if name in installed)
   if not found:
     _LOG.warning("no Devanagari font found for matplotlib: Marathi labels will show as boxes; "
-                 "install one, e.g. `apt-get install fonts-lohit-deva` or Noto Sans Devanagari")
+                 "install one: %s", DEVANAGARI_INSTALL)
   return found
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import itertools
 import logging
 import os
 import pathlib
@@ -307,16 +308,25 @@ def mean_metrics(pending: list[tuple[int, dict]], num_seeds: int = 1
   return {key: float(np.mean(vals)) for key, vals in per_seed.items()}, per_seed
 
 
-def evaluate(task: tasks.Task, params: Any, num_seeds: int = 1
+def evaluate(task: tasks.Task, params: Any, num_seeds: int = 1, max_batches: int = 0
              ) -> tuple[dict[str, float], dict[str, list[float]] | None]:
   """(task.evaluate metrics, None), or with num_seeds > 1 (means over replicas, {name: [N]}).
 
+  `max_batches` > 0: only the first that many of `task.eval_batches()` (a fixed subset: the
+  trainer's evaluations before the last step, `config.eval_batches`) for tasks that use the
+  default `Task.evaluate`; tasks with their own `evaluate` (decoding, BLEU...) evaluate in full.
   Several processes: the parameters are first gathered to every host, which evaluates alone.
   """
   params = parallel.to_local(params)
+
+  def one(p):
+    if max_batches > 0 and type(task).evaluate is tasks.Task.evaluate:
+      subset = itertools.islice(task.eval_batches(), max_batches)
+      return task.finish_metrics(task.mean_metrics(p, subset))
+    return task.evaluate(p)
   if num_seeds == 1:
-    return task.evaluate(params), None
-  results = [task.evaluate(replica(params, i)) for i in range(num_seeds)]
+    return one(params), None
+  results = [one(replica(params, i)) for i in range(num_seeds)]
   per_seed = {key: [float(r[key]) for r in results] for key in results[0]}
   return {key: float(np.mean(vals)) for key, vals in per_seed.items()}, per_seed
 

@@ -65,6 +65,9 @@ def translate(workdir: str, sentences: Sequence[str], *, step: str = "latest",
   if not hasattr(run.task, "translate"):
     raise UserError(f"{workdir} is a {run.config.task!r} run; translate needs a translation run "
                     f"(configs/seq2seq.py)")
+  few = analysis.few_steps_warning(run)
+  if few is not None:
+    (warn or _LOG.warning)(few)
   # The source text as the task segments it (punctuation split off for word tokenizers).
   for sentence in sentences:
     message = tokenizers.unknown_warning(run.task.src_tok, run.task.prepare_text(sentence),

@@ -43,6 +43,9 @@ def get_config(arg: str | None = None):
   config.batch_size = 12
   config.log_every = 50
   config.eval_every = 250
+  # Periodic evaluations on the first 4 batches of validation windows (512 windows, about a third
+  # of Shakespeare's validation text); the last one on all of it.
+  config.eval_batches = 4
   config.checkpoint_every = 500
   config.optimizer.name = "adamw"
   config.optimizer.learning_rate = 1e-3

@@ -10,6 +10,18 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # or not (one place for every test that runs one).
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+
+
+def pytest_configure(config):
+  """Starts JAX's backends with JAX's own device count before any test runs. The trainer's
+  default `mesh.cpu_devices=-1` splits a CPU-only process into one device per core only while
+  JAX has not started; tests that train in this process therefore run on one device whatever test
+  happens to come first (tests of the split start fresh processes: test_parallel.py)."""
+  del config
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.devices()
+
+
 # ../shared/data beside the repository (see its README); tests read real data from here.
 SHARED_DATA = REPO.parent / "shared" / "data"
 

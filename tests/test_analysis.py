@@ -29,6 +29,7 @@ def _nw_weights(queries, keys, w):
   return weights / weights.sum(1, keepdims=True)
 
 
+@pytest.mark.slow
 def test_load_run_restores_the_final_parameters(finished):
   workdir, state = finished
   run = analysis.load_run(workdir)
@@ -38,6 +39,7 @@ def test_load_run_restores_the_final_parameters(finished):
   np.testing.assert_array_equal(np.asarray(run.params["w"]), np.asarray(state.params["w"]))
 
 
+@pytest.mark.slow
 def test_load_run_at_a_step_matches_the_logged_evaluation(finished):
   workdir, _ = finished
   run = analysis.load_run(workdir, step=10)
@@ -45,6 +47,7 @@ def test_load_run_at_a_step_matches_the_logged_evaluation(finished):
   assert run.step == 10 and float(run.params["w"]) == logged[0]["w"]
 
 
+@pytest.mark.slow
 def test_attention_maps_match_numpy(finished):
   workdir, _ = finished
   run = analysis.load_run(workdir)
@@ -55,12 +58,14 @@ def test_attention_maps_match_numpy(finished):
   np.testing.assert_allclose(np.asarray(maps["."]), expected, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_run_writes_plots(finished):
   workdir, _ = finished
   for name in ("fit.png", "attention.png"):
     assert (workdir / name).read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_load_run_errors_name_what_is_missing(finished, tmp_path):
   workdir, _ = finished
   with pytest.raises(checkpoint.CheckpointError, match="does not exist"):
@@ -69,6 +74,7 @@ def test_load_run_errors_name_what_is_missing(finished, tmp_path):
     analysis.load_run(workdir, step=7)
 
 
+@pytest.mark.slow
 def test_inspect_prints_config_metrics_and_checkpoints(finished, capsys):
   workdir, _ = finished
   assert inspect_run.main(["attnlab inspect", f"--workdir={workdir}", "--step=10"]) == 0
@@ -83,3 +89,18 @@ def test_inspect_error_is_one_line(tmp_path, capsys):
   assert inspect_run.main(["attnlab inspect", f"--workdir={tmp_path / 'x'}"]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("attnlab inspect: error: ")
+
+
+def test_few_steps_warning_names_barely_trained_runs_only(tmp_path):
+  from attnlab import config_utils  # pylint: disable=g-import-not-at-top
+  config = config_utils.base_config()
+  config.runlocal = True
+  run = analysis.Run(workdir=tmp_path, config=config, task=None, model=None, params=None, step=4)
+  assert "trained for only 4 steps (runlocal=True" in analysis.few_steps_warning(run)
+  config.runlocal = False
+  assert "trained for only 4 steps: expect" in analysis.few_steps_warning(run)
+  run.step = 200
+  assert analysis.few_steps_warning(run) is None
+  run.step = 0
+  (tmp_path / "import_hf.json").write_text("{}")  # weights trained elsewhere
+  assert analysis.few_steps_warning(run) is None

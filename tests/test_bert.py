@@ -237,6 +237,7 @@ def pretrain_run(data_args, tmp_path_factory):
   return workdir
 
 
+@pytest.mark.slow
 def test_pretrain_runlocal_end_to_end(pretrain_run):
   records = checkpoint.read_metrics(pretrain_run)
   last_eval = checkpoint.last_records(records)["eval"]
@@ -248,6 +249,7 @@ def test_pretrain_runlocal_end_to_end(pretrain_run):
   assert config["task"] == "masked_lm"
 
 
+@pytest.mark.slow
 def test_mlm_loss_counts_only_masked_positions(pretrain_run):
   run = analysis.load_run(pretrain_run)
   task, params = run.task, run.params
@@ -277,6 +279,7 @@ def test_mlm_loss_counts_only_masked_positions(pretrain_run):
   np.testing.assert_allclose(float(loss2), float(loss), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_finetune_loads_pretrained_encoder_end_to_end(pretrain_run, data_args, tmp_path):
   config = _config("finetune", data_args, "num_train_steps=3,eval_every=0")
   config.init_from = str(pretrain_run)
@@ -299,6 +302,7 @@ def test_finetune_loads_pretrained_encoder_end_to_end(pretrain_run, data_args, t
   assert (workdir / "head_view.png").is_file() and (workdir / "cls_attention.png").is_file()
 
 
+@pytest.mark.slow
 def test_finetune_rejects_a_different_pretraining_model(pretrain_run, data_args, tmp_path):
   config = _config("finetune", data_args, "model.num_layers=1")
   config.init_from = str(pretrain_run)
@@ -323,6 +327,7 @@ np.savez(sys.argv[4], devices=len(jax.tree.leaves(state.params)[0].sharding.devi
 """
 
 
+@pytest.mark.slow
 def test_init_from_loads_the_encoder_whatever_the_seeds_or_devices(pretrain_run, data_args,
                                                                    tmp_path):
   """Step 0 of every replica holds the pretraining run's encoder: num_seeds=2 on one device, and

@@ -40,6 +40,7 @@ def test_results_table_mean_std_and_per_seed_differences(study):
   assert "30.0 (one run)" in rows["sst2"] and "sst2/pretrain_s0 12" in table
 
 
+@pytest.mark.slow
 def test_two_arm_study_end_to_end(study, shared_data, tmp_path):
   """Scratch and in-domain arms, the lr chosen on held-out training sentences; results.json in
   the issue's format, figures published."""

@@ -143,6 +143,21 @@ def test_sampling_frequencies_follow_tempered_softmax():
   np.testing.assert_allclose(freq, p, atol=0.015)
 
 
+def test_banned_tokens_are_never_sampled_and_the_rest_keep_their_odds():
+  logits = np.array([0.0, 1.0, 2.0, -1.0], np.float32)  # token 2 the likeliest
+  n = 20000
+  step = lambda state, tok: (jnp.broadcast_to(logits, (tok.shape[0], 4)), state, ())
+  out = decoding.sample(step, (), jnp.zeros(n, jnp.int32), jax.random.key(0), num_steps=1,
+                        temperature=1.0, banned_ids=(2,))
+  freq = np.bincount(np.asarray(out.tokens[:, 0]), minlength=4) / n
+  kept = np.exp(logits[[0, 1, 3]]) / np.exp(logits[[0, 1, 3]]).sum()
+  assert freq[2] == 0
+  np.testing.assert_allclose(freq[[0, 1, 3]], kept, atol=0.015)
+  greedy = decoding.sample(step, (), jnp.zeros(2, jnp.int32), jax.random.key(0), num_steps=3,
+                           temperature=0.0, banned_ids=(2,))
+  np.testing.assert_array_equal(greedy.tokens, np.ones((2, 3)))  # the next likeliest
+
+
 def test_filter_logits_against_numpy():
   logits = np.array([[3.0, 1.0, 2.0, 0.0, -1.0], [0.0, 0.0, 5.0, 1.0, 4.9]], np.float32)
   # top-k: the k largest survive.

@@ -201,6 +201,13 @@ def test_gpt_vs_nanogpt_benchmark(shared_data, tmp_path):
   rows = list(_table(out, "contender").values())
   assert [r[0].split()[0] for r in rows] == ["nanoGPT", "attnlab"]
   assert rows[0][3] == "1.00x" and float(rows[1][3].strip("*x")) > 0
+  # Wall time alone (--rounds=0): each run's seconds and final validation loss, no timing table.
+  out = _run("benchmarks/gpt_vs_nanogpt.py", "--rounds=0", "--wall_steps=2",
+             "--contenders=nanogpt,learned", f"--data_dir={shared_data}", f"--scratch={tmp_path}")
+  assert "ms per iteration" not in out
+  rows = list(_table(out, "contender").values())
+  assert [r[0].split()[0] for r in rows] == ["nanoGPT", "attnlab"]
+  assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)  # wall s, val loss
 
 
 def test_seeds_benchmark():

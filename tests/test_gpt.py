@@ -193,6 +193,7 @@ def test_config_aliases_sizes_and_errors():
     _load_config("sise=nano")
 
 
+@pytest.mark.slow
 def test_runlocal_shakespeare_trains_reloads_and_generates(tmp_path, shared_data, capsys):
   """The runlocal config end to end (plots included); then the checkpoint feeds the CLI."""
   config = _load_config(f"runlocal=True,num_train_steps=4,eval_every=2,checkpoint_every=2,"
@@ -216,6 +217,14 @@ def test_runlocal_shakespeare_trains_reloads_and_generates(tmp_path, shared_data
   assert generate_cli.main(argv + ["--step=2"]) == 0  # an earlier checkpoint
   assert capsys.readouterr().out.startswith("JULIET")
   assert generate_cli.main(["attnlab generate", "--workdir=/nonexistent/run"]) == 2
+  # Exactly --num_tokens characters: a barely trained model, sampled at temperature 1, would pick
+  # special tokens (<end>, padding, [MASK], ...) among its ~70 ids unless they are never sampled;
+  # and a warning that the run trained for a few steps only.
+  assert generate_cli.main(["attnlab generate", f"--workdir={run}", "--prompt=ROMEO:",
+                            "--num_tokens=100", "--temperature=1"]) == 0
+  out, err = capsys.readouterr()
+  assert out.startswith("ROMEO:") and len(out) == len("ROMEO:") + 100 + len("\n")
+  assert "trained for only 4 steps (runlocal=True" in err
   assert generate_cli.main(["attnlab generate", f"--workdir={run}", "--temperature=-1"]) == 2
 
   # A reloaded run reads its validation text on request: the characters of the last 10% of
@@ -237,6 +246,7 @@ def test_runlocal_shakespeare_trains_reloads_and_generates(tmp_path, shared_data
   assert capsys.readouterr().out == "\n\n".join(alone) + "\n"
 
 
+@pytest.mark.slow
 def test_runlocal_addition_end_to_end(tmp_path):
   config = _load_config("runlocal=True,dataset=addition,num_train_steps=4,write_plots=False")
   state = train.train_and_evaluate(config, tmp_path)

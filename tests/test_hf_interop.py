@@ -37,8 +37,9 @@ try:
   import transformers  # pylint: disable=g-import-not-at-top
 except ImportError:
   torch = transformers = None
-needs_hf = pytest.mark.skipif(transformers is None,
-                              reason="needs torch and transformers (pip install -e '.[hf]')")
+needs_hf = pytest.mark.skipif(
+    transformers is None, reason="needs torch and transformers: pip install torch==2.13.0 && "
+    "pip install -e \".[test,hf]\" (torch's CPU build first, as .ci/run)")
 
 
 def _max_diff(a, b) -> float:

@@ -172,6 +172,7 @@ def _numpy_sgd(kernel: np.ndarray, seed: int = 0,
   return w, curve
 
 
+@pytest.mark.slow
 def test_data_parallel_and_fsdp_match_numpy_sgd(four_devices):
   _, result = four_devices
   assert result["devices"] == 4
@@ -192,6 +193,7 @@ def test_data_parallel_and_fsdp_match_numpy_sgd(four_devices):
   np.testing.assert_allclose(runs["dp4"]["losses"], runs["one"]["losses"], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_shardings_follow_the_mesh(four_devices):
   runs = four_devices[1]["runs"]
   assert runs["one"]["devices"] == 1 and runs["one"]["specs"]["kernel"] == "single device"
@@ -204,6 +206,7 @@ def test_shardings_follow_the_mesh(four_devices):
   assert runs["resumed"]["devices"] == 2 and runs["resumed"]["specs"]["kernel"] == "P()"
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_restores_on_other_device_counts(four_devices):
   root, result = four_devices
   runs = result["runs"]
@@ -216,6 +219,7 @@ def test_sharded_checkpoint_restores_on_other_device_counts(four_devices):
   np.testing.assert_array_equal(np.asarray(run.params["kernel"]), runs["fsdp4"]["kernel"])
 
 
+@pytest.mark.slow
 def test_seeds_on_a_mesh_match_single_seed_runs(four_devices):
   result = four_devices[1]
   runs = result["runs"]
@@ -229,6 +233,7 @@ def test_seeds_on_a_mesh_match_single_seed_runs(four_devices):
   np.testing.assert_allclose(runs["seeds_dp4"]["losses"], per_step.mean(1), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_batch_that_does_not_split_is_a_clear_error(four_devices):
   message = four_devices[1]["bad_batch_error"]
   assert "batch_size=6 does not split over the 4 devices" in message and "multiple of 4" in message
@@ -318,6 +323,7 @@ def _numpy_attention(q, k, v, mask):
   return p, p @ v
 
 
+@pytest.mark.slow
 def test_cpu_devices_split_a_fresh_process_into_a_data_parallel_mesh(tmp_path):
   result = _in_fresh_process("cpu_devices_worker", tmp_path / "result.json")
   assert result["devices"] == 2 and result["kernel_devices"] == 2
@@ -353,9 +359,9 @@ def test_cpu_device_count_takes_the_cores_that_split_the_batch():
   assert parallel.cpu_device_count(3, 12, cores=2) == 3  # explicit: as asked
 
 
-def test_cpu_devices_must_not_be_negative():
-  with pytest.raises(ConfigError, match="mesh.cpu_devices must be >= 0"):
-    config_utils.validate(probe_config(**{"mesh.cpu_devices": -1}))
+def test_cpu_devices_must_not_be_below_minus_one():
+  with pytest.raises(ConfigError, match="mesh.cpu_devices must be >= -1"):
+    config_utils.validate(probe_config(**{"mesh.cpu_devices": -2}))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -407,6 +413,7 @@ def test_distributed_start_follows_the_launcher_environment():
     parallel.distributed_env({**manual, "JAX_PROCESS_ID": ""})
 
 
+@pytest.mark.slow
 def test_sweep_members_as_array_tasks(tmp_path, capsys):
   """--list, one member per --member_index (as cluster array tasks would), then --summarize."""
   from attnlab import sweep  # pylint: disable=g-import-not-at-top
@@ -425,3 +432,79 @@ def test_sweep_members_as_array_tasks(tmp_path, capsys):
             ["test_mse"] for s in (0, 1)]
   table = (tmp_path / sweep.SUMMARY_MD).read_text()
   assert f"| 2 | 0 | {np.mean(finals):.4g} ± {np.std(finals, ddof=1):.2g} |" in table
+
+
+# The nano GPT's runlocal config, shortened: the default run a user starts, for a few steps.
+GPT_DEFAULT = (f"{REPO / 'configs' / 'gpt.py'}:runlocal=True,num_train_steps=4,log_every=1,"
+               f"eval_every=0,checkpoint_every=0,write_plots=False,"
+               f"data.manual_dir={REPO.parent / 'shared' / 'data'}")
+
+
+def default_devices_worker(out: str) -> None:
+  """Runs in a fresh process without XLA_FLAGS or mesh flags: the GPT config as it comes, so
+  `mesh.cpu_devices` keeps its default (JSON to `out`)."""
+  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  from attnlab import train  # pylint: disable=g-import-not-at-top
+  workdir = pathlib.Path(out).parent / "default"
+  config = config_utils.load_config_file(f"{GPT_DEFAULT},data.data_dir={workdir.parent / 'tfds'}")
+  state = train.train_and_evaluate(config, workdir)
+  result = {"default": config.mesh.cpu_devices, "devices": jax.device_count(),
+            "batch_size": config.batch_size,
+            "state_devices": len(jax.tree.leaves(state.params)[0].sharding.device_set),
+            "losses": [r["loss"] for r in checkpoint.read_metrics(workdir)
+                       if r["split"] == "train"]}
+  pathlib.Path(out).write_text(json.dumps(result))
+
+
+@pytest.mark.slow
+def test_default_trains_on_every_core_with_the_losses_of_one_device(tmp_path, shared_data):
+  """The default run of a CPU-only machine is split over one device per core (2 here) and trains
+  as one device does, up to float rounding."""
+  result = _in_fresh_process("default_devices_worker", tmp_path / "result.json")
+  cores = len(os.sched_getaffinity(0))
+  expected = parallel.cpu_device_count(0, result["batch_size"], cores)
+  assert result["default"] == parallel.AUTO_CPU_DEVICES
+  assert result["devices"] == expected and result["state_devices"] == expected
+  # The same run on one device, in this process (conftest started JAX with one CPU device).
+  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  from attnlab import train  # pylint: disable=g-import-not-at-top
+  config = config_utils.load_config_file(
+      f"{GPT_DEFAULT},data.data_dir={tmp_path / 'tfds'},mesh.cpu_devices=1")
+  train.train_and_evaluate(config, tmp_path / "one")
+  one = [r["loss"] for r in checkpoint.read_metrics(tmp_path / "one") if r["split"] == "train"]
+  assert len(one) == len(result["losses"]) == 4
+  np.testing.assert_allclose(result["losses"], one, rtol=2e-5)
+
+
+def test_automatic_devices_leave_accelerators_and_forced_counts_alone(monkeypatch):
+  """-1 resolves to nothing (JAX's own devices) where JAX may use a GPU/TPU or XLA_FLAGS fixes
+  the host device count; the running process is not changed either way."""
+  running = jax.device_count()
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+  assert parallel.use_cpu_devices(-1, 12) is None
+  monkeypatch.delenv("XLA_FLAGS")
+  monkeypatch.setattr(parallel, "_cpu_only", lambda: False)
+  assert parallel.use_cpu_devices(-1, 12) is None
+  monkeypatch.setattr(parallel, "_cpu_only", lambda: True)
+  assert parallel.use_cpu_devices(-1, 12) is None  # JAX has started: it keeps what runs
+  assert jax.device_count() == running
+
+
+def test_automatic_devices_fall_back_to_one_with_one_line(monkeypatch):
+  """A batch that does not split over the cores: one device, and one line saying why."""
+  import io  # pylint: disable=g-import-not-at-top
+  import logging  # pylint: disable=g-import-not-at-top
+  lines = io.StringIO()
+  handler, logger = logging.StreamHandler(lines), logging.getLogger("attnlab.parallel")
+  monkeypatch.setattr(logger, "level", logging.INFO)
+  monkeypatch.setattr(parallel, "_cpu_only", lambda: True)
+  monkeypatch.setattr(parallel, "_backend_started", lambda: False)
+  monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid: {0, 1})
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  logger.addHandler(handler)
+  try:
+    assert parallel.use_cpu_devices(-1, 7) is None  # 7 rows: no split over 2 cores
+  finally:
+    logger.removeHandler(handler)
+  [line] = lines.getvalue().splitlines()
+  assert line.startswith("batch_size=7 does not split over the 2 CPU cores: training on 1 device")

@@ -32,3 +32,27 @@ def test_bad_shapes_are_refused():
     plotting.attention_heatmap(np.zeros((2, 3)), x_labels=["a", "b"])
   with pytest.raises(ValueError, match="attention_grid expects"):
     plotting.attention_grid(np.zeros((4, 4)))
+
+
+def test_devanagari_labels_draw_with_the_packaged_font(tmp_path):
+  """The Marathi study's labels: a font with Devanagari glyphs comes with the install (the
+  fontpkg-noto-sans-devanagari dependency) and matplotlib draws every glyph (no missing-glyph
+  warning, which is what turned the labels into boxes)."""
+  import warnings  # pylint: disable=g-import-not-at-top
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  from matplotlib import font_manager  # pylint: disable=g-import-not-at-top
+  label = "मी घरी जातो"  # Marathi: "I am going home"
+  family = plotting.font_family(label)
+  assert "Noto Sans Devanagari" in family, (family, "pip install -e . (fontpkg-noto-sans-devanagari)")
+  path = font_manager.findfont(font_manager.FontProperties(family="Noto Sans Devanagari"),
+                               fallback_to_default=False)
+  assert "NotoSansDevanagari" in path
+  with warnings.catch_warnings(record=True) as caught, matplotlib.rc_context(
+      {"font.family": family}):
+    warnings.simplefilter("always")
+    fig = plotting.attention_heatmap(np.eye(3), x_labels=label.split(), y_labels=["a", "b", "c"],
+                                     title=label, path=tmp_path / "marathi.png")
+  assert not [w for w in caught if "missing from font" in str(w.message)], \
+      [str(w.message) for w in caught]
+  assert (tmp_path / "marathi.png").stat().st_size > 0
+  plotting.plt.close(fig)

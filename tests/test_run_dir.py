@@ -50,6 +50,7 @@ def _move(workdir: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.Path:
   return moved
 
 
+@pytest.mark.slow
 def test_translation_run_translates_after_a_move(tmp_path, shared_data, monkeypatch):
   workdir = tmp_path / "marathi"
   _train("configs/seq2seq.py:data.name=marathi,runlocal=True", workdir, shared_data, monkeypatch)
@@ -72,6 +73,7 @@ def test_translation_run_translates_after_a_move(tmp_path, shared_data, monkeypa
   assert "git_commit" in record
 
 
+@pytest.mark.slow
 def test_gpt_run_generates_after_a_move(tmp_path, shared_data, monkeypatch):
   workdir = tmp_path / "gpt"
   _train("configs/gpt.py:runlocal=True", workdir, shared_data, monkeypatch)
@@ -86,6 +88,7 @@ def test_gpt_run_generates_after_a_move(tmp_path, shared_data, monkeypatch):
   assert reads == []
 
 
+@pytest.mark.slow
 def test_bert_run_reloads_after_a_move_and_old_runs_get_one_line(tmp_path, shared_data,
                                                                  monkeypatch):
   workdir = tmp_path / "bert"

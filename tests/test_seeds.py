@@ -40,6 +40,7 @@ def _records(workdir):
   return [(r["step"], r["split"], r) for r in checkpoint.read_metrics(workdir)]
 
 
+@pytest.mark.slow
 def test_each_replica_matches_its_single_seed_run(runs):
   root, vmapped, singles, traces = runs
   assert traces == [1]  # one train step built, traced once for all replicas
@@ -62,6 +63,7 @@ def test_each_replica_matches_its_single_seed_run(runs):
   assert final["test_mse"] == pytest.approx(np.mean(final["per_seed"]["test_mse"]), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_replica_evaluation_matches_numpy(runs):
   root, vmapped, _, _ = runs
   run = analysis.load_run(root / "vmapped", replica=None)  # all replicas, stacked
@@ -82,6 +84,7 @@ def test_replica_evaluation_matches_numpy(runs):
     analysis.load_run(root / "vmapped", replica=3)
 
 
+@pytest.mark.slow
 def test_resume_restores_every_replica_and_its_data_order(runs, tmp_path):
   root, vmapped, _, _ = runs
   copy = tmp_path / "copy"
@@ -92,6 +95,7 @@ def test_resume_restores_every_replica_and_its_data_order(runs, tmp_path):
   np.testing.assert_array_equal(np.asarray(resumed.params["w"]), np.asarray(vmapped.params["w"]))
 
 
+@pytest.mark.slow
 def test_sweep_summary_counts_every_replica(runs, tmp_path):
   root, _, _, _ = runs
   base = config_utils.load_config_file(f"{NW}:{ARGS},num_seeds=3")

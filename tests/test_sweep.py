@@ -24,6 +24,7 @@ def swept(tmp_path_factory):
   return workdir, status
 
 
+@pytest.mark.slow
 def test_members_run_in_their_own_directories(swept):
   workdir, status = swept
   assert status == 0
@@ -34,6 +35,7 @@ def test_members_run_in_their_own_directories(swept):
   assert config.model.kernel == "learned" and config.seed == 1 and config.num_train_steps == 10
 
 
+@pytest.mark.slow
 def test_summary_is_mean_and_std_over_seeds(swept):
   workdir, _ = swept
   with open(workdir / "summary.csv") as f:
@@ -52,6 +54,7 @@ def test_summary_is_mean_and_std_over_seeds(swept):
   assert "| learned | 2 | 0 | " in table and " ± " in table
 
 
+@pytest.mark.slow
 def test_rerun_skips_finished_members(swept):
   workdir, _ = swept
   metrics = workdir / "model.kernel=learned,seed=0" / "metrics.jsonl"
@@ -110,6 +113,7 @@ def test_sweep_without_axes_is_one_line_error(tmp_path, capsys):
 # The Python API: sweep.run
 
 
+@pytest.mark.slow
 def test_run_is_the_command_line_sweep(swept):
   # The same sweep given to the API finds the command line's members (same directories, same
   # configs: prepare_workdir would refuse a changed one) complete, and summarises them alike.
@@ -158,6 +162,7 @@ def test_run_refuses_bad_arguments_before_running(tmp_path, kwargs, message):
   assert not (tmp_path / "sweep").exists()
 
 
+@pytest.mark.slow
 def test_run_in_a_subprocess_one_at_a_time(tmp_path):
   result = sweep.run(SPEC, {"model.kernel": ["learned"]}, workdir=tmp_path, inprocess=False,
                      overrides={"num_train_steps": 2})

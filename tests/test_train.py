@@ -35,14 +35,21 @@ def local_run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("run")
   config = config_utils.load_config_file(f"{NW}:{LOCAL}")
   steps, make = [], train.make_train_step
+  lines = io.StringIO()
+  handler, logger = logging.StreamHandler(lines), logging.getLogger("attnlab.train")
   with pytest.MonkeyPatch.context() as patch:  # keep the train steps the run builds
     patch.setattr(train, "make_train_step", lambda *a, **k: steps.append(make(*a, **k)) or steps[-1])
-    state = train.train_and_evaluate(config, workdir)
-  return config, workdir, state, [step.traces for step in steps]
+    patch.setattr(logger, "level", logging.INFO)  # and its progress messages
+    logger.addHandler(handler)
+    try:
+      state = train.train_and_evaluate(config, workdir)
+    finally:
+      logger.removeHandler(handler)
+  return config, workdir, state, [step.traces for step in steps], lines.getvalue().splitlines()
 
 
 def test_run_directory(local_run):
-  config, workdir, state, _ = local_run
+  config, workdir, state, _, _ = local_run
   assert json.loads((workdir / "config.json").read_text()) == config_utils.to_jsonable(config)
   assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [10, 20]
   assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
@@ -63,8 +70,19 @@ def test_train_step_compiles_once(local_run):
   assert local_run[3] == [1]  # one train step built, traced once
 
 
+def test_startup_lines_announce_the_compile_and_time_the_first_step(local_run):
+  lines = local_run[4]
+  compiling = [i for i, line in enumerate(lines) if line.startswith("compiling the train step")]
+  first = [i for i, line in enumerate(lines) if line.startswith("first train step done in ")]
+  progress = [i for i, line in enumerate(lines) if line.startswith("step ")]
+  assert len(compiling) == len(first) == 1 and progress, lines
+  assert compiling[0] < first[0] < progress[0]  # before anything else of the loop
+  seconds = float(lines[first[0]].split("done in ")[1].split(" s")[0])
+  assert 0 < seconds < 600
+
+
 def test_evaluation_matches_numpy_reference(local_run):
-  config, _, state, _ = local_run
+  config, _, state, _, _ = local_run
   task = tasks.build_task(config)
   data = task.data
   assert len(data.x_train) == 50 and np.all(np.diff(data.x_train) >= 0)
@@ -142,7 +160,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
 
 
 def test_changed_config_is_refused_unless_allowed(local_run, tmp_path):
-  _, workdir, _, _ = local_run
+  _, workdir, _, _, _ = local_run
   copy = tmp_path / "copy"
   shutil.copytree(workdir, copy)
   config = config_utils.load_config_file(f"{NW}:{LOCAL},seed=1")
@@ -155,7 +173,7 @@ def test_changed_config_is_refused_unless_allowed(local_run, tmp_path):
 
 
 def test_corrupt_checkpoint_falls_back_to_previous(local_run, tmp_path):
-  config, workdir, state, _ = local_run
+  config, workdir, state, _, _ = local_run
   copy = tmp_path / "copy"
   shutil.copytree(workdir, copy)
   for path in (copy / "checkpoints" / "20" / "state").rglob("*"):
@@ -200,6 +218,7 @@ def _wait_for_checkpoint_after(proc, workdir, step, timeout=120.0):
   raise AssertionError(f"no checkpoint after step {step} within {timeout}s")
 
 
+@pytest.mark.slow
 def test_sigterm_and_sigkill_then_resume_is_bit_identical(tmp_path):
   args = f"{LOCAL},num_train_steps=40,log_every=2,eval_every=0,keep_checkpoints=3"
   spec = f"{NW}:{args},checkpoint_every=2"  # a save every 2 steps makes the run last seconds
@@ -277,3 +296,32 @@ def test_progress_messages_follow_stderr_when_it_is_replaced(monkeypatch):
   assert len(logger.handlers) == 1
   assert second.getvalue().rstrip().endswith("I second message")  # ... and writes here
   assert "Logging error" not in second.getvalue()
+
+
+class _RowsTask(tasks.Task):
+  """Evaluation batches of known values: batch b holds rows b*10 .. b*10 + 3 (metric: the mean)."""
+
+  def init(self, rng):
+    return {}
+
+  def train_iterator(self):
+    return tasks.IndexedBatches(lambda i: {"x": np.zeros(4, np.float32)})
+
+  def loss_fn(self, params, batch, rng):
+    return jnp.mean(batch["x"]), {}
+
+  def eval_batches(self):
+    return [{"x": np.arange(4, dtype=np.float32) + 10 * b} for b in range(5)]
+
+  def metric_sums(self, params, batch, rng=None):
+    return {"x": (jnp.sum(batch["x"]), jnp.asarray(batch["x"].shape[0], jnp.float32))}
+
+
+def test_evaluation_on_a_fixed_subset_of_batches():
+  from attnlab import state as state_lib  # pylint: disable=g-import-not-at-top
+  task = _RowsTask(config_utils.base_config())
+  rows = np.arange(4)[None, :] + 10 * np.arange(5)[:, None]  # [batches, rows]
+  assert state_lib.evaluate(task, {})[0]["x"] == pytest.approx(rows.mean())
+  assert state_lib.evaluate(task, {}, max_batches=2)[0]["x"] == pytest.approx(rows[:2].mean())
+  with pytest.raises(config_utils.ConfigError, match="eval_batches must be >= 0"):
+    config_utils.validate(config_utils.load_config_file(f"{NW}:{LOCAL},eval_batches=-1"))

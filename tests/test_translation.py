@@ -136,6 +136,7 @@ def _train(workdir: pathlib.Path, arg: str) -> int:
   return main_lib.main(["attnlab train", f"--config={CONFIG}:{arg}", f"--workdir={workdir}"])
 
 
+@pytest.mark.slow
 def test_dates_runlocal_end_to_end_and_translate(tmp_path, capsys):
   workdir = tmp_path / "dates"
   arg = "runlocal=True,num_train_steps=8,eval_every=0,data.length_bins=(12,40)"
@@ -158,6 +159,7 @@ def test_dates_runlocal_end_to_end_and_translate(tmp_path, capsys):
   assert "error" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_reverse_runlocal_without_attention(tmp_path):
   workdir = tmp_path / "reverse"
   arg = ("runlocal=True,num_train_steps=4,eval_every=0,data.name=reverse,data.max_len=6,"
@@ -168,6 +170,7 @@ def test_reverse_runlocal_without_attention(tmp_path):
   assert not list(workdir.glob("attention_*.png"))  # nothing to plot without attention
 
 
+@pytest.mark.slow
 def test_marathi_runlocal_on_shared_data(tmp_path, shared_data):
   workdir = tmp_path / "marathi"
   arg = (f"runlocal=True,num_train_steps=4,eval_every=0,task=marathi,model.attention=luong,"

@@ -20,9 +20,10 @@ from attnlab.analysis.alignment import evaluate_alignment, gold_alignment
 from attnlab.analysis.capture import Capture, capture, capture_batch, capture_text
 from attnlab.analysis.metrics import (attention_rollout, entropy, head_table, mean_abs_offset,
                                       mean_offset, normalized_entropy, special_token_mass)
-from attnlab.analysis.runs import Run, attention_maps, load_run, read_metrics
+from attnlab.analysis.runs import Run, attention_maps, few_steps_warning, load_run, read_metrics
 
 __all__ = ["AblationResult", "Capture", "Run", "attention_maps", "attention_rollout", "capture",
-           "capture_batch", "capture_text", "entropy", "evaluate_alignment", "gold_alignment",
+           "capture_batch", "capture_text", "entropy", "evaluate_alignment", "few_steps_warning",
+           "gold_alignment",
            "head_ablation", "head_table", "load_run", "mean_abs_offset", "mean_offset",
            "normalized_entropy", "plot_head_ablation", "read_metrics", "special_token_mass"]

@@ -25,7 +25,10 @@ from attnlab import tasks
 from attnlab.layers import sown
 from attnlab.checkpoint import read_metrics  # re-exported for analysis scripts
 
-__all__ = ["Run", "attention_maps", "load_run", "read_metrics"]
+__all__ = ["Run", "attention_maps", "few_steps_warning", "load_run", "read_metrics"]
+
+# A checkpoint of fewer training steps than this is "barely trained" (few_steps_warning).
+FEW_STEPS = 200
 
 
 @dataclasses.dataclass
@@ -73,6 +76,19 @@ def load_run(workdir: str | os.PathLike, step: int | str = "latest",
     params = jax.tree.map(lambda x: x[replica], params)
   return Run(workdir=restored.workdir, config=config, task=task, model=task.model, params=params,
              step=restored.step, replica=replica)
+
+
+def few_steps_warning(run: Run) -> str | None:
+  """A line warning that `run`'s checkpoint trained for very few steps (fewer than FEW_STEPS, a
+  runlocal run), whose outputs are therefore close to random; None for a trained run, and for
+  weights trained elsewhere (an imported checkpoint: import_hf.json; `config.init_from`)."""
+  if run.step >= FEW_STEPS or run.config.get("init_from", ""):
+    return None
+  if (pathlib.Path(run.workdir) / "import_hf.json").is_file():  # attnlab.interop.hf.IMPORT_FILE
+    return None
+  why = " (runlocal=True: a smoke-test run)" if run.config.get("runlocal", False) else ""
+  return (f"{run.workdir} step {run.step} was trained for only {run.step} steps{why}: expect "
+          f"near-random output; train longer (e.g. without runlocal=True) for a useful model")
 
 
 def attention_maps(run: Run, *args: Any, **kwargs: Any) -> dict[str, jax.Array]:

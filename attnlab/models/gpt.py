@@ -240,10 +240,11 @@ def _uncached_step_fn(model: GPT, params: Any):
 
 
 @functools.partial(jax.jit, static_argnames=("model", "num_tokens", "top_k", "top_p",
-                                             "use_cache", "keep", "end_id"))
+                                             "use_cache", "keep", "end_id", "banned_ids"))
 def _generate(model: GPT, params: Any, prompt: Array, lengths: Array, rng: Array,
               temperature: Array, *, num_tokens: int, top_k: int | None, top_p: float | None,
-              use_cache: bool, keep: int, end_id: int | None) -> decoding.Decoded:
+              use_cache: bool, keep: int, end_id: int | None,
+              banned_ids: tuple[int, ...] = ()) -> decoding.Decoded:
   """prompt `[batch, len]`: row b's tokens first, lengths[b] of them, then padding."""
   batch, length = prompt.shape
   # The last token of each prompt is its first input; the tokens before it are its context.
@@ -261,13 +262,14 @@ def _generate(model: GPT, params: Any, prompt: Array, lengths: Array, rng: Array
   else:
     step_fn = _uncached_step_fn(model, params)
   return decoding.sample(step_fn, state, start, rng, num_steps=num_tokens,
-                         temperature=temperature, top_k=top_k, top_p=top_p, end_id=end_id)
+                         temperature=temperature, top_k=top_k, top_p=top_p, end_id=end_id,
+                         banned_ids=banned_ids)
 
 
 def generate(model: GPT, params: Any, prompt: Any, rng: Array, *, num_tokens: int,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              use_cache: bool = True, keep: int | None = None,
-             end_id: int | None = None) -> decoding.Decoded:
+             end_id: int | None = None, banned_ids: Any = ()) -> decoding.Decoded:
   """Continues each prompt row by `num_tokens` tokens (jit-compiled, one scan).
 
   Args:
@@ -282,6 +284,7 @@ def generate(model: GPT, params: Any, prompt: Any, rng: Array, *, num_tokens: in
     use_cache: KV-cache decoding (default) or a full forward pass per token.
     keep: tokens kept when the cache is full (default block_size // 2; 1 <= keep < block_size).
     end_id: stop a row at this token (the rest is padding 0).
+    banned_ids: token ids never sampled (special tokens the training text never holds).
   Returns:
     decoding.Decoded with tokens `[batch, num_tokens]`.
   """
@@ -293,7 +296,7 @@ def generate(model: GPT, params: Any, prompt: Any, rng: Array, *, num_tokens: in
     raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
   return _generate(model, params, prompt, lengths, rng, jnp.asarray(temperature, jnp.float32),
                    num_tokens=int(num_tokens), top_k=top_k, top_p=top_p, use_cache=use_cache,
-                   keep=keep, end_id=end_id)
+                   keep=keep, end_id=end_id, banned_ids=tuple(sorted(int(i) for i in banned_ids)))
 
 
 def _prompt_rows(prompt: Any, block_size: int) -> tuple[Array, Array]:

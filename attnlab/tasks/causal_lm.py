@@ -258,11 +258,35 @@ class CausalLMTask(Task):
                    top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                    use_cache: bool = True) -> list[str]:
     """The continuations of several prompts, of any lengths, sampled as one batch."""
+    return self.sample_rows(params, prompts, num_tokens=num_tokens, temperature=temperature,
+                            top_k=top_k, top_p=top_p, seed=seed, use_cache=use_cache)[0]
+
+  def sample_rows(self, params, prompts: list[str], *, num_tokens: int, temperature: float,
+                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                  use_cache: bool = True) -> tuple[list[str], list[int]]:
+    """(continuations, tokens generated in each): `num_tokens`, or fewer where an addition
+    answer ended with <end>. Special tokens the training text never holds (padding, <start>,
+    [CLS], [SEP], [MASK], <end> in a text stream, <unk> of a character vocabulary, ids past the
+    tokenizer's) are never sampled:
+    an undertrained model would otherwise pick them, and the text would lose them."""
     end_id = self.tokenizer.end_id if self.seq_len else None
     out = gpt_lib.generate(self.model, params, [self.encode_prompt(p) for p in prompts],
                            jax.random.key(seed), num_tokens=num_tokens, temperature=temperature,
-                           top_k=top_k, top_p=top_p, use_cache=use_cache, end_id=end_id)
-    return [self.decode(row) for row in out.tokens]
+                           top_k=top_k, top_p=top_p, use_cache=use_cache, end_id=end_id,
+                           banned_ids=self._banned_ids())
+    counts = [int(n) for n in np.asarray(out.lengths)]
+    return [self.decode(row) for row in out.tokens], counts
+
+  def _banned_ids(self) -> tuple[int, ...]:
+    """Ids `sample_rows` never samples (see there); none of an imported tokenizer's specials."""
+    banned = set(range(len(self.tokenizer), self.model.vocab_size))
+    if isinstance(self.tokenizer, tok_lib.Vocab):
+      banned |= {tok_lib.PAD_ID, tok_lib.START_ID, tok_lib.CLS_ID, tok_lib.SEP_ID, tok_lib.MASK_ID}
+      if not self.seq_len:
+        banned.add(tok_lib.END_ID)
+      if self.tokenizer.kind == "char":  # every character of the text has its own id
+        banned.add(tok_lib.UNK_ID)
+    return tuple(sorted(banned))
 
   def write_plots(self, params, workdir: pathlib.Path) -> None:
     """sample.txt (a generated continuation) and attention.png (every layer and head)."""

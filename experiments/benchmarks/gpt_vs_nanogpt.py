@@ -9,9 +9,11 @@ download), and its train.py runs with the documented CPU setting
 
 attnlab's contenders are its nano GPT (configs/gpt.py, the same architecture and recipe) with a
 learned position table (`model.position=learned`: nanoGPT's architecture exactly) and with the
-default rotary positions, each on one JAX device (`learned`, `rotary`) and with
-`mesh.cpu_devices=0` (`learned_dp`, `rotary_dp`: one JAX device per core, each step's batch split
-over them, the gradients summed; what `attnlab train` does with that setting). Each attnlab
+default rotary positions, each with the default config (`learned`, `rotary`: on a CPU-only
+machine `mesh.cpu_devices=-1` gives one JAX device per core, each step's batch split over them,
+the gradients summed; what `attnlab train` does), on one device (`learned_1dev`, `rotary_1dev`:
+`mesh.cpu_devices=1`) and with `mesh.cpu_devices=0` (`learned_dp`, `rotary_dp`, the split asked
+for explicitly: the same as the default on a CPU-only machine). Each attnlab
 worker is this script started with --worker: it builds the real trainer (task, optimizer, train
 step on the config's mesh, training-batch iterator) and times every step the way nanoGPT's loop
 times an iteration: fetch the batch, train step, and a host sync on the loss (nanoGPT's
@@ -26,12 +28,16 @@ round's figure. The table reports the median over rounds and the ratio nanoGPT m
 Wall time (--wall_steps, default 2000): one full training run of each, as a user launches it,
 start of the process to its exit: nanoGPT's command above with --max_iters=2000 (evaluation every
 250 iterations on 20 train and 20 validation batches, as its README's command), and
-`attnlab train --config=configs/gpt.py:...` (evaluation every 250 steps on the whole validation
-text, checkpoints every 500 steps; its defaults). The final validation loss of each is printed
-beside its time (the two estimate it on different samples of the validation text).
+`attnlab train --config=configs/gpt.py:...` (its defaults: evaluation every 250 steps on the first
+4 batches of validation windows, `eval_batches=4`, and on the whole validation text after the
+last step; checkpoints every 500 steps), each attnlab run with an empty JAX compilation cache of
+its own (a user's first run; --warm_cache: the user's cache, a second run). The final validation
+loss of each is printed beside its time (nanoGPT estimates it on 20 batches, attnlab on the whole
+validation text).
 
   python experiments/benchmarks/gpt_vs_nanogpt.py                          # 3 rounds x 300 iters + wall
   python experiments/benchmarks/gpt_vs_nanogpt.py --rounds=5 --iters=400 --wall_steps=0
+  python experiments/benchmarks/gpt_vs_nanogpt.py --rounds=0 --wall_steps=2000   # wall time only
   python experiments/benchmarks/gpt_vs_nanogpt.py --contenders=nanogpt,learned --rounds=3
 
 Needs torch and numpy for nanoGPT (`pip install -e '.[torch]'`, CPU build).
@@ -110,16 +116,19 @@ def run_nanogpt(work: pathlib.Path, iters: int, eval_interval: int, out_dir: pat
 # ----------------------------------------------------------------------------- attnlab
 
 
-# attnlab contenders: name -> (model.position, mesh.cpu_devices); 0 = one JAX device per core,
-# each running a slice of the batch (data parallel), 1 = one device (the plain path)
-ATTNLAB = {"learned": ("learned", 1), "rotary": ("rotary", 1),
+# attnlab contenders: name -> (model.position, mesh.cpu_devices); None = the config's default
+# (-1: on a CPU-only machine one JAX device per core, each running a slice of the batch), 0 = one
+# device per core asked for explicitly (the same here), 1 = one device (the plain path)
+ATTNLAB = {"learned": ("learned", None), "rotary": ("rotary", None),
+           "learned_1dev": ("learned", 1), "rotary_1dev": ("rotary", 1),
            "learned_dp": ("learned", 0), "rotary_dp": ("rotary", 0)}
 
 
 def attnlab_arg(contender: str, implementation: str, data_dir: pathlib.Path, steps: int) -> str:
   position, cpu_devices = ATTNLAB[contender]
+  mesh = "" if cpu_devices is None else f",mesh.cpu_devices={cpu_devices}"
   return (f"size=nano,model.position={position},implementation={implementation},"
-          f"data.manual_dir={data_dir},num_train_steps={steps},mesh.cpu_devices={cpu_devices}")
+          f"data.manual_dir={data_dir},num_train_steps={steps}{mesh}")
 
 
 def worker(args) -> None:
@@ -129,7 +138,7 @@ def worker(args) -> None:
 
   arg = attnlab_arg(args.contender, args.implementation, pathlib.Path(args.data_dir), 2000)
   config = config_utils.load_config_file(f"{REPO / 'configs' / 'gpt.py'}:{arg}")
-  parallel.use_cpu_devices(config.mesh.cpu_devices, config.batch_size)  # as the trainer starts
+  parallel.use_cpu_devices(config.mesh.cpu_devices, config.batch_size, config.mesh)  # as the trainer
   mesh = parallel.make_mesh(config)
   task = tasks.build_task(config)
   parts = state_lib.training(task, config, mesh)  # what the trainer builds
@@ -169,6 +178,8 @@ def run_attnlab_training(contender: str, args, workdir: pathlib.Path):
   cmd = [sys.executable, "-m", "attnlab.cli", "train", f"--config=configs/gpt.py:{arg}",
          f"--workdir={workdir}"]
   env = dict(os.environ, TQDM_DISABLE="1")
+  if not args.warm_cache:  # a user's first run: nothing compiled before
+    env["ATTNLAB_COMPILATION_CACHE"] = str(workdir.parent / f"jax_cache_{workdir.name}")
   start = time.perf_counter()
   proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
   wall = time.perf_counter() - start
@@ -187,23 +198,55 @@ def run_attnlab_training(contender: str, args, workdir: pathlib.Path):
 # ----------------------------------------------------------------------------- main
 
 
+def print_timing_table(args, contenders, nanogpts, per_round, label) -> None:
+  """The timing rounds' table: median ms per iteration over rounds, ratios to nanoGPT."""
+  print(f"\nms per iteration: median over {args.rounds} alternating rounds of {args.iters} "
+        f"iterations (first {args.skip} of each dropped)")
+  print("| contender | ms/iter (rounds) | iters/s | "
+        + " | ".join(f"{n} ms / this ms" for n in nanogpts) + " |")
+  print("|---|---|---|" + "---|" * len(nanogpts))
+  for c in contenders:
+    med = statistics.median(per_round[c])
+    rounds = ", ".join(f"{x:.1f}" for x in per_round[c])
+    ratios = [f"**{statistics.median(per_round[n]) / med:.2f}x**" if c not in nanogpts else
+              f"{statistics.median(per_round[n]) / med:.2f}x" for n in nanogpts]
+    print(f"| {label[c]} | {med:.1f} ({rounds}) | {1e3 / med:.1f} | " + " | ".join(ratios)
+          + " |")
+  for n in nanogpts:
+    for c in contenders:
+      if c not in nanogpts:
+        rr = [x / a for x, a in zip(per_round[n], per_round[c])]
+        print(f"per-round ratio {n}/{c}: " + ", ".join(f"{x:.2f}" for x in rr))
+  for learned, rotary in (("learned", "rotary"), ("learned_1dev", "rotary_1dev"),
+                          ("learned_dp", "rotary_dp")):
+    if learned in per_round and rotary in per_round:
+      ratio = statistics.median(per_round[rotary]) / statistics.median(per_round[learned])
+      print(f"{rotary} / {learned} ms: {ratio:.3f}")
+  print(f"load average after timing rounds: {os.getloadavg()[0]:.2f}", flush=True)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds")
   parser.add_argument("--iters", type=int, default=300, help="iterations per process and round")
   parser.add_argument("--skip", type=int, default=20,
                       help="first iterations of each process left out of its median")
-  parser.add_argument("--contenders", default="nanogpt,learned_dp,rotary_dp,learned",
+  parser.add_argument("--contenders", default="nanogpt,learned,rotary,learned_1dev",
                       help="subset of nanogpt, nanogpt_passive (nanoGPT with "
                       "OMP_WAIT_POLICY=PASSIVE: torch's spinning OpenMP threads collapse when "
-                      "another process holds a core), learned (attnlab, learned positions, one "
-                      "JAX device), rotary (attnlab, default rotary positions, one device), "
-                      "learned_dp and rotary_dp (the same with mesh.cpu_devices=0: one JAX "
-                      "device per core, the batch split over them)")
+                      "another process holds a core), learned (attnlab's default config with "
+                      "learned positions: on a CPU-only machine one JAX device per core, the "
+                      "batch split over them), rotary (the default config as it comes, rotary "
+                      "positions), learned_1dev and rotary_1dev (the same with "
+                      "mesh.cpu_devices=1: one device), learned_dp and rotary_dp "
+                      "(mesh.cpu_devices=0 asked for explicitly)")
   parser.add_argument("--wall_steps", type=int, default=2000,
                       help="steps of the full-run wall-time comparison (0 skips it)")
   parser.add_argument("--wall_contenders", default="",
                       help="contenders of the wall-time runs ('' = --contenders)")
+  parser.add_argument("--warm_cache", action="store_true",
+                      help="wall-time runs use the user's JAX compilation cache (what a second run "
+                      "of the same config gets); default: an empty cache per run, a first run")
   parser.add_argument("--implementation", default="auto", help="attnlab attention implementation")
   parser.add_argument("--nanogpt_dir", default=str(SHARED / "anchors" / "nanogpt"))
   parser.add_argument("--data_dir", default=str(SHARED / "data"),
@@ -216,11 +259,15 @@ def main(argv=None) -> int:
   if args.worker:
     worker(args)
     return 0
+  if args.rounds < 0 or args.wall_steps < 0 or (args.rounds and args.iters <= args.skip):
+    parser.error("--rounds and --wall_steps must be >= 0 and --iters > --skip")
+  if not args.rounds and not args.wall_steps:
+    parser.error("--rounds=0 and --wall_steps=0 leave nothing to measure")
 
   contenders = [c for c in args.contenders.split(",") if c]
   nanogpts = [c for c in contenders if c.startswith("nanogpt")]
   valid = ["nanogpt", "nanogpt_passive", *ATTNLAB]
-  unknown = set(contenders) - set(valid)
+  unknown = (set(contenders) | set(args.wall_contenders.split(",")) - {""}) - set(valid)
   if unknown:
     parser.error(f"unknown contenders {sorted(unknown)}; valid: {', '.join(valid)}")
   scratch = pathlib.Path(args.scratch or tempfile.mkdtemp(prefix="gpt_vs_nanogpt_"))
@@ -234,8 +281,10 @@ def main(argv=None) -> int:
   work = prepare_nanogpt(scratch, pathlib.Path(args.nanogpt_dir), pathlib.Path(args.data_dir))
   label = {"nanogpt": "nanoGPT (torch, nano CPU setting)",
            "nanogpt_passive": "nanoGPT, OMP_WAIT_POLICY=PASSIVE",
-           "learned": "attnlab nano GPT, position=learned, 1 device",
-           "rotary": "attnlab nano GPT, position=rotary (default), 1 device",
+           "learned": "attnlab nano GPT, position=learned, default config",
+           "rotary": "attnlab nano GPT, default config (rotary)",
+           "learned_1dev": "attnlab nano GPT, position=learned, mesh.cpu_devices=1",
+           "rotary_1dev": "attnlab nano GPT, rotary, mesh.cpu_devices=1",
            "learned_dp": "attnlab nano GPT, position=learned, mesh.cpu_devices=0",
            "rotary_dp": "attnlab nano GPT, position=rotary (default), mesh.cpu_devices=0"}
 
@@ -255,28 +304,8 @@ def main(argv=None) -> int:
       print(f"  round {r + 1}: {c:15s} {med:7.2f} ms/iter (median of {len(times) - args.skip}) "
             f"load {os.getloadavg()[0]:.2f}", flush=True)
 
-  print(f"\nms per iteration: median over {args.rounds} alternating rounds of {args.iters} "
-        f"iterations (first {args.skip} of each dropped)")
-  print("| contender | ms/iter (rounds) | iters/s | "
-        + " | ".join(f"{n} ms / this ms" for n in nanogpts) + " |")
-  print("|---|---|---|" + "---|" * len(nanogpts))
-  for c in contenders:
-    med = statistics.median(per_round[c])
-    rounds = ", ".join(f"{x:.1f}" for x in per_round[c])
-    ratios = [f"**{statistics.median(per_round[n]) / med:.2f}x**" if c not in nanogpts else
-              f"{statistics.median(per_round[n]) / med:.2f}x" for n in nanogpts]
-    print(f"| {label[c]} | {med:.1f} ({rounds}) | {1e3 / med:.1f} | " + " | ".join(ratios)
-          + " |")
-  for n in nanogpts:
-    for c in contenders:
-      if c not in nanogpts:
-        rr = [x / a for x, a in zip(per_round[n], per_round[c])]
-        print(f"per-round ratio {n}/{c}: " + ", ".join(f"{x:.2f}" for x in rr))
-  for learned, rotary in (("learned", "rotary"), ("learned_dp", "rotary_dp")):
-    if learned in per_round and rotary in per_round:
-      ratio = statistics.median(per_round[rotary]) / statistics.median(per_round[learned])
-      print(f"{rotary} / {learned} ms: {ratio:.3f}")
-  print(f"load average after timing rounds: {os.getloadavg()[0]:.2f}", flush=True)
+  if args.rounds:
+    print_timing_table(args, contenders, nanogpts, per_round, label)
 
   if args.wall_steps:
     print(f"\nwall time of one {args.wall_steps}-step training run (process start to exit):")
