@@ -34,6 +34,7 @@ from attnlab import checkpoint
 from attnlab import config_utils
 from attnlab import errors
 from attnlab import parallel
+from attnlab import precision
 from attnlab import tasks
 from attnlab.data import assets as assets_lib
 
@@ -242,7 +243,7 @@ def training(task: tasks.Task, config: ml_collections.ConfigDict,
              mesh: jax.sharding.Mesh | None) -> Training:
   """Optimizer, keys, batches and state layout of `config` for `task` on `mesh`."""
   schedule = make_schedule(config.optimizer, config.num_train_steps)
-  tx = make_optimizer(config.optimizer, schedule)
+  tx = precision.wrap_optimizer(make_optimizer(config.optimizer, schedule), config)
   seeds = replica_seeds(config)
   init_rng, train_rng = replica_keys(config)
   abstract = abstract_train_state(task, tx, run_keys(config.seed)[0], mesh=mesh)
@@ -369,7 +370,9 @@ def restore_target(task: tasks.Task) -> TrainState:
   """The abstract state (shapes, dtypes, first-device shardings) a checkpoint of `task`'s config
   is restored into."""
   config = task.config
-  tx = make_optimizer(config.optimizer, make_schedule(config.optimizer, config.num_train_steps))
+  tx = precision.wrap_optimizer(
+      make_optimizer(config.optimizer, make_schedule(config.optimizer, config.num_train_steps)),
+      config)
   return abstract_train_state(task, tx, run_keys(config.seed)[0])
 
 
