@@ -385,7 +385,7 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
   ckpt = checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR,
                                  max_to_keep=config.keep_checkpoints)
   try:
-    restored = ckpt.restore_latest(parts.abstract, quarantine=is_main)
+    restored = state_lib.restore_latest(ckpt, parts.abstract, num_seeds, quarantine=is_main)
     if restored is None:
       state = state_lib.initial_state(task, tx, parts.init_rng, num_seeds, mesh, shardings)
       state = state_lib.with_pretrained(task, tx, state, num_seeds, mesh, shardings)

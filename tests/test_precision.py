@@ -263,14 +263,26 @@ def _arg_of(workdir):
 
 
 @pytest.mark.slow
-def test_float16_with_loss_scaling_trains_without_nan(tmp_path):
-  config = _gpt("runlocal=True,write_plots=False,dataset=synthetic_tokens,data.vocab_size=50,"
-                "num_train_steps=30,eval_every=0,checkpoint_every=0,model.dtype=float16")
-  state = train.train_and_evaluate(config, tmp_path / "run")
-  assert precision.loss_scale(state.opt_state) is not None
-  records = checkpoint.read_metrics(tmp_path / "run")
-  assert all(np.isfinite(r["loss"]) for r in records)
-  assert all(r["loss_scale"] >= 1.0 for r in records if r["split"] == "train")
+def test_float16_with_loss_scaling_trains_and_resumes_across_dtypes(tmp_path):
+  """float32 for 10 steps, resumed in float16 (a loss scale starts) to 30, then in bfloat16 (the
+  scale dropped) to 40: no NaN, float32 parameters, the optimizer's own state carried over."""
+  workdir = tmp_path / "run"
+  base = ("runlocal=True,write_plots=False,dataset=synthetic_tokens,data.vocab_size=50,"
+          "eval_every=0,checkpoint_every=0,allow_config_change=True")
+  train.train_and_evaluate(_gpt(f"{base},num_train_steps=10"), workdir)
+  state = train.train_and_evaluate(_gpt(f"{base},num_train_steps=30,model.dtype=float16"),
+                                   workdir)
+  assert float(precision.loss_scale(state.opt_state)) >= 1.0
+  # Adam's step count went on from 10 (restored, not started afresh); a float16 step whose
+  # gradients overflowed is skipped and not counted.
+  counts = [int(x) for x in jax.tree.leaves(state.opt_state.inner) if x.dtype == jnp.int32]
+  assert counts and all(20 < c <= 30 for c in counts)
+  records = checkpoint.read_metrics(workdir)
+  f16 = [r for r in records if r["split"] == "train" and 10 < r["step"] <= 30]
+  assert f16 and all(r["loss_scale"] >= 1.0 and np.isfinite(r["loss"]) for r in f16)
   assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
-  # The checkpoint (loss scale included) reloads.
-  assert analysis.load_run(tmp_path / "run").step == 30
+  state = train.train_and_evaluate(_gpt(f"{base},num_train_steps=40,model.dtype=bfloat16"),
+                                   workdir)
+  assert precision.loss_scale(state.opt_state) is None and int(state.step) == 40
+  assert all(np.isfinite(r["loss"]) for r in checkpoint.read_metrics(workdir))
+  assert analysis.load_run(workdir).step == 40
