@@ -94,18 +94,58 @@ def test_parameters_are_float32_and_logits_float32(synthetic_tasks):
 
 
 def test_matmuls_in_compute_dtype_softmax_norm_loss_in_float32(synthetic_tasks):
-  """In the jaxpr of the bfloat16 training loss: the matmuls take bfloat16 operands, while every
-  exp (softmax, cross-entropy), log and rsqrt (layer norm) runs on float32."""
+  """In the jaxpr of the bfloat16 GPT's training loss (the task's own loss_fn)."""
   task = synthetic_tasks["bfloat16"]
-  params = task.init(jax.random.key(0))
   batch = next(task.train_iterator())
-  jaxpr = jax.make_jaxpr(jax.grad(lambda p: task.loss_fn(p, batch, None)[0]))(params).jaxpr
-  eqns = list(_jaxpr_eqns(jaxpr))
+  _assert_precision_policy(lambda p: task.loss_fn(p, batch, None)[0],
+                           task.init(jax.random.key(0)), vocab=50, k_len=32)
+
+
+def _assert_precision_policy(loss_fn, params, vocab: int, k_len: int):
+  """In the jaxpr of grad(loss_fn): every matmul takes bfloat16 operands; the exps of the
+  softmaxes (over the vocabulary in the loss, over the keys in attention), every log
+  (cross-entropy) and rsqrt (layer norm) run on float32; the gradients are float32. (Other exps,
+  e.g. in exact GELU's derivative, are elementwise activations and may stay in bfloat16.)"""
+  jaxpr = jax.make_jaxpr(jax.grad(loss_fn))(params)
+  eqns = list(_jaxpr_eqns(jaxpr.jaxpr))
   dots = [e for e in eqns if e.primitive.name == "dot_general"]
   assert dots and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
-  f32_ops = [e for e in eqns if e.primitive.name in ("exp", "log", "rsqrt", "log_softmax")]
-  assert {e.primitive.name for e in f32_ops} >= {"exp", "log", "rsqrt"}
+  softmax_exps = [e for e in eqns if e.primitive.name == "exp"
+                  and e.invars[0].aval.shape[-1:] in ((vocab,), (k_len,))]
+  assert {e.invars[0].aval.shape[-1] for e in softmax_exps} == {vocab, k_len}
+  f32_ops = softmax_exps + [e for e in eqns if e.primitive.name in ("log", "rsqrt")]
+  assert {e.primitive.name for e in f32_ops} == {"exp", "log", "rsqrt"}
   assert all(v.aval.dtype == jnp.float32 for e in f32_ops for v in e.invars)
+  assert {v.aval.dtype for v in jaxpr.jaxpr.outvars} == {jnp.dtype(jnp.float32)}
+
+
+@pytest.mark.parametrize("family", ["bert", "transformer"])
+def test_bert_and_transformer_follow_the_policy(family):
+  """The other two families with model.dtype, built directly at a tiny size."""
+  from attnlab.models import bert as bert_lib  # pylint: disable=g-import-not-at-top
+  from attnlab.models import transformer as transformer_lib  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(1, 50, (2, 12)), jnp.int32)  # [batch, len]
+  targets = jnp.asarray(rng.integers(1, 50, (2, 12)), jnp.int32)
+  dims = dict(num_layers=1, num_heads=2, d_model=32, mlp_dim=64, max_len=16)
+  if family == "bert":
+    models = [bert_lib.BertForPretraining(vocab_size=50, dropout_rate=0.0,
+                                          attention_dropout_rate=0.0, dtype=d, **dims)
+              for d in (jnp.bfloat16, None)]
+    run = lambda m, p: m.apply({"params": p}, tokens)[0]  # MLM logits [batch, len, vocab]
+  else:
+    models = [transformer_lib.Transformer(50, 50, dtype=d, **dims) for d in (jnp.bfloat16, None)]
+    lengths = jnp.array([12, 7])
+    run = lambda m, p: m.apply({"params": p}, tokens, lengths, targets)[0]  # [batch, len, vocab]
+  args = (tokens,) if family == "bert" else (tokens, lengths, targets)
+  params = jax.jit(models[0].init)(jax.random.key(0), *args)["params"]
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+  logits16, logits32 = (jax.jit(lambda p, m=m: run(m, p))(params) for m in models)
+  assert logits16.dtype == jnp.float32
+  assert float(jnp.max(jnp.abs(logits16 - logits32))) < 0.1 * float(jnp.std(logits32))
+  loss = lambda p: jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
+      run(models[0], p), targets))
+  _assert_precision_policy(loss, params, vocab=50, k_len=12)
 
 
 def test_gpt2_size_parameter_count():
