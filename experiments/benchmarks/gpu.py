@@ -31,7 +31,7 @@ attention (`mech:NAME`), beside torch's `scaled_dot_product_attention` (flash on
 GFLOP/s count 4·B·H·S²·D forward and 3x that forward+backward (dense-equivalent, as
 benchmarks/attention.py). The first length's output is compared with a float32 reference
 (max |error|): a fast path must also be right. A path that fails (cudnn off a GPU, a shape it
-refuses) gets its error in its cell.
+refuses) gets its error in its cell. The error is measured on the first batch row.
 
 Timing: every contender is a fresh process per round (a worker: this script with --worker), the
 order rotates from round to round; a train contender's figure is the median of its iterations
@@ -228,9 +228,9 @@ def attention_worker(args) -> dict:
       step = jax.jit(fwd_bwd)
       arrays = [jnp.asarray(x, dtype) for x in _inputs(seq, args)]
       cell = {}
-      if i == 0:
-        y = np.asarray(jax.jit(f)(*arrays[:3]), np.float64)
-        cell["err"] = float(np.max(np.abs(y - _reference(*arrays[:3], True))))
+      if i == 0:  # on the first batch row (the float64 reference is computed on the host)
+        y = np.asarray(jax.jit(f)(*arrays[:3])[:1], np.float64)
+        cell["err"] = float(np.max(np.abs(y - _reference(*(x[:1] for x in arrays[:3]), True))))
       for _ in range(2):
         jax.block_until_ready(step(*arrays))
       times = []
@@ -258,8 +258,8 @@ def torch_attention_worker(args) -> dict:
       cell = {}
       if i == 0:
         with torch.no_grad():
-          y = sdpa(q, k, v, is_causal=True).float().cpu().numpy()
-        ref = _reference(*(x.detach().float().cpu().numpy() for x in (q, k, v)), True)
+          y = sdpa(q, k, v, is_causal=True)[:1].float().cpu().numpy()
+        ref = _reference(*(x[:1].detach().float().cpu().numpy() for x in (q, k, v)), True)
         cell["err"] = float(np.max(np.abs(y - ref)))
 
       def step():
