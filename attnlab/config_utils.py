@@ -56,6 +56,8 @@ OPTIMIZERS = ("adamw", "adam", "sgd")
 SCHEDULES = ("cosine", "linear", "constant")
 # Values of optimizer.decay: which parameters weight decay applies to.
 DECAYS = ("all", "matrices")
+# Values of model.dtype, the compute dtype (attnlab.precision; parameters stay float32).
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def base_config() -> ConfigDict:
@@ -516,6 +518,9 @@ def validate(config: ConfigDict) -> None:
        f"or optimizer.weight_decay=0")
   check_choice("optimizer.decay", opt.get("decay", "all"), DECAYS)
   _validate_attention(config.get("model"))
+  model = config.get("model")
+  if isinstance(model, ConfigDict) and "dtype" in model:
+    check_choice("model.dtype", model.dtype, DTYPES, "dtypes")
 
 
 def _validate_attention(model: ConfigDict | None) -> None:
@@ -670,7 +675,8 @@ def rename_old_keys(data: Mapping[str, Any]) -> dict[str, Any]:
 # defaults (so such runs resume without allow_config_change).
 ADDED_DEFAULTS: dict[str, Any] = {"num_seeds": 1, "mesh.data": -1, "mesh.fsdp": 1,
                                   "mesh.fsdp_min_size": 1024, "mesh.cpu_devices": 1,
-                                  "optimizer.decay": "all", "eval_batches": 0}
+                                  "optimizer.decay": "all", "eval_batches": 0,
+                                  "model.dtype": "float32"}
 
 
 # Keys that may change when a run resumes: they change where it runs, not what it computes.

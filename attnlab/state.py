@@ -35,6 +35,7 @@ from attnlab import checkpoint
 from attnlab import config_utils
 from attnlab import errors
 from attnlab import parallel
+from attnlab import precision
 from attnlab import tasks
 from attnlab.data import assets as assets_lib
 
@@ -243,7 +244,7 @@ def training(task: tasks.Task, config: ml_collections.ConfigDict,
              mesh: jax.sharding.Mesh | None) -> Training:
   """Optimizer, keys, batches and state layout of `config` for `task` on `mesh`."""
   schedule = make_schedule(config.optimizer, config.num_train_steps)
-  tx = make_optimizer(config.optimizer, schedule)
+  tx = precision.wrap_optimizer(make_optimizer(config.optimizer, schedule), config)
   seeds = replica_seeds(config)
   init_rng, train_rng = replica_keys(config)
   abstract = abstract_train_state(task, tx, run_keys(config.seed)[0], mesh=mesh)
@@ -379,8 +380,51 @@ def restore_target(task: tasks.Task) -> TrainState:
   """The abstract state (shapes, dtypes, first-device shardings) a checkpoint of `task`'s config
   is restored into."""
   config = task.config
-  tx = make_optimizer(config.optimizer, make_schedule(config.optimizer, config.num_train_steps))
+  tx = precision.wrap_optimizer(
+      make_optimizer(config.optimizer, make_schedule(config.optimizer, config.num_train_steps)),
+      config)
   return abstract_train_state(task, tx, run_keys(config.seed)[0])
+
+
+def restore_latest(ckpt: checkpoint.Checkpointer, abstract: TrainState, num_seeds: int = 1, *,
+                   quarantine: bool = False) -> tuple[TrainState, Any] | None:
+  """`ckpt.restore_latest(abstract)`, also across the loss-scaling layouts of the optimizer state:
+  a float16 run resumed in another dtype (or another resumed in float16; allow_config_change)
+  keeps the optimizer's own state, and drops its loss scale (or starts one afresh)."""
+  try:
+    return ckpt.restore_latest(abstract, quarantine=quarantine)
+  except checkpoint.CheckpointError as e:
+    if isinstance(e, checkpoint.CorruptCheckpointError):
+      raise
+    first = e
+  scaled = isinstance(abstract.opt_state, precision.LossScaleState)
+  if scaled:
+    other = abstract.replace(opt_state=abstract.opt_state.inner)
+  else:
+    step = abstract.step  # a replicated scalar: its sharding suits the scale and the count
+    shape = (num_seeds,) if num_seeds > 1 else ()  # one scale per replica
+    leaf = lambda dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=step.sharding)
+    other = abstract.replace(opt_state=precision.LossScaleState(
+        leaf(jnp.float32), leaf(jnp.int32), abstract.opt_state))
+  try:
+    restored = ckpt.restore_latest(other, quarantine=quarantine)
+  except checkpoint.CheckpointError:
+    raise first from None
+  if restored is None:
+    raise first
+  state, data_state = restored
+  if scaled:  # a fresh loss scale for the optimizer state that had none
+    scale = abstract.opt_state
+    opt_state = precision.LossScaleState(
+        jax.device_put(jnp.full(scale.scale.shape, precision.LOSS_SCALE_INIT, jnp.float32),
+                       scale.scale.sharding),
+        jax.device_put(jnp.zeros(scale.good_steps.shape, jnp.int32), scale.good_steps.sharding),
+        state.opt_state)
+  else:
+    opt_state = state.opt_state.inner
+  _LOG.info("the checkpoint's optimizer state %s a loss scale: %s", "lacked" if scaled else "had",
+            "a fresh one starts" if scaled else "dropped (this run does not scale its loss)")
+  return state.replace(opt_state=opt_state), data_state
 
 
 @dataclasses.dataclass

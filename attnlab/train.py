@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 from attnlab import checkpoint
 from attnlab import config_utils
 from attnlab import parallel
+from attnlab import precision
 from attnlab import state as state_lib
 from attnlab import tasks
 from attnlab.data import assets as assets_lib
@@ -92,7 +93,8 @@ def make_train_step(task: tasks.Task, tx: optax.GradientTransformation, schedule
     if axes:  # inside shard_map: this device's slice of the batch
       step_rng = jax.random.fold_in(step_rng, jax.lax.axis_index(axes))
       params = parallel.vary(params, axes)  # gradients of this device's examples only
-    grad_fn = jax.value_and_grad(task.loss_fn, has_aux=True)
+    # float16 runs scale the loss (attnlab.precision); otherwise jax.value_and_grad
+    grad_fn = precision.value_and_grad(task.loss_fn, state.opt_state)
     (loss, metrics), grads = grad_fn(params, batch, step_rng)
     if axes:
       if any(parallel.varying_axes(x) for x in jax.tree.leaves((loss, metrics))):
@@ -102,6 +104,9 @@ def make_train_step(task: tasks.Task, tx: optax.GradientTransformation, schedule
     params = optax.apply_updates(state.params, updates)
     metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads),
                "learning_rate": schedule(state.step)}
+    scale = precision.loss_scale(state.opt_state)
+    if scale is not None:
+      metrics["loss_scale"] = scale
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   def replicas(axes: tuple[str, ...] = ()):
@@ -400,7 +405,7 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
   ckpt = checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR,
                                  max_to_keep=config.keep_checkpoints)
   try:
-    restored = ckpt.restore_latest(parts.abstract, quarantine=is_main)
+    restored = state_lib.restore_latest(ckpt, parts.abstract, num_seeds, quarantine=is_main)
     if restored is None:
       state = state_lib.initial_state(task, tx, parts.init_rng, num_seeds, mesh, shardings)
       state = state_lib.with_pretrained(task, tx, state, num_seeds, mesh, shardings)

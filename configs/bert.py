@@ -3,9 +3,10 @@
 Shortcuts in the arg (besides any field, e.g. `optimizer.learning_rate=1e-4`; score and size are
 the names every config file uses):
   mode=pretrain|finetune   which task: task=masked_lm or classification (default pretrain)
-  size=tiny|mini|test      encoder size (attnlab.models.SIZES["bert"]; tiny = BERT-Tiny 2x128,
-                           mini = BERT-Mini 4x256; test = seconds on a CPU, the runlocal default):
-                           sets model.num_layers, d_model, num_heads, mlp_dim
+  size=tiny|mini|test|base encoder size (attnlab.models.SIZES["bert"]; tiny = BERT-Tiny 2x128,
+                           mini = BERT-Mini 4x256; test = seconds on a CPU, the runlocal default;
+                           base = BERT-base 12x768, 12 heads, mlp 3072, model.max_len 512, for a
+                           GPU): sets model.num_layers, d_model, num_heads, mlp_dim (and max_len)
   score=NAME               = model.score (dot, scaled_dot, cosine, general, additive, location)
   pretrained=DIR           (finetune) start from the encoder of run DIR, e.g. a checkpoint imported
                            with `attnlab import-hf`: sets init_from=DIR and copies DIR's encoder
@@ -14,6 +15,8 @@ the names every config file uses):
 Launch (from the repository root; data from $ATTNLAB_DATA_DIR or
 `--config.data.manual_dir=../shared/data`, else downloaded):
   attnlab train --config=configs/bert.py:mode=pretrain,size=tiny --workdir=runs/bert_pretrain
+  attnlab train --config=configs/bert.py:mode=pretrain,size=base,model.dtype=bfloat16 \
+      --workdir=runs/bert_base                          # BERT-base on a GPU, bfloat16 compute
   attnlab train --config=configs/bert.py:mode=finetune,size=tiny \
       --config.init_from=runs/bert_pretrain --workdir=runs/bert_sst2
   attnlab train --config=configs/bert.py:mode=finetune,size=tiny --workdir=runs/bert_sst2_scratch
@@ -143,6 +146,9 @@ def get_config(arg: str | None = None):
   model.activation = "gelu"
   # LayerNorm placement: post (BERT) or pre.
   model.norm_position = "post"
+  # Compute dtype: float32, bfloat16 or float16 (loss-scaled); parameters, softmax, layer-norm
+  # statistics and losses stay float32 (attnlab/precision.py).
+  model.dtype = "float32"
 
   data = config.data
   # TFDS data dir of the prepared datasets ("" = $TFDS_DATA_DIR or ~/tensorflow_datasets).

@@ -4,6 +4,8 @@ Launch (from the repository root):
   attnlab train --config=configs/gpt.py --workdir=runs/gpt_nano
   attnlab train --config=configs/gpt.py:size=nano,score=scaled_dot --workdir=runs/gpt_nano
   attnlab train --config=configs/gpt.py:size=small --workdir=runs/gpt_small
+  attnlab train --config=configs/gpt.py:size=gpt2,model.dtype=bfloat16,dataset=synthetic_tokens \
+      --workdir=runs/gpt2_synthetic                  # GPT-2 small on a GPU, no corpus needed
   attnlab train --config=configs/gpt.py:dataset=addition,num_train_steps=3000 --workdir=runs/gpt_add
   attnlab generate --workdir=runs/gpt_nano --prompt="ROMEO:" --num_tokens=300 --temperature=0.8
 A seconds-long check of the whole pipeline:
@@ -18,13 +20,16 @@ nanoGPT's architecture exactly (experiments/shakespeare/README.md compares them)
 The experiment with plots: python experiments/shakespeare/run.py
 
 Shortcuts in the arg (besides any field; the same names as in the other config files):
-  size=nano|small|tiny            = model.size
+  size=nano|small|tiny|gpt2       = model.size (gpt2 = GPT-2 small, 124M: 12 layers, 12 heads,
+                                  768 dims, block 1024, learned positions, vocabulary padded to a
+                                  multiple of 64, nanoGPT's train_gpt2 optimizer recipe)
   score=NAME                      = model.score (dot, scaled_dot, cosine, general, additive, ...)
   implementation=NAME             = model.implementation (auto, reference, xla, blocked, cudnn)
-  dataset=NAME, or task=NAME      = data.name (tiny_shakespeare, addition)
+  dataset=NAME, or task=NAME      = data.name (tiny_shakespeare, addition, synthetic_tokens)
   tokenizer=char|subword          = data.tokenizer
 Tiny Shakespeare is read from data.manual_dir, else $ATTNLAB_DATA_DIR/tinyshakespeare/, else
-downloaded (see attnlab.data).
+downloaded (see attnlab.data). `synthetic_tokens` is uniform random token ids (data.vocab_size
+of them, token-id "text") for throughput measurements without a corpus.
 """
 
 from attnlab import config_utils
@@ -36,6 +41,9 @@ SHORTCUTS = config_utils.shortcut_table("size", "score", "implementation", "data
 
 def get_config(arg: str | None = None):
   """`arg`: key=value,... typed from the defaults below (e.g. "size=small,score=cosine")."""
+  # The size picks some defaults (gpt2: nanoGPT's GPT-2 recipe); finalize applies the whole arg.
+  size = config_utils.arg_value(arg, "model.size", "nano", SHORTCUTS)
+  gpt2 = size == "gpt2"
   config = config_utils.base_config()
   config.task = "causal_lm"
   config.num_train_steps = 2000
@@ -57,8 +65,18 @@ def get_config(arg: str | None = None):
   config.optimizer.b1 = 0.9
   config.optimizer.b2 = 0.99
   config.optimizer.grad_clip = 1.0
+  if gpt2:  # nanoGPT's config/train_gpt2.py (its batch of 12 x 1024 tokens without accumulation)
+    config.num_train_steps = 600_000
+    config.log_every = 10
+    config.eval_every = 2000
+    config.checkpoint_every = 2000
+    config.optimizer.learning_rate = 6e-4
+    config.optimizer.warmup_steps = 2000
+    config.optimizer.end_learning_rate = 6e-5
+    config.optimizer.b2 = 0.95
 
-  # Size preset: nano (4 layers, 4 heads, 128 dims, block 64), small (6, 6, 384, 256), tiny.
+  # Size preset: nano (4 layers, 4 heads, 128 dims, block 64), small (6, 6, 384, 256), tiny,
+  # gpt2 (GPT-2 small: 12, 12, 768, 1024).
   config.model.size = "nano"
   # Number of Transformer blocks (0: from the size).
   config.model.num_layers = 0
@@ -75,7 +93,12 @@ def get_config(arg: str | None = None):
   # Attention implementation: auto, reference, xla, blocked (weights are computed only for plots).
   config.model.implementation = "auto"
   # Position encoding: learned, sinusoidal, rotary (queries and keys rotated in attention), none.
-  config.model.position = "rotary"
+  config.model.position = "learned" if gpt2 else "rotary"
+  # Round the vocabulary up to a multiple of this (GPT-2: 50257 -> 50304, faster matmuls).
+  config.model.vocab_multiple = 64 if gpt2 else 1
+  # Compute dtype: float32, bfloat16 or float16 (loss-scaled); parameters, softmax, layer-norm
+  # statistics and losses stay float32 (attnlab/precision.py).
+  config.model.dtype = "float32"
   # MLP activation: gelu_tanh (fast on CPU), gelu (exact), relu.
   config.model.activation = "gelu_tanh"
   # Biases in Dense layers and LayerNorms.
@@ -85,12 +108,13 @@ def get_config(arg: str | None = None):
   # Dropout on the attention weights (runs the reference attention path while training).
   config.model.attention_dropout_rate = 0.0
 
-  # Dataset: tiny_shakespeare or addition.
+  # Dataset: tiny_shakespeare, addition or synthetic_tokens (random ids, for throughput).
   config.data.name = "tiny_shakespeare"
   # Tokenizer for tiny_shakespeare: char or subword (sentencepiece); addition is always char.
   config.data.tokenizer = "char"
-  # Subword vocabulary size (tokenizer=subword).
-  config.data.vocab_size = 1024
+  # Subword vocabulary size (tokenizer=subword); token ids of synthetic_tokens (GPT-2's 50257 with
+  # size=gpt2).
+  config.data.vocab_size = 50257 if gpt2 else 1024
   # Where subword tokenizers are cached ("": ~/.cache/attnlab/tokenizers).
   config.data.tokenizer_dir = ""
   # Folder holding tinyshakespeare/input.txt ("": $ATTNLAB_DATA_DIR, else download).

@@ -114,6 +114,9 @@ def get_config(arg: str | None = None):
   config.model.dropout_rate = 0.0
   # Weight of the REINFORCE loss that trains hard attention's scores (unused otherwise).
   config.model.reinforce_weight = 1.0
+  # Compute dtype: the RNN models compute in float32 only (model.name=transformer takes bfloat16
+  # and float16; attnlab/precision.py).
+  config.model.dtype = "float32"
 
   config_utils.apply_overrides(config, PRESETS.get(dataset, {}))
   return config_utils.finalize(config, arg, runlocal=RUNLOCAL, shortcuts=SHORTCUTS)

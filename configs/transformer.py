@@ -111,6 +111,9 @@ def get_config(arg: str | None = None):
   config.model.max_len = 0
   # Decoder layer whose head-averaged cross-attention is plotted by the task (-1: the last).
   config.model.weights_layer = -1
+  # Compute dtype: float32, bfloat16 or float16 (loss-scaled); parameters, softmax, layer-norm
+  # statistics and losses stay float32 (attnlab/precision.py).
+  config.model.dtype = "float32"
 
   config_utils.apply_overrides(config, PRESETS.get(dataset, {}))
   return config_utils.finalize(config, arg, runlocal=RUNLOCAL, shortcuts=SHORTCUTS)

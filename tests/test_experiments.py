@@ -210,6 +210,23 @@ def test_gpt_vs_nanogpt_benchmark(shared_data, tmp_path):
   assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)  # wall s, val loss
 
 
+def test_gpu_benchmark_smoke(tmp_path):
+  """benchmarks/gpu.py end to end on its CPU setting (tiny model, S=128): both tables."""
+  _needs_torch()
+  if not (SHARED / "anchors" / "nanogpt").is_dir():
+    pytest.skip(f"{SHARED / 'anchors' / 'nanogpt'} not found: nanoGPT's export beside the repo")
+  out = _run("benchmarks/gpu.py", "--smoke", "--impls=xla,torch", f"--scratch={tmp_path}")
+  assert out.startswith("uptime before:") and "uptime after:" in out
+  train_rows = _table(out, "contender", "ms/iter (rounds)")
+  assert set(train_rows) == {"attnlab:auto", "nanogpt"}
+  assert all(float(r[2].replace(",", "")) > 0 for r in train_rows.values())  # tokens/s
+  assert train_rows["nanogpt"][4] == "1.00x" and float(train_rows["attnlab:auto"][4][:-1]) > 0
+  attention = [r for r in _rows(out) if r[0] == "128"]
+  assert [r[1] for r in attention] == ["xla", "torch"]
+  assert attention[1][4] == "1.00x" and float(attention[0][4][:-1]) > 0
+  assert all(float(r[5]) < 0.05 for r in attention)  # bfloat16 context vs the float64 formula
+
+
 def test_seeds_benchmark():
   out = _run("benchmarks/seeds.py", "--configs=gpt", "--seeds=2", "--steps=2")
   row = _table(out, "config")["gpt"]

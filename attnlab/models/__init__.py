@@ -36,6 +36,8 @@ SIZES: dict[str, dict[str, dict[str, int]]] = {
         "mini": dict(num_layers=4, d_model=256, num_heads=4, mlp_dim=1024),
         # For tests and runlocal: seconds on a CPU.
         "test": dict(num_layers=2, d_model=32, num_heads=2, mlp_dim=64),
+        # BERT-base (Devlin et al. 2019): 12 layers, 768 dims, 12 heads, 512 positions (GPU).
+        "base": dict(num_layers=12, d_model=768, num_heads=12, mlp_dim=3072, max_len=512),
     },
     "gpt": {
         # nanoGPT's CPU setting for Shakespeare characters.
@@ -44,6 +46,8 @@ SIZES: dict[str, dict[str, dict[str, int]]] = {
         "small": dict(num_layers=6, num_heads=6, d_model=384, block_size=256),
         # For tests and runlocal: seconds on a CPU.
         "tiny": dict(num_layers=2, num_heads=2, d_model=32, block_size=32),
+        # GPT-2 small (124M with the vocabulary padded to 50304): nanoGPT's train_gpt2 (GPU).
+        "gpt2": dict(num_layers=12, num_heads=12, d_model=768, block_size=1024),
     },
     "transformer": {  # num_decoder_layers = num_layers
         # For tests and runlocal: seconds on a CPU.

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from attnlab import models as models_lib
+from attnlab import precision
 from attnlab.errors import ConfigError
 from attnlab.attention import masks as masks_lib
 from attnlab.layers import Dense
@@ -225,7 +226,8 @@ def config_kwargs(config: Any, vocab_size: int) -> dict[str, Any]:
   return dict(vocab_size=vocab_size, **{key: m[key] for key in fields},
               # Written by attnlab import-hf; absent from older configs (BERT's values).
               layer_norm_epsilon=m.get("layer_norm_epsilon", 1e-12),
-              type_vocab_size=m.get("type_vocab_size", NUM_SEGMENTS))
+              type_vocab_size=m.get("type_vocab_size", NUM_SEGMENTS),
+              dtype=precision.compute_dtype(m, "bert"))
 
 
 def from_config(config: Any, vocab_size: int, num_classes: int = 0) -> BertHyperparameters:

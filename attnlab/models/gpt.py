@@ -38,6 +38,7 @@ import numpy as np
 
 from attnlab import decoding
 from attnlab import models as models_lib
+from attnlab import precision
 from attnlab.errors import ConfigError
 from attnlab.layers import Embeddings
 from attnlab.layers import LayerNorm
@@ -146,14 +147,16 @@ def from_config(model_cfg: Any, vocab_size: int) -> GPT:
   """The GPT of `config.model`: size preset, explicit dims (0 = from the size) and options.
 
   Keys an imported checkpoint's config adds (absent = the default): model.layer_norm_epsilon
-  (1e-5) and model.vocab_size (0 = the tokenizer's size, `vocab_size`).
+  (1e-5) and model.vocab_size (0 = the tokenizer's size, `vocab_size`); model.dtype (float32)
+  is the compute dtype (attnlab.precision).
   """
   dims = models_lib.config_dims("gpt", model_cfg)
   fields = ("mlp_ratio", "dropout_rate", "attention_dropout_rate", "score", "implementation",
             "position", "activation", "use_bias")
   try:
     model = GPT(vocab_size=vocab_size, **dims, **{key: model_cfg[key] for key in fields},
-                layer_norm_epsilon=model_cfg.get("layer_norm_epsilon", 1e-5))
+                layer_norm_epsilon=model_cfg.get("layer_norm_epsilon", 1e-5),
+                dtype=precision.compute_dtype(model_cfg, "gpt"))
     check_config(model)
   except ValueError as e:
     raise ConfigError(f"config.model: {e}") from None

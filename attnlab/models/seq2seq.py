@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from attnlab import models as models_lib
+from attnlab import precision
 from attnlab.attention import core as attn_core
 from attnlab.attention import masks as attn_masks
 from attnlab.attention import scores as attn_scores
@@ -338,6 +339,7 @@ def from_config(model_config: Any, src_vocab_size: int, tgt_vocab_size: int,
   """
   models_lib.check_choices(model_config,
                            {"cell": CELLS, "attention": ATTENTIONS, "window": WINDOWS})
+  precision.compute_dtype(model_config, "seq2seq")  # float32 only: ConfigError otherwise
   fields = ("embed_dim", "hidden_dim", "cell", "num_layers", "bidirectional", "attention", "score",
             "window", "local_half_width", "input_feeding", "cosine_beta", "dropout_rate")
   return Seq2Seq(src_vocab_size, tgt_vocab_size, attn_dim=model_config.attn_dim or None,

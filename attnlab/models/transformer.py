@@ -45,6 +45,7 @@ import numpy as np
 
 from attnlab import decoding
 from attnlab import models as models_lib
+from attnlab import precision
 from attnlab.attention import masks as masks_lib
 from attnlab.layers import Dense
 from attnlab.layers import Embeddings
@@ -99,6 +100,8 @@ class Transformer(nn.Module):
   max_len: int = 64
   # Decoder layer whose head-averaged cross-attention decode_step reports (-1: the last).
   weights_layer: int = -1
+  # Compute dtype (None: float32; parameters stay float32, logits are float32; attnlab.precision).
+  dtype: Any = None
 
   def setup(self):
     if self.position not in POSITIONS or self.position == "none":
@@ -115,7 +118,8 @@ class Transformer(nn.Module):
     # Token tables start at unit scale, like the sinusoids they are added to.
     embed = lambda vocab, name: Embeddings(
         vocab, self.d_model, self.max_len, position=self.position,
-        dropout_rate=self.dropout_rate, embedding_init=nn.initializers.normal(1.0), name=name)
+        dropout_rate=self.dropout_rate, embedding_init=nn.initializers.normal(1.0),
+        dtype=self.dtype, name=name)
     if self.share_embeddings == "all":
       self.src_embed = embed(max(self.src_vocab_size, self.tgt_vocab_size), "embed")
       self.tgt_embed = self.src_embed
@@ -126,17 +130,17 @@ class Transformer(nn.Module):
                  attention_dropout_rate=self.attention_dropout_rate, score=self.score,
                  implementation=self.implementation, norm_position=self.norm_position,
                  activation=self.activation, max_len=self.max_len,
-                 rotary=self.position == "rotary")
+                 rotary=self.position == "rotary", dtype=self.dtype)
     self.encoder_layers = [TransformerBlock(**block, name=f"encoder_layer_{i}")
                            for i in range(self.num_layers)]
     self.decoder_layers = [TransformerBlock(**block, causal=True, cross_attention=True,
                                         name=f"decoder_layer_{i}")
                            for i in range(self.decoder_depth)]
     if self.norm_position == "pre":
-      self.encoder_norm = nn.LayerNorm(name="encoder_norm")
-      self.decoder_norm = nn.LayerNorm(name="decoder_norm")
+      self.encoder_norm = nn.LayerNorm(dtype=self.dtype, name="encoder_norm")
+      self.decoder_norm = nn.LayerNorm(dtype=self.dtype, name="decoder_norm")
     if self.share_embeddings == "none":
-      self.output = Dense(self.tgt_vocab_size, name="output")
+      self.output = Dense(self.tgt_vocab_size, dtype=self.dtype, name="output")
 
   @property
   def max_decode_len(self) -> int:
@@ -176,9 +180,9 @@ class Transformer(nn.Module):
     if self.norm_position == "pre":
       y = self.decoder_norm(y)
     if self.share_embeddings == "none":
-      return self.output(y)  # [batch, tgt_len, tgt_vocab]
+      return self.output(y).astype(jnp.float32)  # [batch, tgt_len, tgt_vocab]
     logits = self.tgt_embed.attend(y) * self.d_model ** -0.5  # [batch, tgt_len, vocab]
-    return logits[..., :self.tgt_vocab_size]
+    return logits[..., :self.tgt_vocab_size].astype(jnp.float32)
 
   def __call__(self, src: Array, src_lengths: Array, tgt_in: Array, *, deterministic: bool = True
                ) -> tuple[Array, dict[str, Array]]:
@@ -321,4 +325,5 @@ def from_config(model_config: Any, src_vocab_size: int, tgt_vocab_size: int,
             "share_embeddings", "norm_position", "activation", "weights_layer")
   return Transformer(src_vocab_size, tgt_vocab_size, **dims, max_len=max_len,
                      num_decoder_layers=model_config.num_decoder_layers or dims["num_layers"],
+                     dtype=precision.compute_dtype(model_config, "transformer"),
                      **{key: model_config[key] for key in fields})

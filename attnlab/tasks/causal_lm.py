@@ -17,6 +17,9 @@ Datasets (config.data.name):
   exactly the answer and `<end>`. It is computed in one teacher-forced pass: greedy decoding
   reproduces the answer iff the argmax at every answer position equals the target (each greedy
   step then sees exactly the teacher-forced prefix).
+- `synthetic_tokens`: uniform random token ids in [0, data.vocab_size) drawn from the seed (no
+  files), sampled in windows like the text; for throughput measurements (the loss stays at
+  ln(vocab_size)). Its "text" is token ids separated by spaces (data.tokenizer is ignored).
 
 Metrics: loss (mean cross-entropy per target token, nats), perplexity = exp(loss), token
 accuracy, and for addition exact_match.
@@ -47,7 +50,11 @@ from attnlab.tasks.base import Task
 from attnlab.tasks.base import data_location
 
 # Datasets this task trains on.
-DATASETS = ("tiny_shakespeare", "addition")
+DATASETS = ("tiny_shakespeare", "addition", "synthetic_tokens")
+# synthetic_tokens: tokens in the training stream (windows are drawn from it as from a text) and
+# validation windows.
+SYNTHETIC_TRAIN_TOKENS = 1 << 20
+SYNTHETIC_EVAL_WINDOWS = 8
 # Tokenizers for tiny_shakespeare (addition always uses characters); hf and ids are those of an
 # imported checkpoint (attnlab.data.hf_tokenizer), read from data.tokenizer_path.
 TOKENIZERS = ("char", "subword", "hf", "ids")
@@ -73,7 +80,9 @@ class CausalLMTask(Task):
     check_choice("data.name", d.name, DATASETS)
     check_choice("data.tokenizer", d.tokenizer, TOKENIZERS)
     try:
-      if d.name == "tiny_shakespeare":
+      if d.name == "synthetic_tokens":
+        self._setup_synthetic(d)
+      elif d.name == "tiny_shakespeare":
         self._setup_shakespeare(d)
       else:
         self._setup_addition(d)
@@ -83,6 +92,10 @@ class CausalLMTask(Task):
     if vocab_size < len(self.tokenizer):
       raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the tokenizer's "
                         f"{len(self.tokenizer)} tokens; raise it or set 0 (the tokenizer's size)")
+    multiple = config.model.get("vocab_multiple", 1)
+    if multiple < 1:
+      raise ConfigError(f"model.vocab_multiple must be >= 1 (1: no padding), got {multiple}")
+    vocab_size = -(-vocab_size // multiple) * multiple  # rows past the tokenizer's are never seen
     self.model = gpt_lib.from_config(config.model, vocab_size)
     self.block_size = self.model.block_size
     if self.seq_len > self.block_size:
@@ -106,6 +119,15 @@ class CausalLMTask(Task):
                                              lambda: [self._texts()[0]], d.tokenizer_dir)
     self.tokenizer = self.asset_tokenizer("tokenizer", build)
 
+  def _setup_synthetic(self, d) -> None:
+    # Token ids are drawn in _text_ids; "text" is written as ids (hf_tokenizer.IdTokenizer).
+    if d.vocab_size < 2:
+      raise ConfigError(f"synthetic_tokens needs data.vocab_size >= 2, got {d.vocab_size}")
+    self.train_ids = self.val_ids = None
+    self.seq_len = 0  # windows of block_size
+    self.tokenizer = self.asset_tokenizer("tokenizer", lambda: hf_tokenizer.IdTokenizer(
+        d.vocab_size))
+
   def _texts(self) -> tuple[str, str]:
     """(training text, validation text) of Tiny Shakespeare."""
     return tuple(data_lib.get_dataset("tiny_shakespeare", split,
@@ -113,14 +135,21 @@ class CausalLMTask(Task):
                  for split in ("train", "validation"))
 
   def _text_ids(self) -> None:
-    """Reads and encodes the text on first use."""
-    if self.seq_len == 0 and self.train_ids is None:
-      try:
-        train_text, val_text = self._texts()
-      except data_lib.DataError as e:
-        raise ConfigError(f"causal_lm data ({self.config.data.name}): {e}") from e
-      self.train_ids = np.asarray(self.tokenizer.encode(train_text), np.int32)
-      self.val_ids = np.asarray(self.tokenizer.encode(val_text), np.int32)
+    """Reads and encodes the text on first use (draws the ids of synthetic_tokens)."""
+    if self.seq_len or self.train_ids is not None:
+      return
+    if self.config.data.name == "synthetic_tokens":
+      rng = np.random.default_rng([self.config.seed, 1])
+      vocab, block = len(self.tokenizer), self.block_size
+      self.train_ids = rng.integers(0, vocab, max(SYNTHETIC_TRAIN_TOKENS, 4 * block), np.int32)
+      self.val_ids = rng.integers(0, vocab, SYNTHETIC_EVAL_WINDOWS * block + 1, np.int32)
+      return
+    try:
+      train_text, val_text = self._texts()
+    except data_lib.DataError as e:
+      raise ConfigError(f"causal_lm data ({self.config.data.name}): {e}") from e
+    self.train_ids = np.asarray(self.tokenizer.encode(train_text), np.int32)
+    self.val_ids = np.asarray(self.tokenizer.encode(val_text), np.int32)
 
   def validation_ids(self) -> np.ndarray:
     """Token ids `[n]` of Tiny Shakespeare's validation text (read on first use, as for training;
@@ -232,6 +261,8 @@ class CausalLMTask(Task):
   @property
   def default_prompt(self) -> str:
     """A prompt that suits the dataset."""
+    if self.config.data.name == "synthetic_tokens":
+      return "0"
     return "12+34=" if self.seq_len else "ROMEO:"
 
   def encode_prompt(self, text: str) -> np.ndarray:

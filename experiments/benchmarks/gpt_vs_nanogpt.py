@@ -73,13 +73,21 @@ VAL_LINE = re.compile(r"^step (\d+): train loss ([\d.]+), val loss ([\d.]+)")
 # ----------------------------------------------------------------------------- nanoGPT
 
 
+def copy_nanogpt(scratch: pathlib.Path, nanogpt_dir: pathlib.Path) -> pathlib.Path:
+  """nanoGPT's files copied, unmodified, into scratch/nanogpt (once); returns that folder."""
+  work = scratch / "nanogpt"
+  if not (work / "train.py").exists():
+    shutil.copytree(nanogpt_dir, work, dirs_exist_ok=True)
+  return work
+
+
 def prepare_nanogpt(scratch: pathlib.Path, nanogpt_dir: pathlib.Path,
                     data_dir: pathlib.Path) -> pathlib.Path:
   """Copies nanoGPT into scratch/nanogpt and prepares its data offline; returns that folder."""
   work = scratch / "nanogpt"
   if (work / "data" / "shakespeare_char" / "train.bin").exists():
     return work
-  shutil.copytree(nanogpt_dir, work, dirs_exist_ok=True)
+  copy_nanogpt(scratch, nanogpt_dir)
   char_dir = work / "data" / "shakespeare_char"
   shutil.copy(data_dir / "tinyshakespeare" / "input.txt", char_dir / "input.txt")
   source = (char_dir / "prepare.py").read_text()
@@ -90,13 +98,15 @@ def prepare_nanogpt(scratch: pathlib.Path, nanogpt_dir: pathlib.Path,
 
 
 def run_nanogpt(work: pathlib.Path, iters: int, eval_interval: int, out_dir: pathlib.Path,
-                passive: bool = False):
+                passive: bool = False, args: list[str] | None = None):
   """Runs nanoGPT's train.py for `iters` iterations: (per-iter ms list, wall s, last val loss).
 
   passive: OMP_WAIT_POLICY=PASSIVE in its environment (torch's OpenMP threads sleep instead of
-  spinning; nanoGPT itself unchanged).
+  spinning; nanoGPT itself unchanged). args: its config arguments (default NANOGPT_ARGS, the CPU
+  setting; benchmarks/gpu.py passes its GPU setting).
   """
-  cmd = [sys.executable, "train.py", *NANOGPT_ARGS, f"--max_iters={iters}",
+  cmd = [sys.executable, "train.py", *(NANOGPT_ARGS if args is None else args),
+         f"--max_iters={iters}",
          f"--eval_interval={eval_interval}", f"--out_dir={out_dir}"]
   env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE") if passive else None
   start = time.perf_counter()
@@ -133,11 +143,20 @@ def attnlab_arg(contender: str, implementation: str, data_dir: pathlib.Path, ste
 
 def worker(args) -> None:
   """Times `args.iters` attnlab train steps like nanoGPT's loop; prints them as JSON."""
-  from attnlab import config_utils, parallel, tasks, train  # pylint: disable=g-import-not-at-top
-  from attnlab import state as state_lib  # pylint: disable=g-import-not-at-top
+  from attnlab import config_utils  # pylint: disable=g-import-not-at-top
 
   arg = attnlab_arg(args.contender, args.implementation, pathlib.Path(args.data_dir), 2000)
   config = config_utils.load_config_file(f"{REPO / 'configs' / 'gpt.py'}:{arg}")
+  print("TIMES " + json.dumps(time_train_steps(config, args.iters)), flush=True)
+
+
+def time_train_steps(config, iters: int) -> list[float]:
+  """ms of each of `iters` steps of the real trainer's pieces for `config` (task, optimizer,
+  train step on the config's mesh, training-batch iterator), timed as nanoGPT's loop times an
+  iteration: fetch the batch, train step, host sync on the loss; step to step wall clock."""
+  from attnlab import parallel, tasks, train  # pylint: disable=g-import-not-at-top
+  from attnlab import state as state_lib  # pylint: disable=g-import-not-at-top
+
   parallel.use_cpu_devices(config.mesh.cpu_devices, config.batch_size, config.mesh)  # as the trainer
   mesh = parallel.make_mesh(config)
   task = tasks.build_task(config)
@@ -148,14 +167,14 @@ def worker(args) -> None:
                                      state_shardings=parts.shardings)
   times = []
   t0 = time.perf_counter()
-  for _ in range(args.iters):
+  for _ in range(iters):
     batch = next(iterator)
     state, metrics = train_step(state, batch, train_rng)
     float(metrics["loss"])  # host sync, as nanoGPT's loss.item()
     t1 = time.perf_counter()
     times.append((t1 - t0) * 1e3)
     t0 = t1
-  print("TIMES " + json.dumps(times), flush=True)
+  return times
 
 
 def run_attnlab_worker(contender: str, args) -> list[float]:
