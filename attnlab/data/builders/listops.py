@@ -11,11 +11,14 @@ Tokens: the ten digits, the four operator names, "[" and "]" (`VOCAB`). Nesting 
 inside operators, the outermost at depth 1) is at most `max_depth` (LRA: 10).
 
 Generator (written from the paper's description): each example's length in tokens is drawn
-uniformly from [min_len, max_len] (the paper: 500-2000), then a random tree of exactly that length
-is grown top-down: an operator node of length n has 3 tokens of its own ("[", the operator, "]")
-and splits the other n - 3 among 2..max_args arguments, each a digit (1 token) or a subtree
-(>= 5 tokens, no longer than the nesting depth left allows); the number of arguments, how many
-of them are subtrees, and the subtrees' lengths are drawn uniformly among the feasible choices.
+uniformly from the lengths in [min_len, max_len] (the paper: 500-2000) that such an expression can
+have (`possible_lengths`: with few arguments some lengths are impossible), then a random tree of
+exactly that length is grown top-down: an operator node of length n has 3 tokens of its own ("[",
+the operator, "]") and splits the other n - 3 among k = 2..max_args arguments, s of them subtrees
+(>= 5 tokens, within the nesting depth left) and k - s digits; k is uniform among the feasible
+numbers, then s uniform among the feasible ones for that k, and the subtrees' lengths are the
+feasible lengths nearest to Dirichlet(1, ..., 1) shares of their total (feasibility comes from
+exact tables of the reachable lengths per depth, so the tree always closes at the drawn length).
 The operator of each node and each digit are uniform. Split i is drawn from
 `np.random.default_rng([seed, i])`, so the same config gives the same examples everywhere.
 
@@ -29,6 +32,7 @@ Examples: `{"expression": str (space-separated tokens), "label": int (0-9)}`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Iterator, Mapping
 
 import numpy as np
@@ -64,61 +68,148 @@ def apply_operator(op: str, values: list[int]) -> int:
   raise ValueError(f"unknown ListOps operator {op!r}; valid: {', '.join(OPERATORS)}")
 
 
+def evaluate(expression: str) -> int:
+  """The value of a space-separated ListOps expression (DataError naming the token if it is not
+  one)."""
+  stack: list[list] = []  # open operators: [operator, argument values...]
+  result = None
+  tokens = expression.split()
+  for i, token in enumerate(tokens):
+    if token == OPEN:
+      if i + 1 >= len(tokens) or tokens[i + 1] not in OPERATORS:
+        raise DataError(f"listops: '[' at token {i} is not followed by an operator")
+      stack.append([])
+    elif token in OPERATORS:
+      if not stack or stack[-1]:
+        raise DataError(f"listops: operator {token} at token {i} does not follow '['")
+      stack[-1].append(token)
+    elif token == CLOSE:
+      if not stack or len(stack[-1]) < 3:
+        raise DataError(f"listops: ']' at token {i} closes no operator with >= 2 arguments")
+      op, *values = stack.pop()
+      value = apply_operator(op, values)
+      if stack:
+        stack[-1].append(value)
+      elif result is None and i == len(tokens) - 1:
+        result = value
+      else:
+        raise DataError(f"listops: tokens after the end of the expression at token {i}")
+    elif token in DIGITS:
+      if stack:
+        stack[-1].append(int(token))
+      elif len(tokens) == 1:
+        result = int(token)
+      else:
+        raise DataError(f"listops: digit {token} at token {i} is outside any operator")
+    else:
+      raise DataError(f"listops: unknown token {token!r} at {i}; valid: {' '.join(VOCAB)}")
+  if stack or result is None:
+    raise DataError(f"listops: {len(stack)} unclosed '[' in {expression[:60]!r}")
+  return result
+
+
 def capacity(levels: int, max_args: int) -> int:
   """The most tokens of an expression with at most `levels` nested operators (0: one digit)."""
   return 1 if levels <= 0 else _NODE_TOKENS + max_args * capacity(levels - 1, max_args)
 
 
-def _feasible_counts(total: int, max_args: int, cap: int) -> list[tuple[int, int]]:
-  """(arguments k, subtrees s) pairs that can split `total` tokens: k - s digits, s subtrees of
-  _MIN_SUBTREE..cap tokens each."""
-  pairs = []
-  for k in range(2, min(max_args, total) + 1):
-    extra = total - k  # tokens beyond one per argument
-    for s in range(0, k + 1):
-      if cap < _MIN_SUBTREE and s:
-        break
-      lo, hi = (_MIN_SUBTREE - 1) * s, (cap - 1) * s
-      if lo <= extra <= hi:
-        pairs.append((k, s))
-  return pairs
+def _bits(mask: int) -> list[int]:
+  """The set bits of `mask` (the members of a set of lengths kept as a bit mask)."""
+  out, i = [], 0
+  while mask:
+    if mask & 1:
+      out.append(i)
+    mask >>= 1
+    i += 1
+  return out
 
 
-def _split(rng: np.random.Generator, total: int, max_args: int, cap: int) -> list[int]:
-  """Lengths of the arguments of a node whose arguments have `total` tokens together."""
-  pairs = _feasible_counts(total, max_args, cap)
+@functools.lru_cache(maxsize=32)
+def _tables(levels: int, max_args: int, limit: int) -> tuple[list[int], list[list[int]]]:
+  """Which lengths (<= limit) can be built, as bit masks.
+
+  Returns (lengths, sums): lengths[h] has bit n set when an expression of n tokens with at most h
+  nested operators exists (h = 0: n = 1, a digit); sums[h][j] has bit n set when j subtrees
+  (operator expressions, >= 5 tokens) of at most h levels can have n tokens together.
+  Not every length is possible: with max_args=4 an operator of 8 tokens would need 5 digits.
+  """
+  keep = (1 << (limit + 1)) - 1
+  lengths, sums = [1 << 1], []
+  for h in range(levels + 1):
+    subtrees = _bits(lengths[h] & ~(1 << 1))
+    by_count = [1]  # j = 0 subtrees: 0 tokens
+    for _ in range(max_args):
+      acc, prev = 0, by_count[-1]
+      for p in subtrees:
+        acc |= prev << p
+      by_count.append(acc & keep)
+    sums.append(by_count)
+    if h == levels:
+      break
+    # An operator with h + 1 levels: 3 tokens + (k - s) digits + s subtrees of <= h levels.
+    nxt = 1 << 1
+    for k in range(2, max_args + 1):
+      for s in range(k + 1):
+        nxt |= by_count[s] << (_NODE_TOKENS + k - s)
+    lengths.append(nxt & keep)
+  return lengths, sums
+
+
+def _limit(length: int) -> int:
+  """The table size used for expressions of `length` tokens (a power of two: few tables)."""
+  return max(64, 1 << (length - 1).bit_length())
+
+
+def possible_lengths(max_depth: int, max_args: int, low: int, high: int) -> list[int]:
+  """The lengths in [low, high] that an expression with these limits can have."""
+  lengths, _ = _tables(max_depth, max_args, _limit(high))
+  return [n for n in _bits(lengths[max_depth]) if low <= n <= high]
+
+
+def _split(rng: np.random.Generator, inner: int, levels: int, max_args: int,
+           sums: list[list[int]]) -> list[int]:
+  """Lengths of the arguments of an operator node with `levels` levels whose arguments have
+  `inner` tokens together (module docstring: k, then the number of subtrees s, uniform among the
+  feasible ones; the subtrees' lengths near Dirichlet shares of their total)."""
+  child = sums[levels - 1]  # sums of subtrees of <= levels - 1 levels
+  pairs = [(k, s) for k in range(2, max_args + 1) for s in range(k + 1)
+           if inner - (k - s) >= 0 and (child[s] >> (inner - (k - s))) & 1]
   if not pairs:
-    raise ValueError(f"cannot split {total} tokens into 2..{max_args} arguments of at most {cap}")
+    raise ValueError(f"no arguments of {inner} tokens fit {levels} levels and {max_args} "
+                     f"arguments")
   ks = sorted({k for k, _ in pairs})
   k = ks[rng.integers(len(ks))]
   ss = [s for kk, s in pairs if kk == k]
   s = ss[rng.integers(len(ss))]
-  if s == 0:
-    return [1] * k
-  # s subtrees of _MIN_SUBTREE + e_i tokens, sum e_i = spare, 0 <= e_i <= cap - _MIN_SUBTREE.
-  spare = total - (k - s) - _MIN_SUBTREE * s
-  room = cap - _MIN_SUBTREE
-  extra = np.zeros(s, np.int64)
-  if spare:
-    weights = rng.dirichlet(np.ones(s))
-    extra = np.minimum(np.floor(weights * spare).astype(np.int64), room)
-    left = spare - int(extra.sum())
-    while left:  # hand out the rounding remainder (and any overflow) one token at a time
-      open_ = np.flatnonzero(extra < room)
-      i = open_[rng.integers(len(open_))]
-      extra[i] += 1
-      left -= 1
-  lengths = [1] * (k - s) + [_MIN_SUBTREE + int(e) for e in extra]
+  left = inner - (k - s)  # tokens of the s subtrees
+  shares = rng.dirichlet(np.ones(s)) if s else np.zeros(0)
+  parts = []
+  for i in range(s - 1):
+    target = left * shares[i] / shares[i:].sum()
+    rest = s - i - 1
+    ok = lambda p: (_MIN_SUBTREE <= p <= left and (child[1] >> p) & 1  # noqa: E731
+                    and (child[rest] >> (left - p)) & 1)
+    center = int(round(target))
+    for distance in range(left + 1):  # the feasible lengths nearest the target, ties at random
+      choices = [p for p in {center - distance, center + distance} if ok(p)]
+      if choices:
+        break
+    p = sorted(choices)[rng.integers(len(choices))]
+    parts.append(p)
+    left -= p
+  if s:
+    parts.append(left)
+  lengths = [1] * (k - s) + parts
   return [lengths[i] for i in rng.permutation(k)]
 
 
 def random_expression(rng: np.random.Generator, length: int, max_depth: int = 10,
                       max_args: int = 10) -> tuple[list[str], int]:
   """(tokens, value) of a random expression of exactly `length` tokens (module docstring)."""
-  if length != 1 and length < _MIN_SUBTREE:
-    raise ValueError(f"an expression has 1 or >= {_MIN_SUBTREE} tokens, not {length}")
-  if length > capacity(max_depth, max_args):
-    raise ValueError(f"{length} tokens need more nesting than max_depth={max_depth} allows")
+  lengths, sums = _tables(max_depth, max_args, _limit(length))
+  if not (lengths[max_depth] >> length) & 1:
+    raise ValueError(f"no expression has {length} tokens with max_depth={max_depth} and "
+                     f"max_args={max_args}")
   tokens: list[str] = []
 
   def grow(n: int, levels: int) -> int:
@@ -128,7 +219,7 @@ def random_expression(rng: np.random.Generator, length: int, max_depth: int = 10
       return digit
     op = OPERATORS[rng.integers(len(OPERATORS))]
     tokens.extend((OPEN, op))
-    parts = _split(rng, n - _NODE_TOKENS, max_args, capacity(levels - 1, max_args))
+    parts = _split(rng, n - _NODE_TOKENS, levels, max_args, sums)
     values = [grow(p, levels - 1) for p in parts]
     tokens.append(CLOSE)
     return apply_operator(op, values)
@@ -187,16 +278,19 @@ class Listops(generated.GeneratedBuilder, skip_registration=True):
       raise DataError(f"listops: need max_depth >= 1 and max_args >= 2, got "
                       f"max_depth={config.max_depth}, max_args={config.max_args}")
     most = capacity(config.max_depth, config.max_args)
-    if config.max_len > most:
-      raise DataError(f"listops: max_len={config.max_len} tokens cannot be reached with "
+    if config.max_len > most or not possible_lengths(config.max_depth, config.max_args,
+                                                     config.min_len, config.max_len):
+      raise DataError(f"listops: no expression of {config.min_len}-{config.max_len} tokens has "
                       f"max_depth={config.max_depth} and max_args={config.max_args} (at most "
-                      f"{most}); raise max_depth or max_args, or lower max_len")
+                      f"{capacity(config.max_depth, config.max_args)} tokens); raise max_depth or "
+                      f"max_args, or lower max_len")
 
   @classmethod
   def generate(cls, config: ListopsConfig, split: str, rng: np.random.Generator,
                count: int) -> Iterator[dict[str, Any]]:
+    lengths = possible_lengths(config.max_depth, config.max_args, config.min_len, config.max_len)
     for _ in range(count):
-      length = int(rng.integers(config.min_len, config.max_len + 1))
+      length = lengths[rng.integers(len(lengths))]
       tokens, value = random_expression(rng, length, config.max_depth, config.max_args)
       yield {"expression": " ".join(tokens), "label": value}
 
