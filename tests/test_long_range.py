@@ -188,13 +188,13 @@ def test_pathfinder_labels_equal_flood_fill(tfds_dir):
   examples = data.get_dataset("pathfinder", "train", data_dir=tfds_dir, config="runlocal")
   labels = check_pathfinder(examples, config)
   assert len(labels) == 200 and 70 <= sum(labels) <= 130
-  # Other settings: longer paths, more distractors, wider gaps.
-  harder = pathfinder.Pathfinder.custom_config("runlocal", path_len=30, num_distractors=3,
-                                               gap_len=2, dash_len=2)
+  # Other settings: more distractors, curvier paths, wider gaps.
+  harder = pathfinder.Pathfinder.custom_config("runlocal", path_len=20, num_distractors=3,
+                                               gap_len=2, dash_len=2, max_turn=0.5)
   rng = np.random.default_rng(7)
-  labels = check_pathfinder(list(pathfinder.Pathfinder.generate(harder, "train", rng, 60)),
+  labels = check_pathfinder(list(pathfinder.Pathfinder.generate(harder, "train", rng, 40)),
                             harder)
-  assert 0 < sum(labels) < 60
+  assert 0 < sum(labels) < 40
 
 
 # ---------------------------------------------------------------------------------------------

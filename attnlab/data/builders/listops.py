@@ -155,6 +155,17 @@ def _tables(levels: int, max_args: int, limit: int) -> tuple[list[int], list[lis
   return lengths, sums
 
 
+@functools.lru_cache(maxsize=32)
+def _sum_arrays(levels: int, max_args: int, limit: int) -> np.ndarray:
+  """bool `[levels + 1, max_args + 1, limit + 1]`: `_tables`' sums as arrays (fast lookups)."""
+  _, sums = _tables(levels, max_args, limit)
+  out = np.zeros((levels + 1, max_args + 1, limit + 1), bool)
+  for h, by_count in enumerate(sums):
+    for j, mask in enumerate(by_count):
+      out[h, j, _bits(mask)] = True
+  return out
+
+
 def _limit(length: int) -> int:
   """The table size used for expressions of `length` tokens (a power of two: few tables)."""
   return max(64, 1 << (length - 1).bit_length())
@@ -166,14 +177,24 @@ def possible_lengths(max_depth: int, max_args: int, low: int, high: int) -> list
   return [n for n in _bits(lengths[max_depth]) if low <= n <= high]
 
 
-def _split(rng: np.random.Generator, inner: int, levels: int, max_args: int,
-           sums: list[list[int]]) -> list[int]:
+@functools.lru_cache(maxsize=1 << 16)
+def _pairs(table: tuple[int, int, int], levels: int, inner: int) -> tuple[tuple[int, int], ...]:
+  """The (arguments k, subtrees s) that can share `inner` tokens under an operator with `levels`
+  levels; `table` = (max_depth, max_args, limit) of `_sum_arrays`."""
+  max_args = table[1]
+  child = _sum_arrays(*table)[levels - 1]
+  return tuple((k, s) for k in range(2, max_args + 1) for s in range(k + 1)
+               if 0 <= inner - (k - s) < child.shape[1] and child[s, inner - (k - s)])
+
+
+def _split(rng: np.random.Generator, inner: int, levels: int,
+           table: tuple[int, int, int]) -> list[int]:
   """Lengths of the arguments of an operator node with `levels` levels whose arguments have
   `inner` tokens together (module docstring: k, then the number of subtrees s, uniform among the
   feasible ones; the subtrees' lengths near Dirichlet shares of their total)."""
-  child = sums[levels - 1]  # sums of subtrees of <= levels - 1 levels
-  pairs = [(k, s) for k in range(2, max_args + 1) for s in range(k + 1)
-           if inner - (k - s) >= 0 and (child[s] >> (inner - (k - s))) & 1]
+  # [max_args + 1, limit + 1]: which sums j subtrees of <= levels - 1 levels can have
+  child = _sum_arrays(*table)[levels - 1]
+  pairs = _pairs(table, levels, inner)
   if not pairs:
     raise ValueError(f"no arguments of {inner} tokens fit {levels} levels and {max_args} "
                      f"arguments")
@@ -187,8 +208,8 @@ def _split(rng: np.random.Generator, inner: int, levels: int, max_args: int,
   for i in range(s - 1):
     target = left * shares[i] / shares[i:].sum()
     rest = s - i - 1
-    ok = lambda p: (_MIN_SUBTREE <= p <= left and (child[1] >> p) & 1  # noqa: E731
-                    and (child[rest] >> (left - p)) & 1)
+    ok = lambda p: (_MIN_SUBTREE <= p <= left and child[1, p]  # noqa: E731
+                    and child[rest, left - p])
     center = int(round(target))
     for distance in range(left + 1):  # the feasible lengths nearest the target, ties at random
       choices = [p for p in {center - distance, center + distance} if ok(p)]
@@ -206,7 +227,8 @@ def _split(rng: np.random.Generator, inner: int, levels: int, max_args: int,
 def random_expression(rng: np.random.Generator, length: int, max_depth: int = 10,
                       max_args: int = 10) -> tuple[list[str], int]:
   """(tokens, value) of a random expression of exactly `length` tokens (module docstring)."""
-  lengths, sums = _tables(max_depth, max_args, _limit(length))
+  table = (max_depth, max_args, _limit(length))
+  lengths, _ = _tables(*table)
   if not (lengths[max_depth] >> length) & 1:
     raise ValueError(f"no expression has {length} tokens with max_depth={max_depth} and "
                      f"max_args={max_args}")
@@ -219,7 +241,7 @@ def random_expression(rng: np.random.Generator, length: int, max_depth: int = 10
       return digit
     op = OPERATORS[rng.integers(len(OPERATORS))]
     tokens.extend((OPEN, op))
-    parts = _split(rng, n - _NODE_TOKENS, levels, max_args, sums)
+    parts = _split(rng, n - _NODE_TOKENS, levels, table)
     values = [grow(p, levels - 1) for p in parts]
     tokens.append(CLOSE)
     return apply_operator(op, values)
