@@ -267,6 +267,7 @@ class Listops(generated.GeneratedBuilder, skip_registration=True):
   """Generated ListOps expressions and their values (module docstring)."""
 
   name = "listops"
+  # The examples are a function of the generator's code: a change to it needs a new VERSION.
   CONFIG_CLASS = ListopsConfig
   BUILDER_CONFIGS = [
       ListopsConfig(name="runlocal", description="seconds-long checks", num_train=200,

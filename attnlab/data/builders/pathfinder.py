@@ -152,6 +152,7 @@ class Pathfinder(generated.GeneratedBuilder, skip_registration=True):
   """Generated Pathfinder images and their connectivity labels (module docstring)."""
 
   name = "pathfinder"
+  # The examples are a function of the generator's code: a change to it needs a new VERSION.
   CONFIG_CLASS = PathfinderConfig
   BUILDER_CONFIGS = [
       PathfinderConfig(name="runlocal", description="seconds-long checks", num_train=200,
