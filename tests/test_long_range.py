@@ -188,6 +188,11 @@ def test_pathfinder_labels_equal_flood_fill(tfds_dir):
   examples = data.get_dataset("pathfinder", "train", data_dir=tfds_dir, config="runlocal")
   labels = check_pathfinder(examples, config)
   assert len(labels) == 200 and 70 <= sum(labels) <= 130
+  # The markers' distance does not give the label away: about equal means in both classes.
+  distance = {0: [], 1: []}
+  for ex in examples:
+    distance[ex["label"]].append(np.hypot(*(ex["markers"][0] - ex["markers"][1])))
+  assert abs(np.mean(distance[0]) - np.mean(distance[1])) < 2.0
   # Other settings: more distractors, curvier paths, wider gaps.
   harder = pathfinder.Pathfinder.custom_config("runlocal", path_len=20, num_distractors=3,
                                                gap_len=2, dash_len=2, max_turn=0.5)

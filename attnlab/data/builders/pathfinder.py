@@ -13,8 +13,9 @@ Generator (written from the published description; the settings are `PathfinderC
 - Every image has two long paths A and B (`path_len` steps each) and `num_distractors` shorter
   ones (`distractor_len` steps). Positive (label 1, half of the examples, drawn at random): the
   markers sit on both ends of A. Negative (label 0): one marker on an end of A, one on an end of
-  B. So both classes show the same number of paths of the same lengths, and only tracing tells
-  them apart.
+  B, placed so that the two markers are as far apart (within 2 pixels) as A's two ends are. So
+  both classes show the same number of paths of the same lengths with markers about as far apart,
+  and only tracing tells them apart.
 - Each path with its markers (a 3x3 square centred on a marked end) is placed where no pixel of it
   comes within Chebyshev distance `gap_len + 1` of any pixel of an earlier path or marker
   (rejection sampling), and every path stays inside the image. Hence the label is exactly what a
@@ -49,6 +50,8 @@ MARKER_RADIUS = 1
 _TRIES = 200
 # Whole-image attempts before the generator gives up (the settings leave no room).
 _IMAGE_TRIES = 100
+# Negatives: the markers' distance is within this many pixels of the span of path A.
+_DISTANCE_TOLERANCE = 2.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -121,6 +124,7 @@ def draw(rng: np.random.Generator, config: PathfinderConfig,
   image = np.zeros((size, size), np.uint8)
   lengths = [config.path_len, config.path_len] + [config.distractor_len] * config.num_distractors
   ends: list[np.ndarray] = []
+  first_path = None  # path A's pixels
   for index, steps in enumerate(lengths):
     # Which ends of this path carry a marker.
     if index == 0:
@@ -134,6 +138,12 @@ def draw(rng: np.random.Generator, config: PathfinderConfig,
       pixels = curve(rng, steps, size, config.max_turn, margin=MARKER_RADIUS)
       if pixels is None:
         continue
+      if index == 1 and label == 0:
+        # The markers of a negative are as far apart as a path's two ends (A's), so that their
+        # distance does not give the label away.
+        span = float(np.hypot(*(first_path[-1] - first_path[0])))
+        if abs(float(np.hypot(*(pixels[0] - ends[0]))) - span) > _DISTANCE_TOLERANCE:
+          continue
       drawn = dashed(pixels, config.dash_len, config.gap_len)
       squares = [_square(pixels[end], MARKER_RADIUS) for end in marked]
       lit = np.concatenate([drawn, *squares]) if squares else drawn
@@ -142,6 +152,8 @@ def draw(rng: np.random.Generator, config: PathfinderConfig,
       occupied[lit[:, 0], lit[:, 1]] = True
       image[lit[:, 0], lit[:, 1]] = ON
       ends.extend(pixels[end] for end in marked)
+      if index == 0:
+        first_path = pixels
       break
     else:
       return None
