@@ -5,6 +5,7 @@
       [--arg=key=value,...] [--lengths=1024,2048,3072,4096] [--batch=4] [--reps=5] \
       [--parallel=1] [--skip_accuracy] [--skip_efficiency] [--publish_dir=experiments/long_range]
   python experiments/long_range/run.py --runlocal --workdir=/tmp/lra   # seconds: a smoke test
+  python experiments/long_range/run.py --plan     # time a few steps, project the study's time
 
 1. Accuracy: for each task, the sweep runner (attnlab.sweep) trains configs/lra.py at CPU scale
    (`task=<task>,data.eval_split=test`, then --arg) with `model.mechanism` = each mechanism, each
@@ -92,6 +93,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--skip_accuracy", action="store_true")
   p.add_argument("--skip_efficiency", action="store_true")
   p.add_argument("--publish_dir", default="", help="also copy results.{json,md,png} here")
+  p.add_argument("--plan", action="store_true",
+                 help="time a few training steps per task and print the study's projected "
+                      "time; run nothing else")
   p.add_argument("--runlocal", action="store_true",
                  help="seconds: runlocal=True configs of 10 steps, 2 seeds; efficiency at "
                  "lengths 128,256, batch 2, 2 rounds (unless given)")
@@ -188,8 +192,9 @@ def efficiency_variants(mechanisms: list[str]) -> list[tuple[str, dict[str, Any]
   return variants
 
 
-def build_step(overrides: dict[str, Any], length: int, batch: int, extra_arg: str):
-  """(compiled train step, its inputs, peak bytes) of the text classifier at `length` tokens."""
+def build_step(arg: str, overrides: dict[str, Any], batch: int | None = None):
+  """(compiled train step, its inputs, peak bytes) of the classifier of configs/lra.py:`arg`
+  with `overrides`, on random tokens (batch: the config's batch_size when None)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -197,18 +202,17 @@ def build_step(overrides: dict[str, Any], length: int, batch: int, extra_arg: st
   from attnlab import config_utils  # pylint: disable=g-import-not-at-top
   from attnlab.tasks import long_range  # pylint: disable=g-import-not-at-top
 
-  arg = (f"task=imdb_bytes,data.max_len={length},model.pooling=mean,model.dropout_rate=0.0"
-         + (f",{extra_arg}" if extra_arg else ""))
   config = config_utils.load_config_file(f"{CONFIG}:{arg}")
   config_utils.apply_overrides(config, overrides)
   config_utils.validate(config)
   task = long_range.LongRangeTask(config)
+  batch = batch or config.batch_size
   params = task.init(jax.random.key(0))
   tx = optax.adamw(1e-3)
   opt_state = tx.init(params)
-  rng = np.random.default_rng(length)
+  rng = np.random.default_rng(task.seq_len)
   batch_arrays = {
-      "tokens": jnp.asarray(rng.integers(2, task.vocab_size, (batch, length)), jnp.int32),
+      "tokens": jnp.asarray(rng.integers(2, task.vocab_size, (batch, task.seq_len)), jnp.int32),
       "labels": jnp.asarray(rng.integers(0, task.num_classes, (batch,)), jnp.int32),
       "weights": jnp.ones((batch,), jnp.float32)}
 
@@ -222,6 +226,42 @@ def build_step(overrides: dict[str, Any], length: int, batch: int, extra_arg: st
   peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
           - stats.alias_size_in_bytes)
   return compiled, [params, opt_state, batch_arrays], int(peak)
+
+
+def plan(args: argparse.Namespace, mechanisms: list[str], steps_timed: int = 3) -> str:
+  """A projection of the accuracy study's time: CPU seconds of one training step per task (the
+  config's batch, one replica, softmax, no dropout) x steps x replicas x mechanisms / cores."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from attnlab import config_utils  # pylint: disable=g-import-not-at-top
+  lines = ["| task | tokens x batch | CPU s/step | wall s/step | steps | projected minutes |",
+           "|---|---|---|---|---|---|"]
+  cores = os.cpu_count() or 1
+  total = 0.0
+  for task in args.tasks:
+    arg = f"task={task}" + (f",{args.arg}" if args.arg else "")
+    config = config_utils.load_config_file(f"{CONFIG}:{arg}")
+    compiled, inputs, _ = build_step(arg, {"model.dropout_rate": 0.0})
+    cpu, wall = [], []
+    for i in range(steps_timed + 1):
+      c0, w0 = time.process_time(), time.perf_counter()
+      params, opt_state, loss = compiled(*inputs)
+      jax.block_until_ready((params, opt_state, loss))
+      inputs = [params, opt_state, inputs[2]]
+      if i:  # the first call warms up
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - w0)
+    per_step = statistics.median(cpu)
+    minutes = (per_step * config.num_train_steps * args.num_seeds * len(mechanisms)
+               / cores / 60)
+    total += minutes
+    lines.append(f"| {task} | {inputs[2]['tokens'].shape[1]} x {config.batch_size} | "
+                 f"{per_step:.3f} | {statistics.median(wall):.3f} | {config.num_train_steps} | "
+                 f"{minutes:.0f} |")
+  lines.append(f"\nProjected: {total:.0f} minutes for {len(mechanisms)} mechanism(s) x "
+               f"{args.num_seeds} seeds on {cores} cores (CPU time split evenly over the cores; "
+               f"softmax's step for every mechanism; evaluation and compilation not counted); "
+               f"load average now {os.getloadavg()[0]:.1f}.")
+  return "\n".join(lines)
 
 
 def efficiency(args: argparse.Namespace, mechanisms: list[str]) -> dict[str, Any]:
@@ -239,7 +279,9 @@ def efficiency(args: argparse.Namespace, mechanisms: list[str]) -> dict[str, Any
     cells: dict[str, Any] = {}
     for name, overrides in variants:
       try:
-        compiled, inputs, peak = build_step(overrides, length, args.batch, extra)
+        arg = (f"task=imdb_bytes,data.max_len={length},model.pooling=mean,"
+               f"model.dropout_rate=0.0" + (f",{extra}" if extra else ""))
+        compiled, inputs, peak = build_step(arg, overrides, args.batch)
       except Exception as e:  # one variant failing (memory, a missing mechanism) keeps the rest
         cells[name] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
         bar.update(args.reps + 1)
@@ -357,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
   workdir = pathlib.Path(args.workdir).absolute()
   workdir.mkdir(parents=True, exist_ok=True)
   mechanisms = [m for m in args.mechanisms.split(",") if m] or default_mechanisms()
+  if args.plan:
+    print(plan(args, mechanisms))
+    return 0
   results: dict[str, Any] = {
       "settings": {"tasks": args.tasks, "mechanisms": mechanisms, "num_seeds": args.num_seeds,
                    "arg": args.arg, "lengths": args.lengths, "batch": args.batch,

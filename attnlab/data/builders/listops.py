@@ -23,7 +23,7 @@ The operator of each node and each digit are uniform. Split i is drawn from
 `np.random.default_rng([seed, i])`, so the same config gives the same examples everywhere.
 
 Sizes (builder configs): runlocal (200/50/50 examples, 20-100 tokens), cpu (20,000/1,000/1,000,
-100-500 tokens: the CPU study), paper (96,000/2,000/2,000, 500-2000 tokens: the LRA setting);
+50-250 tokens: the CPU study), paper (96,000/2,000/2,000, 500-2000 tokens: the LRA setting);
 `Listops.custom_config(preset, min_len=..., max_len=...)` changes any setting.
 
 Examples: `{"expression": str (space-separated tokens), "label": int (0-9)}`.
@@ -273,8 +273,8 @@ class Listops(generated.GeneratedBuilder, skip_registration=True):
       ListopsConfig(name="runlocal", description="seconds-long checks", num_train=200,
                     num_validation=50, num_test=50, min_len=20, max_len=100),
       ListopsConfig(name="cpu", description="the reduced scale of the CPU study",
-                    num_train=20_000, num_validation=1_000, num_test=1_000, min_len=100,
-                    max_len=500),
+                    num_train=20_000, num_validation=1_000, num_test=1_000, min_len=50,
+                    max_len=250),
       ListopsConfig(name="paper", description="the Long Range Arena setting", num_train=96_000,
                     num_validation=2_000, num_test=2_000, min_len=500, max_len=2000),
   ]
