@@ -4,7 +4,9 @@
 afterwards); `load_split(name, split)` prepares if needed and returns random access to the split.
 The data dir is the `data_dir` argument, else $TFDS_DATA_DIR, else TFDS's default
 (~/tensorflow_datasets). Raw files: `manual_dir`, else $ATTNLAB_DATA_DIR/<folder>/, else a
-download from the public home (see `base.resolve_raw_files`).
+download from the public home (see `base.resolve_raw_files`). Generated datasets (listops,
+pathfinder: `generated.GeneratedBuilder`) read no files; their sizes are builder configs
+(`config=` of `prepare` / `load_split`: runlocal, cpu, paper, or a `custom_config(...)`).
 """
 
 from __future__ import annotations
@@ -113,6 +115,6 @@ def shakespeare_documents(split: str = "train", *, data_dir: PathLike | None = N
 
 __all__ = [
     "AnkiMarEng", "BUILDERS", "DATA_DIR_ENV", "ImdbBytes", "Listops", "Pathfinder",
-    "PreparedSplit", "RawFileBuilder", "RawSource", "Sst2", "TinyShakespeare", "builder_class", "get_builder", "load_split", "prepare",
-    "shakespeare_documents", "split_documents",
+    "PreparedSplit", "RawFileBuilder", "RawSource", "Sst2", "TinyShakespeare", "builder_class",
+    "get_builder", "load_split", "prepare", "shakespeare_documents", "split_documents",
 ]
