@@ -236,6 +236,29 @@ def test_imdb_split_sizes_and_label_balance(imdb_reviews):
     imdb_bytes.split_reviews(imdb_reviews, 20_001, 2_500, 2_500)
 
 
+def test_imdb_reads_the_stanford_layout(tmp_path):
+  """The archive and its extracted folder: only train/pos and train/neg, in file-name order."""
+  import io  # pylint: disable=g-import-not-at-top
+  import tarfile  # pylint: disable=g-import-not-at-top
+  files = {"aclImdb/train/pos/1_10.txt": "great", "aclImdb/train/neg/0_2.txt": "awful",
+           "aclImdb/train/pos/0_9.txt": "fine<br />film", "aclImdb/test/pos/5_8.txt": "test",
+           "aclImdb/train/unsup/3_0.txt": "unlabelled"}
+  archive = tmp_path / "aclImdb_v1.tar.gz"
+  with tarfile.open(archive, "w:gz") as tar:
+    for name, text in files.items():
+      info = tarfile.TarInfo(name)
+      info.size = len(text.encode())
+      tar.addfile(info, io.BytesIO(text.encode()))
+      (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+      (tmp_path / name).write_text(text)
+  expected = [("awful", 0), ("fine<br />film", 1), ("great", 1)]
+  assert imdb_bytes.read_aclimdb_archive(archive) == expected
+  assert imdb_bytes.read_aclimdb_folder(tmp_path / "aclImdb") == expected
+  (tmp_path / "bad.tar.gz").write_bytes(b"not a tar")
+  with pytest.raises(DataError, match="not a readable tar.gz"):
+    imdb_bytes.read_aclimdb_archive(tmp_path / "bad.tar.gz")
+
+
 def test_imdb_builder_runlocal(imdb_reviews, tfds_dir):
   full_test = {t for t, _ in imdb_bytes.split_reviews(imdb_reviews, 20_000, 2_500, 2_500)["test"]}
   for split, size in (("train", 400), ("validation", 100), ("test", 100)):
