@@ -412,18 +412,22 @@ def main(argv: list[str] | None = None) -> int:
   start = time.time()
   path = workdir / "results.json"
   previous = json.loads(path.read_text()) if path.is_file() else {}
+  # A run in pieces (--tasks=..., --skip_*) adds to the results of the earlier pieces.
+  results["accuracy"] = previous.get("accuracy", {})
   if not args.skip_accuracy:
-    results["accuracy"], status = accuracy(args, mechanisms, workdir)
+    measured, status = accuracy(args, mechanisms, workdir)
+    for task, rows in measured.items():  # by mechanism: other mechanisms' rows stay
+      results["accuracy"].setdefault(task, {}).update(rows)
+  if results["accuracy"]:
+    shown = list(dict.fromkeys(m for per_task in results["accuracy"].values() for m in per_task))
     sections.append("## Accuracy (test, %, mean ± std over the vmapped seeds)\n\n"
-                    + accuracy_markdown(results["accuracy"], mechanisms))
-  elif "accuracy" in previous:
-    results["accuracy"] = previous["accuracy"]
-  if not args.skip_efficiency:
-    results["efficiency"] = efficiency(args, mechanisms)
+                    + accuracy_markdown(results["accuracy"], shown))
+  results["efficiency"] = previous.get("efficiency", {})
+  if not args.skip_efficiency:  # by length: a length's variants are measured together
+    results["efficiency"].update(efficiency(args, mechanisms))
+  if results["efficiency"]:
     sections.append("## Efficiency (one training step, text classifier)\n\n"
                     + efficiency_markdown(results["efficiency"], args.batch))
-  elif "efficiency" in previous:
-    results["efficiency"] = previous["efficiency"]
   results["wall_seconds"] = time.time() - start
   results["load_average_end"] = os.getloadavg()
   path.write_text(json.dumps(results, indent=1) + "\n")
