@@ -102,6 +102,10 @@ SHORTCUT_ARGS = {
                 "mode=finetune,model.num_layers=4,model.d_model=256,model.num_heads=4,"
                 "model.mlp_dim=1024,model.score=additive"),
     "nadaraya_watson.py": ("kernel=gaussian", "model.kernel=gaussian"),
+    # scale= picks the defaults (like BERT's mode=): there is no full key for it.
+    "lra.py": ("task=imdb_bytes,mechanism=full,score=cosine,implementation=reference",
+               "data.name=imdb_bytes,model.mechanism=full,model.score=cosine,"
+               "model.implementation=reference"),
 }
 
 

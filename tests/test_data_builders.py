@@ -165,7 +165,8 @@ def test_no_tensorflow_import(tmp_path, shared_data):
 # Registry errors.
 
 def test_unknown_name_split_option(data_dir):
-  with pytest.raises(data.DataError, match="valid names: anki_mar_eng, tiny_shakespeare, sst2, da"):
+  with pytest.raises(data.DataError, match="valid names: anki_mar_eng, tiny_shakespeare, sst2, "
+                                           "listops, imdb_bytes, pathfinder, da"):
     data.get_dataset("imdb", "train")
   with pytest.raises(data.DataError, match="valid splits: train, validation "):
     data.get_dataset("sst2", "test", data_dir=data_dir)

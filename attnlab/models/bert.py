@@ -59,6 +59,8 @@ class BertHyperparameters(nn.Module):
   mlp_dim: int = 512
   # Longest sequence (rows of the position table).
   max_len: int = 128
+  # Position encoding added to the token embeddings: learned (BERT) or sinusoidal.
+  position: str = "learned"
   # Dropout on the embeddings and the residual branches (training only).
   dropout_rate: float = 0.1
   # Dropout on the attention weights (training only; forces the reference attention path).
@@ -85,7 +87,7 @@ class BertEncoder(BertHyperparameters):
   def setup(self):
     if self.d_model % self.num_heads:
       raise ValueError(f"d_model={self.d_model} must be divisible by num_heads={self.num_heads}")
-    self.embed = Embeddings(self.vocab_size, self.d_model, self.max_len, position="learned",
+    self.embed = Embeddings(self.vocab_size, self.d_model, self.max_len, position=self.position,
                             dropout_rate=0.0, embedding_init=default_kernel_init,
                             dtype=self.dtype)
     self.segment = nn.Embed(self.type_vocab_size, self.d_model,
