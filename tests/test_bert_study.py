@@ -40,6 +40,29 @@ def test_results_table_mean_std_and_per_seed_differences(study):
   assert "30.0 (one run)" in rows["sst2"] and "sst2/pretrain_s0 12" in table
 
 
+def test_plateau_step_on_hand_made_curves(study):
+  rise = [(1000, 0.10), (2000, 0.20), (3000, 0.30), (4000, 0.40)]
+  assert study.plateau_step(rise, patience=2, min_delta=0.005) is None
+  # Patience 2 at step 5000: the best of steps 4000-5000 (0.304) is 0.4 points above the best
+  # before them (0.300 at 3000), under half a point: it fires there. At 4000: 0.303 against 0.25.
+  flat = [(1000, 0.10), (2000, 0.25), (3000, 0.300), (4000, 0.303), (5000, 0.304)]
+  assert study.plateau_step(flat, patience=2, min_delta=0.005) == 5000
+  assert study.plateau_step(flat, patience=2, min_delta=0.003) is None  # +0.4 >= 0.3 points
+  # Patience 3 at 5000: steps 3000-5000 (0.304) against 0.25: no.
+  assert study.plateau_step(flat, patience=3, min_delta=0.005) is None
+  # A dip and no recovery counts as flat; too few evaluations never fire.
+  assert study.plateau_step([(1, 0.5), (2, 0.4)], patience=1, min_delta=0.0) == 2
+  assert study.plateau_step([(1, 0.5), (2, 0.9)], patience=2, min_delta=0.0) is None
+
+
+def test_label_subsets_are_nested_and_seeded(study):
+  small, large = study.label_subset(1000, 0.01), study.label_subset(1000, 0.1)
+  assert len(small) == 10 and len(large) == 100 and set(small) <= set(large)
+  assert small == sorted(small) and study.label_subset(1000, 1.0) == list(range(1000))
+  assert study.label_subset(1000, 0.01) == small and study.label_subset(1000, 0.01, seed=1) != small
+  assert len(study.label_subset(50, 0.001)) == 1
+
+
 def test_two_arm_study_end_to_end(study, shared_data, tmp_path):
   """Scratch and in-domain arms, the lr chosen on held-out training sentences; results.json in
   the issue's format, figures published."""
