@@ -95,6 +95,8 @@ IMDB_PRETRAIN = "num_train_steps=20000,eval_every=1000,checkpoint_every=500,log_
 PLATEAU = {"metric": "mlm_accuracy", "patience": 3, "min_delta": 0.005}
 # Name of the file that marks a pretraining run stopped by the plateau rule.
 PLATEAU_FILE = "plateau.json"
+# Seconds between two reads of metrics.jsonl by the plateau watch.
+PLATEAU_POLL_S = 5.0
 # Label efficiency: the subset seed of the training phrases, the fewest fine-tuning steps of a
 # fraction, the fractions' task (registered by `register_label_task`).
 LABEL_SUBSET_SEED = 0
@@ -229,14 +231,36 @@ def _eval_curve(workdir: pathlib.Path, metric: str) -> list[tuple[int, float]]:
   return sorted(by_step.items())
 
 
+def write_plateau_marker(workdir: pathlib.Path, step: int, curve) -> None:
+  (workdir / PLATEAU_FILE).write_text(json.dumps(
+      {"step": step, **PLATEAU, "curve": curve}, indent=2) + "\n")
+
+
+def plateau_reached(workdir: pathlib.Path, num_train_steps: int) -> bool:
+  """Whether the run is finished by the plateau rule: its marker, or (a process stopped between
+  the evaluation and the marker) a curve on which the rule fires, then marked."""
+  if (workdir / PLATEAU_FILE).is_file():
+    return True
+  curve = _eval_curve(workdir, PLATEAU["metric"])
+  step = plateau_step(curve, PLATEAU["patience"], PLATEAU["min_delta"])
+  if step is None or curve[-1][0] >= num_train_steps:
+    return False
+  write_plateau_marker(workdir, step, curve)
+  return True
+
+
 class _PlateauWatch:
   """While a pretraining run trains in this process: reads its metrics.jsonl every few seconds
   and, once `plateau_step` fires, writes PLATEAU_FILE and sends this process SIGTERM, which the
   trainer turns into "save a checkpoint and stop" (a few steps after that evaluation)."""
 
-  def __init__(self, workdir: pathlib.Path, num_train_steps: int, poll_s: float = 5.0):
-    self.workdir, self.num_train_steps, self.poll_s = workdir, num_train_steps, poll_s
+  def __init__(self, workdir: pathlib.Path, num_train_steps: int):
+    self.workdir, self.num_train_steps, self.poll_s = workdir, num_train_steps, PLATEAU_POLL_S
     self.fired: int | None = None
+    # Only evaluations written after this one are acted on: they come from the running training
+    # loop, whose SIGTERM handler saves and stops (a signal before it starts would kill).
+    curve = _eval_curve(workdir, PLATEAU["metric"])
+    self._seen = curve[-1][0] if curve else -1
     self._done = threading.Event()
     self._thread = threading.Thread(target=self._watch, daemon=True)
 
@@ -252,11 +276,10 @@ class _PlateauWatch:
     while not self._done.wait(self.poll_s):
       curve = _eval_curve(self.workdir, PLATEAU["metric"])
       step = plateau_step(curve, PLATEAU["patience"], PLATEAU["min_delta"])
-      if step is None or curve[-1][0] >= self.num_train_steps:
+      if step is None or curve[-1][0] <= self._seen or curve[-1][0] >= self.num_train_steps:
         continue
       self.fired = step
-      (self.workdir / PLATEAU_FILE).write_text(json.dumps(
-          {"step": step, **PLATEAU, "curve": curve}, indent=2) + "\n")
+      write_plateau_marker(self.workdir, step, curve)
       if not self._done.is_set():
         os.kill(os.getpid(), signal.SIGTERM)
       return
@@ -369,7 +392,7 @@ def _run(run: dict, timings: dict[str, float], root: pathlib.Path) -> dict[str, 
   from attnlab import train  # pylint: disable=g-import-not-at-top
   from attnlab.errors import TrainingInterrupted  # pylint: disable=g-import-not-at-top
   plateau = run.get("plateau", False)
-  stopped = plateau and (run["workdir"] / PLATEAU_FILE).is_file()
+  stopped = plateau and plateau_reached(run["workdir"], run["config"].num_train_steps)
   done = stopped or checkpoint.is_complete(run["workdir"], run["config"].num_train_steps)
   start = time.time()
   if not stopped:
