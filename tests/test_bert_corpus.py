@@ -283,8 +283,9 @@ def test_batch_composition_of_the_corpora():
     data.corpus = corpus
     sizes[corpus] = masked_lm.batch_composition(data, 64)
   assert sizes == {"shakespeare": 0, "shakespeare+sst2": 0, "sst2_sentences": 64,
-                   "shakespeare+sst2_sentences": 32}
-  data.sst2_fraction = 0.0
+                   "shakespeare+sst2_sentences": 32, "imdb": 0, "imdb+shakespeare": 0,
+                   "imdb+sst2_sentences": 32}
+  data.corpus, data.sst2_fraction = "imdb+sst2_sentences", 0.0
   with pytest.raises(config_utils.ConfigError):
     masked_lm.batch_composition(data, 64)
 

