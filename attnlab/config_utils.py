@@ -633,11 +633,18 @@ def rename_old_keys(data: Mapping[str, Any]) -> dict[str, Any]:
   return out
 
 
+# The attention options of the Transformer families (GPT, BERT, Transformer), each one config key
+# `model.<name>`, with the value that means "as before they existed" (older runs lack the keys).
+ATTENTION_DEFAULTS: dict[str, Any] = {"num_kv_heads": 0, "talking_heads": False,
+                                      "normalizer": "softmax", "topk": 8, "mechanism": "full",
+                                      "window": 0, "num_features": 0, "linformer_k": 0}
+
 # Fields added to base_config after runs existed: absent from an old config.json, they read as these
 # defaults (so such runs resume without allow_config_change).
 ADDED_DEFAULTS: dict[str, Any] = {"num_seeds": 1, "mesh.data": -1, "mesh.fsdp": 1,
                                   "mesh.fsdp_min_size": 1024, "mesh.cpu_devices": 1,
-                                  "optimizer.decay": "all"}
+                                  "optimizer.decay": "all",
+                                  **{f"model.{k}": v for k, v in ATTENTION_DEFAULTS.items()}}
 
 
 # Keys that may change when a run resumes: they change where it runs, not what it computes.
