@@ -93,6 +93,18 @@ class _Tiling:
   mask_k: bool
   # whether to bound the tile loops by the tiles the user mask leaves visible
   skip_empty: bool
+  # lazy position bias (positions.AlibiBias / T5Bias with its arrays removed) or None; its
+  # per-row parameters travel with q, k, v and each score tile's bias is recomputed
+  bias: Any = None
+  # whether to skip, inside the visible range, each tile the user mask hides (block-sparse)
+  skip_inner: bool = False
+
+  def tile_bias(self, rp: Array, i: Any, j: Any) -> Array:
+    """Additive bias of score tile (i, j) from the rows' parameters rp `[G, P]`: [G, bq, bk]."""
+    bq, bk = self.block_q, self.block_k
+    q_pos = self.bias.q_offset + i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+    k_pos = j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+    return self.bias.tile(rp, k_pos - q_pos)  # [G, bq, bk]
 
   @property
   def num_q_blocks(self) -> int:
@@ -214,7 +226,7 @@ def _loop(lo: Any, hi: Any, body, carry):
 # ----------------------------------------------------------------------------- forward
 
 
-def _forward_group(t: _Tiling, q: Array, k: Array, v: Array,
+def _forward_group(t: _Tiling, q: Array, k: Array, v: Array, rp: Array | None,
                    mask: Array | None) -> tuple[Array, Array]:
   """Forward pass for one head group: (out [G, q_pad, d_v], lse [G, q_pad])."""
   g, d_v = q.shape[0], v.shape[2]
@@ -231,6 +243,8 @@ def _forward_group(t: _Tiling, q: Array, k: Array, v: Array,
         m, l, acc = c
         k_j, v_j = _tile(k, j, bk), _tile(v, j, bk)  # [G, bk, d], [G, bk, d_v]
         s = jnp.einsum("gqd,gkd->gqk", q_i, k_j)  # [G, bq, bk]
+        if t.bias is not None:
+          s = s + t.tile_bias(rp, i, j)  # [G, bq, bk]
         ok = _tile_mask(t, mask, i, j) if masked else None
         if ok is not None:
           s = jnp.where(ok, s, -jnp.inf)
@@ -254,7 +268,11 @@ def _forward_group(t: _Tiling, q: Array, k: Array, v: Array,
     init = _like(q, (jnp.full((g, bq), -jnp.inf, dt), jnp.zeros((g, bq), dt),
                      jnp.zeros((g, bq, d_v), dt)))
     c = _loop(0, full_hi, make_step(False), init)
-    m, l, acc = _loop(lo, hi, make_step(True), c)
+    masked_step = make_step(True)
+    if visible is not None and t.skip_inner:  # block-sparse: skip each hidden tile
+      row_vis = visible[i if t.mask_q else 0]
+      masked_step = _skip_hidden(masked_step, lambda j: row_vis[j if t.mask_k else 0])
+    m, l, acc = _loop(lo, hi, masked_step, c)
     seen = l > 0  # [G, bq]; False for rows with no visible key
     l_safe = jnp.where(seen, l, 1.0)
     out_i = acc / l_safe[..., None]  # [G, bq, d_v]
@@ -263,6 +281,13 @@ def _forward_group(t: _Tiling, q: Array, k: Array, v: Array,
 
   init = _like(q, (jnp.zeros((g, t.q_pad, d_v), dt), jnp.zeros((g, t.q_pad), dt)))
   return lax.fori_loop(0, t.num_q_blocks, q_step, init)
+
+
+def _skip_hidden(step, visible_at):
+  """A loop body that runs `step` only on tiles where visible_at(index) is True."""
+  def body(index, carry):
+    return lax.cond(visible_at(index), step, lambda _, c: c, index, carry)
+  return body
 
 
 def _like(x: Array, carry: tuple[Array, ...]) -> tuple[Array, ...]:
@@ -275,8 +300,9 @@ def _like(x: Array, carry: tuple[Array, ...]) -> tuple[Array, ...]:
 # ----------------------------------------------------------------------------- backward
 
 
-def _backward_group(t: _Tiling, q: Array, k: Array, v: Array, mask: Array | None,
-                    lse: Array, delta: Array, do: Array) -> tuple[Array, Array, Array]:
+def _backward_group(t: _Tiling, q: Array, k: Array, v: Array, rp: Array | None,
+                    mask: Array | None, lse: Array, delta: Array,
+                    do: Array) -> tuple[Array, Array, Array, Array | None]:
   """Backward pass for one head group: (dq, dk, dv), recomputing the score tiles.
 
   Works on transposed score tiles `[G, bk, bq]` so that every tile product is a plain
@@ -289,16 +315,19 @@ def _backward_group(t: _Tiling, q: Array, k: Array, v: Array, mask: Array | None
   visible = _visible_tiles(t, mask) if t.has_mask and t.skip_empty else None
 
   def k_step(j, carry):
-    dq_t, dk, dv = carry
+    dq_t, dk, dv, drp = carry
     k_j, v_j = _tile(k, j, bk), _tile(v, j, bk)  # [G, bk, d], [G, bk, d_v]
     k_t_j = _tile(k_t, j, bk, axis=2)  # [G, d, bk]
 
     def make_step(masked: bool):
       def q_step(i, c):
-        dk_j, dv_j, dq_t = c
+        dk_j, dv_j, dq_t, drp = c
         # [G, bq, d], [G, bq, d_v], [G, bq], [G, bq]
         q_i, do_i, lse_i, delta_i = (_tile(x, i, bq) for x in (q, do, lse, delta))
         s_t = jnp.einsum("gkd,gqd->gkq", k_j, q_i)  # [G, bk, bq]
+        if t.bias is not None:
+          bias_ij, bias_vjp = jax.vjp(lambda p: t.tile_bias(p, i, j), rp)  # [G, bq, bk]
+          s_t = s_t + jnp.swapaxes(bias_ij, 1, 2)
         ok = _tile_mask(t, mask, i, j) if masked else None
         if ok is not None:
           s_t = jnp.where(jnp.swapaxes(ok, 1, 2), s_t, -jnp.inf)
@@ -308,7 +337,9 @@ def _backward_group(t: _Tiling, q: Array, k: Array, v: Array, mask: Array | None
         ds_t = p_t * (dp_t - delta_i[:, None, :])  # [G, bk, bq]
         dk_j = dk_j + jnp.einsum("gkq,gqd->gkd", ds_t, q_i)  # [G, bk, d]
         dq_t_i = _tile(dq_t, i, bq, axis=2) + jnp.einsum("gdk,gkq->gdq", k_t_j, ds_t)  # [G, d, bq]
-        return dk_j, dv_j, _put(dq_t, dq_t_i, i, axis=2)
+        if t.bias is not None:
+          drp = drp + bias_vjp(jnp.swapaxes(ds_t, 1, 2))[0]  # [G, P]
+        return dk_j, dv_j, _put(dq_t, dq_t_i, i, axis=2), drp
       return q_step
 
     # query tiles [lo, hi) run masked, [full_lo, nq) unmasked (hi = full_lo without a user mask)
@@ -318,15 +349,20 @@ def _backward_group(t: _Tiling, q: Array, k: Array, v: Array, mask: Array | None
       vis_lo, vis_hi = _visible_range(visible[:, j if t.mask_k else 0], t.mask_q,
                                       t.num_q_blocks)
       lo, hi = jnp.maximum(lo, vis_lo), jnp.minimum(hi, vis_hi)
-    init = (*_like(q, (jnp.zeros((g, bk, d), dt), jnp.zeros((g, bk, d_v), dt))), dq_t)
-    c = _loop(lo, hi, make_step(True), init)
-    dk_j, dv_j, dq_t = _loop(full_lo, t.num_q_blocks, make_step(False), c)
-    return dq_t, _put(dk, dk_j, j), _put(dv, dv_j, j)
+    init = (*_like(q, (jnp.zeros((g, bk, d), dt), jnp.zeros((g, bk, d_v), dt))), dq_t, drp)
+    masked_step = make_step(True)
+    if visible is not None and t.skip_inner:  # block-sparse: skip each hidden tile
+      col_vis = visible[:, j if t.mask_k else 0]
+      masked_step = _skip_hidden(masked_step, lambda i: col_vis[i if t.mask_q else 0])
+    c = _loop(lo, hi, masked_step, init)
+    dk_j, dv_j, dq_t, drp = _loop(full_lo, t.num_q_blocks, make_step(False), c)
+    return dq_t, _put(dk, dk_j, j), _put(dv, dv_j, j), drp
 
+  drp0 = None if rp is None else jnp.zeros_like(rp)
   init = _like(q, (jnp.zeros((g, d, t.q_pad), dt), jnp.zeros((g, t.k_pad, d), dt),
-                   jnp.zeros((g, t.k_pad, d_v), dt)))
-  dq_t, dk, dv = lax.fori_loop(0, t.num_k_blocks, k_step, init)
-  return jnp.swapaxes(dq_t, 1, 2), dk, dv  # dq [G, q_pad, d]
+                   jnp.zeros((g, t.k_pad, d_v), dt))) + (drp0,)
+  dq_t, dk, dv, drp = lax.fori_loop(0, t.num_k_blocks, k_step, init)
+  return jnp.swapaxes(dq_t, 1, 2), dk, dv, drp  # dq [G, q_pad, d]
 
 
 # ----------------------------------------------------------------------------- head groups
@@ -363,26 +399,43 @@ def _map_chunk(t: _Tiling, fn, arrays: tuple[Array, ...], mask: Array | None):
   return tuple(x.reshape((rows,) + x.shape[2:]) for x in outs)
 
 
+def _with_rp(t: _Tiling, arrays: tuple[Array, ...], rp: Array | None):
+  """arrays + (rp,) when a bias travels with the rows (else arrays, rp given as None)."""
+  return arrays + ((rp,) if t.bias is not None else ())
+
+
+def _forward_fn(t: _Tiling):
+  def fn(q, k, v, *rest):
+    rp, mask = (rest[0], rest[1]) if t.bias is not None else (None, rest[0])
+    return _forward_group(t, q, k, v, rp, mask)
+  return fn
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _blocked(t: _Tiling, q: Array, k: Array, v: Array, mask: Array | None) -> Array:
-  out, _ = _map_groups(t, functools.partial(_forward_group, t), (q, k, v), mask)
+def _blocked(t: _Tiling, q: Array, k: Array, v: Array, mask: Array | None,
+             rp: Array | None) -> Array:
+  out, _ = _map_groups(t, _forward_fn(t), _with_rp(t, (q, k, v), rp), mask)
   return out
 
 
-def _blocked_fwd(t: _Tiling, q: Array, k: Array, v: Array, mask: Array | None):
-  out, lse = _map_groups(t, functools.partial(_forward_group, t), (q, k, v), mask)
-  return out, (q, k, v, mask, out, lse)
+def _blocked_fwd(t: _Tiling, q: Array, k: Array, v: Array, mask: Array | None,
+                 rp: Array | None):
+  out, lse = _map_groups(t, _forward_fn(t), _with_rp(t, (q, k, v), rp), mask)
+  return out, (q, k, v, mask, rp, out, lse)
 
 
 def _blocked_bwd(t: _Tiling, res, do: Array):
-  q, k, v, mask, out, lse = res
+  q, k, v, mask, rp, out, lse = res
   delta = jnp.sum(do * out, axis=-1)  # [rows, q_pad]
 
-  def group(q, k, v, lse, delta, do, mask):
-    return _backward_group(t, q, k, v, mask, lse, delta, do)
+  def group(q, k, v, lse, delta, do, *rest):
+    rp, mask = (rest[0], rest[1]) if t.bias is not None else (None, rest[0])
+    dq, dk, dv, drp = _backward_group(t, q, k, v, rp, mask, lse, delta, do)
+    return (dq, dk, dv) + ((drp,) if t.bias is not None else ())
 
-  dq, dk, dv = _map_groups(t, group, (q, k, v, lse, delta, do), mask)
-  return dq, dk, dv, None
+  grads = _map_groups(t, group, _with_rp(t, (q, k, v, lse, delta, do), rp), mask)
+  drp = grads[3] if t.bias is not None else None
+  return grads[0], grads[1], grads[2], None, drp
 
 
 _blocked.defvjp(_blocked_fwd, _blocked_bwd)
@@ -436,7 +489,8 @@ def _batch_shards(q: Array, k: Array, v: Array, mask: Any):
 def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = None,
                       mask: Any = None, causal: bool = False, block_q: int | None = None,
                       block_k: int | None = None, head_group: int | None = None,
-                      skip_empty_tiles: bool = True, parallel: int | None = None) -> Array:
+                      skip_empty_tiles: bool = True, parallel: int | None = None,
+                      bias: Any = None, block_sparse: bool = False) -> Array:
   """softmax(scale · q kᵀ, masked) v, computed tile by tile (flash-style).
 
   Args:
@@ -458,6 +512,13 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
     parallel: independent chunks of the flattened rows, each with its own tile loops (XLA:CPU
       runs them concurrently); None = DEFAULT_PARALLEL (1); rounded down to a divisor of the
       number of rows.
+    bias: None or a lazy position bias (positions.AlibiBias / positions.T5Bias) added to the
+      scaled scores; each tile's bias is recomputed from the tile indices (nothing quadratic
+      is stored) and its parameters get their gradients. The leading dims must end with the
+      heads axis of the bias's parameters.
+    block_sparse: also skip, inside each tile loop's visible range, every tile the mask hides
+      (a lax.cond per tile): for block-sparse masks (sliding window, BigBird) whose visible
+      tiles are not contiguous. Use tiles aligned with the pattern's blocks.
 
   Returns:
     context `[..., q_len, d_v]` in the inputs' dtype. A query with no visible key gets a zero
@@ -469,7 +530,8 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
   if per_shard is not None:
     return per_shard(functools.partial(
         blocked_attention, scale=scale, causal=causal, block_q=block_q, block_k=block_k,
-        head_group=head_group, skip_empty_tiles=skip_empty_tiles, parallel=parallel))
+        head_group=head_group, skip_empty_tiles=skip_empty_tiles, parallel=parallel,
+        bias=bias, block_sparse=block_sparse))
   if q.shape[-1] != k.shape[-1]:
     raise ValueError(f"q and k must share the feature dim d for a dot score; got q {q.shape}, "
                      f"k {k.shape}")
@@ -508,7 +570,8 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
       causal=bool(causal), causal_offset=max(k_len - q_len, 0), has_mask=mask is not None,
       mask_rows=mask is not None and math.prod(mask.shape[:-2]) > 1,
       mask_q=mask is not None and mask.shape[-2] > 1,
-      mask_k=mask is not None and mask.shape[-1] > 1, skip_empty=bool(skip_empty_tiles))
+      mask_k=mask is not None and mask.shape[-1] > 1, skip_empty=bool(skip_empty_tiles),
+      bias=None if bias is None else bias.spec(), skip_inner=bool(block_sparse))
 
   def flat(x: Array, length: int, pad: int) -> Array:
     x = jnp.broadcast_to(x.astype(dt), lead + x.shape[-2:]).reshape((rows, length, -1))
@@ -525,5 +588,12 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
     mf = mf.reshape((m_rows, m_q, m_k))
     mf = jnp.pad(mf, ((0, 0), (0, t.q_pad - q_len if t.mask_q else 0),
                       (0, t.k_pad - k_len if t.mask_k else 0)))  # [rows|1, q_pad|1, k_pad|1]
-  out = _blocked(t, qf, kf, vf, mf)  # [rows, q_pad, d_v]
+  rp = None
+  if bias is not None:
+    rp = bias.row_params().astype(dt)  # [heads, P]
+    if not lead or rp.shape[0] not in (1, lead[-1]):
+      raise ValueError(f"the bias has {rp.shape[0]} heads but the leading dims of q/k/v "
+                       f"{lead} do not end with a heads axis of that size")
+    rp = jnp.broadcast_to(rp, lead + rp.shape[-1:]).reshape(rows, -1)  # [rows, P]
+  out = _blocked(t, qf, kf, vf, mf, rp)  # [rows, q_pad, d_v]
   return out[:, :q_len].reshape(lead + (q_len, d_v)).astype(out_dtype)

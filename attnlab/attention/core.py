@@ -129,7 +129,8 @@ def choose_implementation(score: str | Callable, return_weights: bool,
                           blocked_available: bool | None = None,
                           q_len: int | None = None, k_len: int | None = None,
                           backend: str | None = None, dtype: Any = None,
-                          head_dim: int | None = None, has_mask: bool = False) -> str:
+                          head_dim: int | None = None, has_mask: bool = False,
+                          bias: Any = None, normalizer: str = "softmax") -> str:
   """Resolves `implementation` to "reference", "xla", "blocked" or "cudnn".
 
   auto picks per backend and shape (attend passes the shape; without it the CPU row with a
@@ -137,7 +138,9 @@ def choose_implementation(score: str | Callable, return_weights: bool,
 
   | case | auto picks |
   | --- | --- |
-  | weights wanted, or a score other than dot/scaled_dot | reference |
+  | weights wanted, or a score other than dot/scaled_dot, or a normalizer other than softmax | reference |
+  | a bias array (not a lazy positions.AlibiBias/T5Bias) on CPU | reference |
+  | a bias on GPU: cudnn is skipped | xla (bias materialised) |
   | GPU, float16/bfloat16, head_dim <= 128 and a multiple of 8, no mask | cudnn (jax.nn.dot_product_attention(implementation="cudnn")) |
   | GPU otherwise, TPU | xla (jax.nn.dot_product_attention(implementation="xla")) |
   | CPU, q_len * k_len < AUTO_BLOCKED_MIN_SCORES (256 x 256; e.g. nano GPT's 64, decoding) | reference |
@@ -150,30 +153,44 @@ def choose_implementation(score: str | Callable, return_weights: bool,
     raise ValueError(f"unknown implementation {implementation!r}; valid implementations: "
                      f"{', '.join(IMPLEMENTATIONS)}")
   fast_ok = isinstance(score, str) and score in FAST_SCORES
+  lazy_bias = bias is not None and type(bias).__name__ in ("AlibiBias", "T5Bias")
   if implementation in ("xla", "blocked", "cudnn"):
     if not fast_ok:
       got = score if isinstance(score, str) else "a callable"
       raise ValueError(f"implementation {implementation!r} supports only the scores "
                        f"{', '.join(FAST_SCORES)}; got {got!r}. Use implementation='reference' "
                        "(or 'auto') for other scores")
+    if normalizer != "softmax":
+      raise ValueError(f"implementation {implementation!r} supports only the softmax normalizer;"
+                       f" got {normalizer!r}. Use implementation='reference' (or 'auto')")
+    if bias is not None and implementation == "cudnn":
+      raise ValueError("implementation 'cudnn' takes no bias; use 'xla' or 'auto'")
+    if bias is not None and implementation == "blocked" and not lazy_bias:
+      raise ValueError("implementation 'blocked' takes a bias only as a positions.AlibiBias or "
+                       "positions.T5Bias (recomputed per tile); use 'reference' or 'auto' for a "
+                       "bias array")
     return implementation
-  if implementation == "reference" or return_weights or not fast_ok:
+  if (implementation == "reference" or return_weights or not fast_ok
+      or normalizer != "softmax"):
     return "reference"
   backend = jax.default_backend() if backend is None else backend
   if backend in ("gpu", "cuda", "rocm"):
     half = dtype is not None and jnp.dtype(dtype) in (jnp.float16, jnp.bfloat16)
     head_ok = head_dim is not None and head_dim <= 128 and head_dim % 8 == 0
-    return "cudnn" if backend != "rocm" and half and head_ok and not has_mask else "xla"
+    return ("cudnn" if backend != "rocm" and half and head_ok and not has_mask and bias is None
+            else "xla")
   if backend == "tpu":
     return "xla"
   if q_len is not None and k_len is not None and q_len * k_len < AUTO_BLOCKED_MIN_SCORES:
+    return "reference"
+  if bias is not None and not lazy_bias:
     return "reference"
   available = _blocked_available() if blocked_available is None else blocked_available
   return "blocked" if available else "reference"
 
 
 def _xla_attention(q: Array, k: Array, v: Array, *, scale: float, mask: Array | None,
-                   causal: bool, implementation: str = "xla") -> Array:
+                   causal: bool, implementation: str = "xla", bias: Array | None = None) -> Array:
   """jax.nn.dot_product_attention on `[..., len, d]` inputs.
 
   The last leading dim becomes the heads axis N of its [B, T, N, H] layout, the others are
@@ -202,8 +219,12 @@ def _xla_attention(q: Array, k: Array, v: Array, *, scale: float, mask: Array | 
   mask4 = None
   if mask is not None:
     mask4 = jnp.broadcast_to(mask, lead + (q_len, k_len)).reshape(b, n, q_len, k_len)
+  bias4 = None
+  if bias is not None:  # additive score bias, broadcast like the mask
+    bias4 = jnp.broadcast_to(bias.astype(dtype), lead + (q_len, k_len)).reshape(
+        b, n, q_len, k_len)  # [B, N, q_len, k_len]
   out = jax.nn.dot_product_attention(
-      to_btnh(prep(q)), to_btnh(prep(k)), to_btnh(prep(v)), mask=mask4, scale=scale,
+      to_btnh(prep(q)), to_btnh(prep(k)), to_btnh(prep(v)), mask=mask4, bias=bias4, scale=scale,
       is_causal=causal, implementation=implementation)  # [B, T, N, H]
   out = jnp.swapaxes(out, 1, 2).reshape(lead + (q_len, d))  # [..., q_len, d]
   return out[..., :d_v]  # [..., q_len, d_v]
@@ -215,8 +236,10 @@ def _xla_attention(q: Array, k: Array, v: Array, *, scale: float, mask: Array | 
 def attend(q: Array, k: Array, v: Array, *, score: str | Callable = "scaled_dot",
            params: Any = None, mask: Any = None, causal: bool = False,
            implementation: str = "auto",
-           return_weights: bool = True) -> tuple[Array, Array | None]:
-  """Soft attention: softmax(score(q, k)) @ v.
+           return_weights: bool = True, bias: Any = None, normalizer: str = "softmax",
+           normalizer_params: Any = None,
+           topk: int = 8) -> tuple[Array, Array | None]:
+  """Soft attention: normalizer(score(q, k) + bias) @ v (softmax by default).
 
   Args:
     q, k, v: `[..., q_len, d_q]`, `[..., k_len, d_k]`, `[..., k_len, d_v]` (k and v may be
@@ -231,6 +254,13 @@ def attend(q: Array, k: Array, v: Array, *, score: str | Callable = "scaled_dot"
       (jax.nn.dot_product_attention's cuDNN kernel, GPU only), or "auto" (per backend and
       shape, see choose_implementation). Only the reference path returns weights.
     return_weights: whether weights are wanted (also steers "auto").
+    bias: additive score bias broadcastable to the logits `[..., q_len, k_len]` (e.g.
+      positions.alibi_bias / t5_bias), or a lazy positions.AlibiBias / positions.T5Bias that
+      the blocked kernel recomputes per tile (the xla path gets it materialised). None = none.
+    normalizer: a normalizers.NORMALIZERS name (softmax, softmax_sink, sigmoid, sparsemax,
+      topk); anything but softmax runs on the reference path.
+    normalizer_params: the normaliser's parameters (normalizers.init_normalizer_params).
+    topk: keys kept per query by the "topk" normaliser.
 
   Returns:
     (context `[..., q_len, d_v]`, weights `[..., q_len, k_len]` or None). Queries with no
@@ -241,14 +271,24 @@ def attend(q: Array, k: Array, v: Array, *, score: str | Callable = "scaled_dot"
   if isinstance(score, str):
     scores_lib.get_score_fn(score)
   q_len, k_len = q.shape[-2], k.shape[-2]
+  positions = importlib.import_module("attnlab.attention.positions")
+  normalizers = importlib.import_module("attnlab.attention.normalizers")
+  normalizers.check_normalizer(normalizer)
   impl = choose_implementation(score, return_weights, implementation, q_len=q_len, k_len=k_len,
                                dtype=jnp.result_type(q, k, v), head_dim=q.shape[-1],
-                               has_mask=mask is not None or (causal and q_len != k_len))
+                               has_mask=mask is not None or (causal and q_len != k_len),
+                               bias=bias, normalizer=normalizer)
 
   if impl == "reference":
     logits = _score_logits(q, k, score, params)  # [..., q_len, k_len]
+    if bias is not None:
+      logits = logits + positions.materialize(bias, q_len, k_len)  # [..., q_len, k_len]
     full_mask = _attention_mask(mask, causal, logits.shape)
-    weights = masked_softmax(logits, full_mask)  # [..., q_len, k_len]
+    if normalizer == "softmax":
+      weights = masked_softmax(logits, full_mask)  # [..., q_len, k_len]
+    else:
+      weights = normalizers.normalize(normalizer, logits, full_mask, params=normalizer_params,
+                                      topk=topk)  # [..., q_len, k_len]
     context = jnp.matmul(weights, v)  # [..., q_len, d_v]
     return context, (weights if return_weights else None)
 
@@ -265,13 +305,14 @@ def attend(q: Array, k: Array, v: Array, *, score: str | Callable = "scaled_dot"
   full_mask = _attention_mask(mask, causal and not flag_causal, logits_shape)
   if impl in ("xla", "cudnn"):
     context = _xla_attention(q, k, v, scale=scale, mask=full_mask, causal=flag_causal,
-                             implementation=impl)
+                             implementation=impl,
+                             bias=positions.materialize(bias, q_len, k_len))
   else:
     blocked = importlib.import_module("attnlab.attention.blocked")
     all_lead = tuple(jnp.broadcast_shapes(lead, v.shape[:-2]))
     q, k, v = (jnp.broadcast_to(x, all_lead + x.shape[-2:]) for x in (q, k, v))
     context = blocked.blocked_attention(q, k, v, scale=scale, mask=full_mask,
-                                        causal=flag_causal)  # [..., q_len, d_v]
+                                        causal=flag_causal, bias=bias)  # [..., q_len, d_v]
   return _zero_empty_rows(context, full_mask), None
 
 

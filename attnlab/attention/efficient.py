@@ -1,0 +1,372 @@
+"""Attention with linear or sub-quadratic cost.
+
+Kernelised attention never forms the `[q_len, k_len]` score matrix: with a feature map phi,
+  out_i = phi(q_i)ᵀ (sum_j phi(k_j) v_jᵀ) / (phi(q_i)ᵀ sum_j phi(k_j))
+costs O(len · r · d) for r features. Causal attention restricts the sums to j <= i (prefix
+sums, computed chunk by chunk: a quadratic block inside each chunk plus the running state of
+the chunks before).
+- linear attention (Katharopoulos et al. 2020): phi(x) = elu(x) + 1.
+- Performer FAVOR+ (Choromanski et al. 2021): phi(x) = exp(wᵀx - |x|²/2) / sqrt(m) with m
+  positive orthogonal random features w, x = q / d^(1/4), so that E[phi(q)ᵀphi(k)] =
+  exp(qᵀk / sqrt(d)): an unbiased estimate of softmax attention's kernel.
+- Linformer (Wang et al. 2020): projects the length axis of keys and values to r rows,
+  softmax(Q (Eᵀ K)ᵀ / sqrt(d)) (Fᵀ V), with learned E, F `[max_len, r]` (non-causal).
+- Block-sparse patterns (sliding window; BigBird's window + global + random blocks) are masks
+  that the blocked kernel executes tile by tile, skipping the tiles they hide, so the work
+  grows linearly with the length.
+
+The *_weights functions materialise the implicit attention matrix (for analysis only).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attnlab.attention import core
+from attnlab.attention import masks as masks_lib
+
+Array = jax.Array
+
+# default chunk length of the causal prefix-sum scan
+DEFAULT_CHUNK = 64
+
+
+# ----------------------------------------------------------------------------- kernelised core
+
+
+def elu_feature_map(x: Array) -> Array:
+  """Linear attention's feature map phi(x) = elu(x) + 1 (> 0)."""
+  return jax.nn.elu(x) + 1.0
+
+
+def _key_mask(mask: Any, k_len: int) -> Array | None:
+  """A key padding mask as bool `[..., 1, k_len]` (broadcast over the queries), or None.
+
+  Accepts `[batch, k_len]` or a mask broadcastable to `[batch, heads, 1, k_len]` whose query
+  axis is 1 (kernelised attention cannot take a per-query mask, except the causal one).
+  """
+  if mask is None:
+    return None
+  mask = jnp.asarray(mask)
+  if jnp.issubdtype(mask.dtype, jnp.floating):
+    raise ValueError(f"mask must be boolean (True = may attend); got dtype {mask.dtype}")
+  mask = mask.astype(bool)
+  if mask.ndim == 2:
+    mask = mask[:, None, None, :]  # [batch, 1, 1, k_len]
+  if mask.ndim < 2 or mask.shape[-1] not in (1, k_len) or mask.shape[-2] != 1:
+    raise ValueError(f"kernelised attention takes a key padding mask [batch, k_len] or "
+                     f"[batch, 1|heads, 1, k_len]; got {mask.shape} (no per-query masks: use "
+                     "causal=True for the look-ahead mask)")
+  return mask
+
+
+def _causal_offset(q_len: int, k_len: int) -> int:
+  return max(k_len - q_len, 0)
+
+
+def kernel_weights(phi_q: Array, phi_k: Array, *, causal: bool = False,
+                   mask: Any = None) -> Array:
+  """The implicit attention matrix `[..., q_len, k_len]` of kernelised attention.
+
+  A_ij = phi(q_i)ᵀ phi(k_j) / sum_{l allowed} phi(q_i)ᵀ phi(k_l) over the allowed keys j (end-
+  aligned causal when causal=True); rows with no allowed key are zeros.
+  """
+  q_len, k_len = phi_q.shape[-2], phi_k.shape[-2]
+  a = jnp.einsum("...qr,...kr->...qk", phi_q, phi_k)  # [..., q_len, k_len]
+  allowed = _key_mask(mask, k_len)
+  if causal:
+    allowed = masks_lib.combine(allowed, masks_lib.causal_mask(q_len, k_len, offset=None)[0, 0])
+  if allowed is not None:
+    a = jnp.where(allowed, a, 0.0)
+  den = jnp.sum(a, axis=-1, keepdims=True)
+  return a / jnp.where(den > 0, den, 1.0)
+
+
+def _safe_div(num: Array, den: Array) -> Array:
+  """num / den with 0 where den == 0 (rows with no allowed key), zero gradients there."""
+  ok = den > 0
+  return jnp.where(ok, num / jnp.where(ok, den, 1.0), 0.0)
+
+
+def kernel_attention(phi_q: Array, phi_k: Array, v: Array, *, causal: bool = False,
+                     mask: Any = None, chunk_size: int = DEFAULT_CHUNK) -> Array:
+  """out_i = sum_j A_ij v_j for the kernelised A of `kernel_weights`, in linear time.
+
+  phi_q `[..., q_len, r]`, phi_k `[..., k_len, r]` (non-negative features), v `[..., k_len,
+  d_v]`. Non-causal: one pass, S = sum_j phi(k_j) v_jᵀ `[r, d_v]`, z = sum_j phi(k_j).
+  Causal with q_len == k_len: chunks of chunk_size; inside a chunk the masked quadratic form,
+  plus the exclusive prefix sum of the earlier chunks' S and z (same values as the quadratic
+  form, O(len · chunk · r + len · r · d_v) work). Causal with q_len < k_len (decoding): the
+  quadratic form (the queries are few).
+  """
+  q_len, k_len = phi_q.shape[-2], phi_k.shape[-2]
+  key_mask = _key_mask(mask, k_len)
+  if key_mask is not None:
+    phi_k = jnp.where(jnp.swapaxes(key_mask, -1, -2), phi_k, 0.0)  # [..., k_len, r]
+  if not causal:
+    s = jnp.einsum("...kr,...kd->...rd", phi_k, v)  # [..., r, d_v]
+    z = jnp.sum(phi_k, axis=-2)  # [..., r]
+    num = jnp.einsum("...qr,...rd->...qd", phi_q, s)  # [..., q_len, d_v]
+    den = jnp.einsum("...qr,...r->...q", phi_q, z)[..., None]  # [..., q_len, 1]
+    return _safe_div(num, den)
+  if q_len != k_len:
+    a = kernel_weights(phi_q, phi_k, causal=True)
+    return jnp.matmul(a, v)
+  if not isinstance(chunk_size, int) or chunk_size < 1:
+    raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
+  lead = jnp.broadcast_shapes(phi_q.shape[:-2], phi_k.shape[:-2], v.shape[:-2])
+  phi_q, phi_k, v = (jnp.broadcast_to(x, lead + x.shape[-2:]) for x in (phi_q, phi_k, v))
+  c = min(chunk_size, q_len)
+  n = -(-q_len // c)
+  pad = n * c - q_len
+
+  def chunks(x: Array) -> Array:
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, pad), (0, 0)])
+    return x.reshape(lead + (n, c, x.shape[-1]))  # [..., n, c, feat]
+
+  qc, kc, vc = chunks(phi_q), chunks(phi_k), chunks(v)
+  # running state of all earlier chunks (exclusive prefix sums over the chunk axis)
+  s = jnp.einsum("...ncr,...ncd->...nrd", kc, vc)  # [..., n, r, d_v]
+  z = jnp.sum(kc, axis=-2)  # [..., n, r]
+  s_prev = jnp.cumsum(s, axis=-3) - s  # [..., n, r, d_v]
+  z_prev = jnp.cumsum(z, axis=-2) - z  # [..., n, r]
+  tril = jnp.tril(jnp.ones((c, c), bool))  # [c, c]
+  a = jnp.where(tril, jnp.einsum("...nqr,...nkr->...nqk", qc, kc), 0.0)  # [..., n, c, c]
+  num = (jnp.einsum("...nqk,...nkd->...nqd", a, vc)
+         + jnp.einsum("...nqr,...nrd->...nqd", qc, s_prev))  # [..., n, c, d_v]
+  den = (jnp.sum(a, axis=-1)
+         + jnp.einsum("...nqr,...nr->...nq", qc, z_prev))[..., None]  # [..., n, c, 1]
+  out = _safe_div(num, den).reshape(lead + (n * c, v.shape[-1]))
+  return out[..., :q_len, :]  # [..., q_len, d_v]
+
+
+# ----------------------------------------------------------------------------- linear attention
+
+
+def linear_attention(q: Array, k: Array, v: Array, *, causal: bool = False, mask: Any = None,
+                     chunk_size: int = DEFAULT_CHUNK) -> Array:
+  """Linear attention (Katharopoulos et al. 2020, eq. 5-6, phi = elu + 1) -> `[..., q_len, d_v]`.
+
+  out_i = phi(q_i)ᵀ sum_j phi(k_j) v_jᵀ / phi(q_i)ᵀ sum_j phi(k_j), the sums over the allowed
+  keys (j <= i when causal, by chunked prefix sums). mask: key padding `[batch, k_len]` or
+  `[batch, 1|heads, 1, k_len]`.
+  """
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  core.check_qkv(q, k, v)
+  return kernel_attention(elu_feature_map(q), elu_feature_map(k), v, causal=causal, mask=mask,
+                          chunk_size=chunk_size)
+
+
+def linear_attention_weights(q: Array, k: Array, *, causal: bool = False,
+                             mask: Any = None) -> Array:
+  """Linear attention's implicit matrix `[..., q_len, k_len]` (for analysis)."""
+  return kernel_weights(elu_feature_map(jnp.asarray(q)), elu_feature_map(jnp.asarray(k)),
+                        causal=causal, mask=mask)
+
+
+# ----------------------------------------------------------------------------- Performer
+
+
+def performer_features(rng: Array, num_features: int, head_dim: int) -> Array:
+  """Positive orthogonal random features `[num_features, head_dim]` (FAVOR+, section 2.4).
+
+  Blocks of head_dim rows are orthogonal (QR of a Gaussian matrix); each row is rescaled to
+  the norm of an independent Gaussian vector, so every row is marginally N(0, I) and the
+  estimate stays unbiased. Redraw by calling again with another rng.
+  """
+  if num_features < 1 or head_dim < 1:
+    raise ValueError(f"performer_features needs num_features >= 1 and head_dim >= 1; got "
+                     f"{num_features}, {head_dim}")
+  n_blocks = -(-num_features // head_dim)
+  rng_q, rng_n = jax.random.split(rng)
+  g = jax.random.normal(rng_q, (n_blocks, head_dim, head_dim), jnp.float32)
+  qs, _ = jnp.linalg.qr(g)  # [n_blocks, d, d], orthonormal columns
+  w = jnp.swapaxes(qs, -1, -2).reshape(n_blocks * head_dim, head_dim)[:num_features]
+  norms = jnp.linalg.norm(jax.random.normal(rng_n, (num_features, head_dim)), axis=-1)
+  return w * norms[:, None]  # [num_features, head_dim]
+
+
+def performer_feature_map(x: Array, features: Array, *, is_query: bool) -> Array:
+  """phi(x) = exp(wᵀx' - |x'|²/2 - c) / sqrt(m), x' = x / d^(1/4), for the m rows w of features.
+
+  c is a stabiliser that cancels in the normalisation: the row max for queries, the max over
+  all keys (and features) for keys (one constant per head, so causal sums stay exact).
+  """
+  d = x.shape[-1]
+  x = x.astype(core._compute_dtype(x.dtype)) * d ** -0.25  # pylint: disable=protected-access
+  proj = jnp.einsum("...ld,md->...lm", x, features)  # [..., len, m]
+  sq = 0.5 * jnp.sum(x * x, axis=-1, keepdims=True)  # [..., len, 1]
+  if is_query:
+    c = jnp.max(proj, axis=-1, keepdims=True)
+  else:
+    c = jnp.max(proj, axis=(-1, -2), keepdims=True)
+  c = jax.lax.stop_gradient(c)
+  return jnp.exp(proj - sq - c) / math.sqrt(features.shape[0]) + 1e-6
+
+
+def performer_attention(q: Array, k: Array, v: Array, *, features: Array, causal: bool = False,
+                        mask: Any = None, chunk_size: int = DEFAULT_CHUNK) -> Array:
+  """Performer FAVOR+ attention (Choromanski et al. 2021): softmax attention estimated with
+  positive random features, in linear time (causal by chunked prefix sums)."""
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  core.check_qkv(q, k, v)
+  return kernel_attention(performer_feature_map(q, features, is_query=True),
+                          performer_feature_map(k, features, is_query=False), v,
+                          causal=causal, mask=mask, chunk_size=chunk_size)
+
+
+def performer_weights(q: Array, k: Array, *, features: Array, causal: bool = False,
+                      mask: Any = None) -> Array:
+  """Performer's implicit attention matrix `[..., q_len, k_len]` (for analysis)."""
+  return kernel_weights(performer_feature_map(jnp.asarray(q), features, is_query=True),
+                        performer_feature_map(jnp.asarray(k), features, is_query=False),
+                        causal=causal, mask=mask)
+
+
+# ----------------------------------------------------------------------------- Linformer
+
+
+def init_linformer_projections(rng: Array, max_len: int, rank: int) -> dict[str, Array]:
+  """Linformer's E and F `[max_len, rank]`, normal(0, 1/max_len) (learned)."""
+  rng_k, rng_v = jax.random.split(rng)
+  std = 1.0 / math.sqrt(max_len)
+  return {"proj_k": std * jax.random.normal(rng_k, (max_len, rank), jnp.float32),
+          "proj_v": std * jax.random.normal(rng_v, (max_len, rank), jnp.float32)}
+
+
+def _linformer_project(k: Array, v: Array, proj_k: Array, proj_v: Array,
+                       mask: Any) -> tuple[Array, Array]:
+  k_len = k.shape[-2]
+  if proj_k.ndim != 2 or proj_k.shape != proj_v.shape or proj_k.shape[0] < k_len:
+    raise ValueError(f"linformer projections must be [max_len >= k_len={k_len}, r], the same "
+                     f"for keys and values; got proj_k {proj_k.shape}, proj_v {proj_v.shape}")
+  key_mask = _key_mask(mask, k_len)
+  if key_mask is not None:  # padded keys/values contribute nothing to the projection
+    keep = jnp.swapaxes(key_mask, -1, -2)  # [..., k_len, 1]
+    k, v = jnp.where(keep, k, 0.0), jnp.where(keep, v, 0.0)
+  k_proj = jnp.einsum("...kd,kr->...rd", k, proj_k[:k_len])  # [..., r, d]
+  v_proj = jnp.einsum("...kd,kr->...rd", v, proj_v[:k_len])  # [..., r, d_v]
+  return k_proj, v_proj
+
+
+def linformer_attention(q: Array, k: Array, v: Array, *, proj_k: Array, proj_v: Array,
+                        mask: Any = None) -> Array:
+  """Linformer (Wang et al. 2020, eq. 7): softmax(Q (Eᵀ K)ᵀ / sqrt(d)) (Fᵀ V).
+
+  proj_k = E, proj_v = F `[max_len, r]` (their first k_len rows are used: any k_len <=
+  max_len). Non-causal only (the projection mixes all positions). mask: key padding.
+  """
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  core.check_qkv(q, k, v)
+  k_proj, v_proj = _linformer_project(k, v, proj_k, proj_v, mask)
+  logits = jnp.einsum("...qd,...rd->...qr", q, k_proj) / math.sqrt(q.shape[-1])  # [.., q, r]
+  return jnp.matmul(jax.nn.softmax(logits, axis=-1), v_proj)  # [..., q_len, d_v]
+
+
+def linformer_weights(q: Array, k: Array, *, proj_k: Array, proj_v: Array,
+                      mask: Any = None) -> Array:
+  """Linformer's implicit matrix `[..., q_len, k_len]`: softmax(Q (EᵀK)ᵀ/sqrt(d)) Fᵀ, so that
+  context = weights @ V (rows need not sum to 1)."""
+  q, k = jnp.asarray(q), jnp.asarray(k)
+  k_proj, _ = _linformer_project(k, k, proj_k, proj_v, mask)
+  logits = jnp.einsum("...qd,...rd->...qr", q, k_proj) / math.sqrt(q.shape[-1])
+  w = jnp.einsum("...qr,kr->...qk", jax.nn.softmax(logits, axis=-1), proj_v[:k.shape[-2]])
+  key_mask = _key_mask(mask, k.shape[-2])
+  return w if key_mask is None else jnp.where(key_mask, w, 0.0)
+
+
+# ----------------------------------------------------------------------------- block-sparse
+
+
+def sliding_window_mask(q_len: int, k_len: int, window: int, *, causal: bool) -> Array:
+  """Sliding-window mask `[1, 1, q_len, k_len]` (queries end-aligned to the keys).
+
+  Query i (at key position p = i + max(k_len - q_len, 0)) sees keys |p - j| <= window, and
+  only p - window <= j <= p when causal (Longformer's local attention; Beltagy et al. 2020).
+  """
+  if window < 0:
+    raise ValueError(f"window must be >= 0 (keys within distance window); got {window}")
+  off = _causal_offset(q_len, k_len)
+  dist = np.arange(k_len)[None, :] - (np.arange(q_len)[:, None] + off)  # [q_len, k_len]
+  ok = np.abs(dist) <= window
+  if causal:
+    ok &= dist <= 0
+  return jnp.asarray(ok)[None, None]
+
+
+def bigbird_mask(q_len: int, k_len: int, *, block: int, num_global: int = 1,
+                 num_random: int = 1, rng_seed: int = 0, causal: bool = False,
+                 window_blocks: int = 1) -> Array:
+  """BigBird's block-sparse mask `[1, 1, q_len, k_len]` (Zaheer et al. 2020, ITC variant).
+
+  Positions are cut into blocks of `block`. Query block a sees key block b when
+  |a - b| <= window_blocks (window), a < num_global or b < num_global (global blocks that
+  see and are seen by every block), or b is one of num_random key blocks drawn for a with
+  numpy's generator seeded rng_seed (fixed for a given seed). causal ANDs the end-aligned
+  look-ahead mask (and draws the random blocks among the earlier ones).
+  """
+  if block < 1 or num_global < 0 or num_random < 0 or window_blocks < 0:
+    raise ValueError(f"bigbird_mask needs block >= 1 and num_global, num_random, window_blocks "
+                     f">= 0; got block={block}, num_global={num_global}, "
+                     f"num_random={num_random}, window_blocks={window_blocks}")
+  nq, nk = -(-q_len // block), -(-k_len // block)
+  off = _causal_offset(q_len, k_len) // block
+  a = np.arange(nq)[:, None] + off  # query block positions among the key blocks
+  b = np.arange(nk)[None, :]
+  blocks = (np.abs(a - b) <= window_blocks) | (a < num_global) | (b < num_global)
+  rng = np.random.default_rng(rng_seed)
+  for row in range(nq):
+    hi = min(row + off + 1, nk) if causal else nk
+    if num_random and hi > 0:
+      picks = rng.choice(hi, size=min(num_random, hi), replace=False)
+      blocks[row, picks] = True
+  ok = np.repeat(np.repeat(blocks, block, 0), block, 1)[:q_len, :k_len]
+  if causal:
+    ok &= np.arange(k_len)[None, :] <= np.arange(q_len)[:, None] + _causal_offset(q_len, k_len)
+  return jnp.asarray(ok)[None, None]
+
+
+def block_sparse_attention(q: Array, k: Array, v: Array, pattern: Array, *,
+                           causal: bool = False, mask: Any = None, block: int = 64,
+                           bias: Any = None, scale: float | None = None) -> Array:
+  """Softmax attention restricted to a block-sparse `pattern` (bool `[.., q_len, k_len]`),
+  run by the blocked kernel with tiles of `block` x `block`; tiles the pattern (AND mask)
+  hides are skipped, so a pattern with O(len) visible tiles costs O(len)."""
+  from attnlab.attention import blocked  # pylint: disable=g-import-not-at-top
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  core.check_qkv(q, k, v)
+  full = masks_lib.combine(pattern, mask)
+  lead = tuple(jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+  q, k, v = (jnp.broadcast_to(x, lead + x.shape[-2:]) for x in (q, k, v))
+  # rows with no visible key get a zero context from the kernel itself
+  return blocked.blocked_attention(q, k, v, scale=scale, mask=full, causal=causal, block_q=block,
+                                   block_k=block, bias=bias, block_sparse=True)
+
+
+def sliding_window_attention(q: Array, k: Array, v: Array, *, window: int, causal: bool = False,
+                             mask: Any = None, block: int | None = None,
+                             bias: Any = None) -> Array:
+  """Softmax attention within a sliding window (sliding_window_mask) on the blocked kernel;
+  tiles of `block` (default: window rounded up to a multiple of 8, at least 32)."""
+  if block is None:
+    block = max(32, -(-window // 8) * 8)
+  pattern = sliding_window_mask(q.shape[-2], k.shape[-2], window, causal=causal)
+  return block_sparse_attention(q, k, v, pattern, causal=causal, mask=mask, block=block,
+                                bias=bias)
+
+
+def bigbird_attention(q: Array, k: Array, v: Array, *, block: int = 64, num_global: int = 1,
+                      num_random: int = 1, rng_seed: int = 0, causal: bool = False,
+                      mask: Any = None, window_blocks: int = 1, bias: Any = None) -> Array:
+  """BigBird attention (bigbird_mask) on the blocked kernel with `block` x `block` tiles."""
+  pattern = bigbird_mask(q.shape[-2], k.shape[-2], block=block, num_global=num_global,
+                         num_random=num_random, rng_seed=rng_seed, causal=causal,
+                         window_blocks=window_blocks)
+  return block_sparse_attention(q, k, v, pattern, causal=causal, mask=mask, block=block,
+                                bias=bias)
+
