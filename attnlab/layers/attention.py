@@ -70,7 +70,10 @@ import jax.numpy as jnp
 
 from attnlab.attention import core
 from attnlab.attention import masks as masks_lib
+from attnlab.attention import normalizers
 from attnlab.attention import positional
+from attnlab.attention import positions as positions_lib
+from attnlab.attention import registry
 from attnlab.attention import scores as scores_lib
 from attnlab.layers.dense import Dense
 from attnlab.layers.dense import default_kernel_init
@@ -84,15 +87,9 @@ Initializer = Callable[..., Array]
 # attnlab.attention (scores.get_score_fn, core.choose_implementation), naming the valid ones.
 SCORES: tuple[str, ...] = tuple(scores_lib.SCORE_FNS)
 # Position biases added to the self-attention scores (attnlab.attention.positions).
-POSITION_BIASES: tuple[str, ...] = ("alibi", "t5_bias")
+POSITION_BIASES: tuple[str, ...] = positions_lib.POSITION_BIASES
 # Buckets of the T5 relative position bias (Raffel et al. 2020: 32 buckets, max distance 128).
-T5_NUM_BUCKETS = 32
-
-
-def _registry():
-  """attnlab.attention.registry (imported on first use)."""
-  from attnlab.attention import registry  # pylint: disable=g-import-not-at-top
-  return registry
+T5_NUM_BUCKETS = positions_lib.T5_NUM_BUCKETS
 
 
 def _write_cache(cache: Array, new: Array, index: Array) -> Array:
@@ -125,6 +122,16 @@ def repeat_kv_heads(x: Array, num_heads: int) -> Array:
   if kv_heads == num_heads:
     return x
   return jnp.repeat(x, num_heads // kv_heads, axis=-3)  # [batch, heads, len, d]
+
+
+def forms_scores(mechanism: registry.Mechanism) -> bool:
+  """Whether a mechanism forms the full `[q_len, k_len]` score matrix (talking heads mix it)."""
+  supports = mechanism.supports
+  if hasattr(supports, "scores_matrix"):
+    return bool(supports.scores_matrix)
+  # Until the registry says so itself: the mechanism that composes with every score, normaliser
+  # and bias and decodes from the cache without a sparsity pattern of its own is the full one.
+  return mechanism is registry.MECHANISMS["full"]
 
 
 def mix_heads(x: Array, mix: Array) -> Array:
@@ -214,32 +221,34 @@ class MultiHeadAttention(nn.Module):
     """The mechanism's knobs from the fields (0 = the mechanism's default, left out)."""
     options = {"window": self.window, "num_features": self.num_features,
                "linformer_k": self.linformer_k}
-    return {**{k: v for k, v in options.items() if v}, "seed": self.mechanism_seed}
+    return {**{k: v for k, v in options.items() if v}, "rng_seed": self.mechanism_seed}
 
   def _position_bias(self, q_len: int, k_len: int, offset: Array | None,
-                     t5_table: Array | None) -> Array | None:
-    """Additive score bias `[heads, q_len, k_len]` (`[batch, heads, q_len, k_len]` with a cache
-    offset `[batch]`), or None without a position bias."""
+                     t5_table: Array | None) -> Any:
+    """The additive score bias, or None without a position bias: a lazy positions.AlibiBias /
+    T5Bias (the blocked kernel computes it per tile) for queries at 0..q_len-1, an array
+    `[batch, heads, q_len, k_len]` for queries at a cache offset `[batch]` (decoding)."""
     if self.position_bias is None:
       return None
-    from attnlab.attention import positions  # pylint: disable=g-import-not-at-top
-    q_offset = 0 if offset is None else offset
     if self.position_bias == "alibi":
-      return positions.alibi_bias(q_len, k_len, self.num_heads, causal=self.causal,
-                                  q_offset=q_offset)  # [(batch,) heads, q_len, k_len]
+      if offset is None:
+        return positions_lib.AlibiBias(positions_lib.alibi_slopes(self.num_heads))
+      return positions_lib.alibi_bias(q_len, k_len, self.num_heads, causal=self.causal,
+                                      q_offset=offset)  # [batch, heads, q_len, k_len]
     if self.position_bias == "t5_bias":
-      if t5_table is None:
-        t5_table = self.param("t5_bias", lambda rng: positions.init_t5_table(
+      if t5_table is None:  # this layer's own table
+        t5_table = self.param("t5_bias", lambda rng: positions_lib.init_t5_table(
             rng, T5_NUM_BUCKETS, self.num_heads))  # [num_buckets, heads]
-      return positions.t5_bias(t5_table, q_len, k_len, bidirectional=not self.causal,
-                               q_offset=q_offset)  # [(batch,) heads, q_len, k_len]
+      if offset is None:
+        return positions_lib.T5Bias(t5_table, bidirectional=not self.causal)
+      return positions_lib.t5_bias(t5_table, q_len, k_len, bidirectional=not self.causal,
+                                   q_offset=offset)  # [batch, heads, q_len, k_len]
     raise ValueError(f"unknown position_bias {self.position_bias!r}; valid: "
                      f"{', '.join(POSITION_BIASES)}")
 
   def _normalizer_params(self) -> Any:
     if self.normalizer == "softmax":
       return None
-    from attnlab.attention import normalizers  # pylint: disable=g-import-not-at-top
     init = lambda rng: normalizers.init_normalizer_params(self.normalizer, rng, self.num_heads)
     if jax.eval_shape(init, jax.random.key(0)) is None:
       return None
@@ -278,10 +287,8 @@ class MultiHeadAttention(nn.Module):
     self_attention = inputs_kv is None
     precomputed = isinstance(inputs_kv, Mapping)  # {"key", "value"} from project_kv
     kv_dim = d_model if self_attention or precomputed else inputs_kv.shape[-1]
-    mechanism = None
-    if self.mechanism != "full":
-      mechanism = _registry().get_mechanism(self.mechanism)
-      self._check_mechanism(mechanism, decode and self_attention)
+    mechanism = registry.get_mechanism(self.mechanism)
+    self._check_mechanism(mechanism, decode and self_attention)
 
     # Projections. Self-attention: one [d, inner + 2 * kv_inner] matmul over the concatenated
     # kernels.
@@ -353,21 +360,20 @@ class MultiHeadAttention(nn.Module):
     if self.talking_heads:
       context, weights = self._talking_heads(qh, kh, vh, params=params, mask=mask, causal=causal,
                                              bias=score_bias, normalizer_params=norm_params)
-    elif self.mechanism == "full":
-      context, weights = self._full(qh, kh, vh, params=params, mask=mask, causal=causal,
-                                    bias=score_bias, normalizer_params=norm_params,
-                                    need_weights=need_weights)
     else:
+      options = self._mechanism_options()
       mech_params = None
-      if mechanism.init is not None:
-        max_len = self.max_len or kh.shape[2]
-        init = lambda rng: mechanism.init(rng, self.num_heads, head_dim, max_len,
-                                          self._mechanism_options())
-        if jax.eval_shape(init, jax.random.key(0)) is not None:
-          mech_params = self.param("mechanism_params", init)
+      init = lambda rng: mechanism.init(rng, self.num_heads, head_dim,
+                                        self.max_len or kh.shape[2], **options)
+      if jax.eval_shape(init, jax.random.key(0)) is not None:
+        mech_params = self.param("mechanism_params", init)
+      if offset is not None:
+        options["q_offset"] = offset  # [batch]: the queries' first absolute position
       context, weights = mechanism.fn(
           qh, kh, vh, mask=mask, causal=causal, params=mech_params, return_weights=need_weights,
-          options=self._mechanism_options())
+          score=self.score, score_params=params, bias=score_bias, normalizer=self.normalizer,
+          normalizer_params=norm_params, topk=self.topk,
+          implementation="reference" if need_weights else self.implementation, **options)
     # context [batch, heads, q_len, head_dim]; weights [batch, heads, q_len, k_len] or None
     if sow_weights:
       self.sow("intermediates", "attention_weights", weights)
@@ -392,34 +398,26 @@ class MultiHeadAttention(nn.Module):
     if decoding and not supports.cache:
       raise ValueError(f"{name} does not support KV-cache decoding; generate without the cache "
                        f"(use_cache=False) or use a mechanism that supports it "
-                       f"({', '.join(n for n, m in _registry().MECHANISMS.items() if m.supports.cache)})")
+                       f"({', '.join(n for n, m in registry.MECHANISMS.items() if m.supports.cache)})")
     if self.causal and not supports.causal:
       raise ValueError(f"{name} is not causal; use it in encoders (BERT, the Transformer's "
                        f"encoder) only")
     if not self.causal and not supports.bidirectional:
       raise ValueError(f"{name} is causal-only; use it in decoders (GPT) only")
-    if self.score not in supports.scores:
+    # The defaults (scaled_dot, softmax) always pass: a mechanism with its own similarity or
+    # normalisation (linear) lists none and runs its own.
+    if self.score != "scaled_dot" and self.score in SCORES and self.score not in supports.scores:
       raise ValueError(f"{name} supports the scores {', '.join(supports.scores)}, not "
                        f"{self.score!r}")
     if self.position_bias is not None and not supports.bias:
       raise ValueError(f"{name} takes no score bias, so position {self.position_bias!r} cannot "
                        f"be used with it; use rotary, learned or sinusoidal positions")
-    if self.normalizer not in supports.normalizers:
+    if self.normalizer != "softmax" and self.normalizer not in supports.normalizers:
       raise ValueError(f"{name} runs the normalizers {', '.join(supports.normalizers)}, not "
                        f"{self.normalizer!r}")
-
-  def _full(self, q: Array, k: Array, v: Array, *, params: Any, mask: Array | None,
-            causal: bool, bias: Array | None, normalizer_params: Any,
-            need_weights: bool) -> tuple[Array, Array | None]:
-    """Attention over the full score matrix (attend) with the bias and normaliser."""
-    implementation = "reference" if need_weights else self.implementation
-    if bias is None and self.normalizer == "softmax":  # today's path, untouched
-      return core.attend(q, k, v, score=self.score, params=params, mask=mask, causal=causal,
-                         implementation=implementation, return_weights=need_weights)
-    return core.attend(q, k, v, score=self.score, params=params, mask=mask, causal=causal,
-                       implementation=implementation, return_weights=need_weights, bias=bias,
-                       normalizer=self.normalizer, normalizer_params=normalizer_params,
-                       topk=self.topk)
+    if self.talking_heads and not forms_scores(mechanism):
+      raise ValueError(f"talking heads mix the score matrix, which {name} never forms; use "
+                       f"mechanism 'full'")
 
   def _talking_heads(self, q: Array, k: Array, v: Array, *, params: Any, mask: Array | None,
                      causal: bool, bias: Array | None,
@@ -432,7 +430,7 @@ class MultiHeadAttention(nn.Module):
     logits = scores_lib.get_score_fn(self.score)(q, k, **(params or {}))  # [b, heads, q, k]
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     if bias is not None:
-      logits = logits + bias
+      logits = logits + positions_lib.materialize(bias, *logits.shape[-2:])  # [(b,) h, q, k]
     logits = mix_heads(logits, mix_logits)  # [batch, heads, q_len, k_len]
     q_len, k_len = logits.shape[-2:]
     if causal:
@@ -442,7 +440,6 @@ class MultiHeadAttention(nn.Module):
     if self.normalizer == "softmax":
       weights = core.masked_softmax(logits, mask)  # [batch, heads, q_len, k_len]
     else:
-      from attnlab.attention import normalizers  # pylint: disable=g-import-not-at-top
       weights = normalizers.normalize(self.normalizer, logits, mask, params=normalizer_params,
                                       topk=self.topk)  # [batch, heads, q_len, k_len]
     weights = mix_heads(weights, mix_weights)  # [batch, heads, q_len, k_len]
