@@ -89,14 +89,14 @@ def test_gpt_trained_at_block_64_evaluates_at_128(position):
     return optax.apply_updates(p, u), s, loss
 
   state = opt.init(params)
-  for _ in range(3):  # trained at 64
+  for _ in range(2):  # trained at 64
     params, state, _ = step(params, state, tokens[:, :65])
-  long = np.asarray(model.apply({"params": params}, tokens[:, :128]))  # evaluated at 128
-  short = np.asarray(model.apply({"params": params}, tokens[:, :64]))
+  forward = jax.jit(lambda p, x: model.apply({"params": p}, x))
+  long = np.asarray(forward(params, tokens[:, :128]))  # evaluated at 128
+  short = np.asarray(forward(params, tokens[:, :64]))
   assert long.shape == (4, 128, VOCAB) and np.all(np.isfinite(long))
   # causal and relative: the first 64 positions see exactly what they saw at length 64
   np.testing.assert_allclose(long[:, :64], short, atol=1e-4)
-  assert np.isfinite(float(loss_fn(params, tokens)))
 
 
 def test_learned_positions_refuse_lengths_past_the_table():
@@ -122,14 +122,15 @@ def test_gpt_cached_decoding_equals_the_full_forward(kw):
   tokens = jnp.asarray(RNG.integers(0, VOCAB, (2, 16)), jnp.int32)
   params = model.init(jax.random.key(0), tokens)["params"]
   params = jax.tree.map(lambda a: a + 0.2 * jax.random.normal(jax.random.key(1), a.shape), params)
-  full = np.asarray(model.apply({"params": params}, tokens))
+  full = np.asarray(jax.jit(lambda p, x: model.apply({"params": p}, x))(params, tokens))
   cache = gpt.init_cache(model, 2)
   if kw.get("num_kv_heads") == 1:
     assert cache["block_0"]["self_attention"]["cached_key"].shape == (2, 1, 16, 8)
-  logits, cache = gpt.decode_chunk(model, params, cache, tokens[:, :6])
+  chunk = jax.jit(lambda p, c, x: gpt.decode_chunk(model, p, c, x))
+  logits, cache = chunk(params, cache, tokens[:, :6])
   outs = [np.asarray(logits)]
   for t in range(6, 16):
-    logits, cache = gpt.decode_chunk(model, params, cache, tokens[:, t:t + 1])
+    logits, cache = chunk(params, cache, tokens[:, t:t + 1])
     outs.append(np.asarray(logits))
   np.testing.assert_allclose(np.concatenate(outs, axis=1), full, atol=1e-4)
 
@@ -185,7 +186,6 @@ def test_bert_runs_every_mechanism_with_padding(mechanism):
     "model.position=t5_bias,model.num_kv_heads=1",
     "model.position=alibi,model.mechanism=sliding_window,model.window=3",
     "model.mechanism=bigbird",
-    "model.mechanism=performer,model.position=rotary",
 ])
 def test_transformer_greedy_decoding_equals_its_uncached_reference(arg):
   cfg = _config("transformer", f"runlocal=True,{arg}")
@@ -198,18 +198,21 @@ def test_transformer_greedy_decoding_equals_its_uncached_reference(arg):
   from attnlab import decoding
   start = jnp.ones((2,), jnp.int32)
 
-  def run(use_cache):
-    state = transformer.init_decode_state(model, params, src, lengths, use_cache=use_cache)
-    step = transformer.make_step_fn(model, params, use_cache=use_cache)
-    return np.asarray(decoding.greedy(step, state, start, max_len=10).tokens)
+  @jax.jit
+  def uncached(params):
+    state = transformer.init_decode_state(model, params, src, lengths, use_cache=False)
+    step = transformer.make_step_fn(model, params, use_cache=False)
+    return decoding.greedy(step, state, start, max_len=8).tokens
 
-  uncached = run(False)
-  default = np.asarray(decoding.greedy(
-      lambda s, t: model.apply({"params": params}, s, t, method="decode_step"),
-      model.apply({"params": params}, src, lengths, method="encode"), start, max_len=10).tokens)
-  np.testing.assert_array_equal(default, uncached)
-  if model.supports_cache:
-    np.testing.assert_array_equal(run(True), uncached)
+  @jax.jit
+  def default(params):  # the translation task's call: cached where the mechanism allows
+    step = lambda s, t: model.apply({"params": params}, s, t, method="decode_step")
+    state = model.apply({"params": params}, src, lengths, method="encode")
+    return decoding.greedy(step, state, start, max_len=8).tokens
+
+  np.testing.assert_array_equal(np.asarray(default(params)), np.asarray(uncached(params)))
+  assert ("cache" in model.apply({"params": params}, src, lengths, method="encode")) == \
+      registry.get_mechanism(model.mechanism).supports.cache
 
 
 # ------------------------------------------------------------------------------ config errors
