@@ -255,3 +255,63 @@ def test_older_configs_without_the_keys_build_the_same_models():
   assert config_utils.config_diff(config_utils.to_jsonable(
       config_utils.ConfigDict({**cfg.to_dict(), "model": old.to_dict()})),
       config_utils.to_jsonable(cfg)) == []
+
+
+# ------------------------------------------------------------------------------ end to end (slow)
+
+FAST = "runlocal=True,write_plots=False,num_train_steps=2,log_every=1,eval_every=0,checkpoint_every=0"
+
+
+def _summary_rows(workdir):
+  import csv  # pylint: disable=g-import-not-at-top
+  with open(workdir / "summary.csv", encoding="utf-8") as f:
+    return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+def test_gpt_sweep_over_positions_and_normalizers(tmp_path, shared_data):
+  from attnlab import sweep  # pylint: disable=g-import-not-at-top
+  spec = f"configs/gpt.py:{FAST},data.manual_dir={shared_data}"
+  status = sweep.main(["attnlab sweep", f"--config={spec}", f"--workdir={tmp_path}",
+                       "--sweep=model.position=alibi,t5_bias,rotary",
+                       "--sweep=model.normalizer=softmax,sigmoid"])
+  assert status == 0
+  assert len(_summary_rows(tmp_path)) == 6
+
+
+@pytest.mark.slow
+def test_bert_sweep_over_every_mechanism(tmp_path, shared_data):
+  from attnlab import sweep  # pylint: disable=g-import-not-at-top
+  spec = f"configs/bert.py:mode=pretrain,{FAST},data.manual_dir={shared_data}"
+  status = sweep.main(["attnlab sweep", f"--config={spec}", f"--workdir={tmp_path}",
+                       "--sweep=model.mechanism=" + ",".join(registry.MECHANISMS)])
+  assert status == 0
+  assert len(_summary_rows(tmp_path)) == len(registry.MECHANISMS)
+
+
+@pytest.mark.slow
+def test_transformer_sweep_over_the_causal_mechanisms(tmp_path):
+  from attnlab import sweep  # pylint: disable=g-import-not-at-top
+  both = [n for n, m in registry.MECHANISMS.items()
+          if m.supports.causal and m.supports.bidirectional]
+  status = sweep.main(["attnlab sweep", f"--config=configs/transformer.py:{FAST}",
+                       f"--workdir={tmp_path}", "--sweep=model.mechanism=" + ",".join(both)])
+  assert status == 0
+  assert len(_summary_rows(tmp_path)) == len(both)
+
+
+@pytest.mark.slow
+def test_vmapped_seeds_on_a_two_device_mesh(tmp_path, shared_data):
+  """num_seeds=2 on mesh.cpu_devices=2 (a fresh process: the device count is set before JAX
+  starts) with a mechanism whose parameters are its own (Linformer in BERT) and GQA."""
+  import json  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  arg = (f"mode=pretrain,{FAST},data.manual_dir={shared_data},num_seeds=2,mesh.cpu_devices=2,"
+         "model.mechanism=linformer,model.num_kv_heads=1,model.position=alibi")
+  proc = subprocess.run([sys.executable, "-m", "attnlab.main", f"--config=configs/bert.py:{arg}",
+                         f"--workdir={tmp_path}"], capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  train = [r for r in records if r.get("split") == "train"]
+  assert train and all(np.all(np.isfinite(r["loss"])) for r in train)
