@@ -311,8 +311,9 @@ def attend(q: Array, k: Array, v: Array, *, score: str | Callable = "scaled_dot"
     blocked = importlib.import_module("attnlab.attention.blocked")
     all_lead = tuple(jnp.broadcast_shapes(lead, v.shape[:-2]))
     q, k, v = (jnp.broadcast_to(x, all_lead + x.shape[-2:]) for x in (q, k, v))
+    extra = {} if bias is None else {"bias": bias}  # a lazy positions bias, per tile
     context = blocked.blocked_attention(q, k, v, scale=scale, mask=full_mask,
-                                        causal=flag_causal, bias=bias)  # [..., q_len, d_v]
+                                        causal=flag_causal, **extra)  # [..., q_len, d_v]
   return _zero_empty_rows(context, full_mask), None
 
 

@@ -175,7 +175,8 @@ def linear_attention_weights(q: Array, k: Array, *, causal: bool = False,
 def performer_features(rng: Array, num_features: int, head_dim: int) -> Array:
   """Positive orthogonal random features `[num_features, head_dim]` (FAVOR+, section 2.4).
 
-  Blocks of head_dim rows are orthogonal (QR of a Gaussian matrix); each row is rescaled to
+  Blocks of head_dim rows are orthogonal (Haar: QR of a Gaussian matrix with the signs of R's
+  diagonal folded into Q); each row is rescaled to
   the norm of an independent Gaussian vector, so every row is marginally N(0, I) and the
   estimate stays unbiased. Redraw by calling again with another rng.
   """
@@ -185,7 +186,10 @@ def performer_features(rng: Array, num_features: int, head_dim: int) -> Array:
   n_blocks = -(-num_features // head_dim)
   rng_q, rng_n = jax.random.split(rng)
   g = jax.random.normal(rng_q, (n_blocks, head_dim, head_dim), jnp.float32)
-  qs, _ = jnp.linalg.qr(g)  # [n_blocks, d, d], orthonormal columns
+  qs, r = jnp.linalg.qr(g)  # [n_blocks, d, d], orthonormal columns
+  # sign fix: Q diag(sign(diag R)) is Haar-distributed (plain QR's Q is not: its columns lean
+  # to the signs the QR routine picks, which biases the estimate)
+  qs = qs * jnp.sign(jnp.diagonal(r, axis1=-2, axis2=-1))[..., None, :]
   w = jnp.swapaxes(qs, -1, -2).reshape(n_blocks * head_dim, head_dim)[:num_features]
   norms = jnp.linalg.norm(jax.random.normal(rng_n, (num_features, head_dim)), axis=-1)
   return w * norms[:, None]  # [num_features, head_dim]
@@ -206,7 +210,7 @@ def performer_feature_map(x: Array, features: Array, *, is_query: bool) -> Array
   else:
     c = jnp.max(proj, axis=(-1, -2), keepdims=True)
   c = jax.lax.stop_gradient(c)
-  return jnp.exp(proj - sq - c) / math.sqrt(features.shape[0]) + 1e-6
+  return jnp.exp(proj - sq - c) / math.sqrt(features.shape[0])
 
 
 def performer_attention(q: Array, k: Array, v: Array, *, features: Array, causal: bool = False,
