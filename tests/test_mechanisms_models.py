@@ -114,7 +114,8 @@ def test_learned_positions_refuse_lengths_past_the_table():
     dict(position="t5_bias"),
     dict(position="rotary", mechanism="sliding_window", window=5, num_kv_heads=1),
     dict(position="alibi", normalizer="softmax_sink", talking_heads=True),
-], ids=["alibi-mqa", "t5", "sliding-mqa", "sink-talking"])
+    dict(position="rotary", mechanism="performer", num_features=16, num_kv_heads=1),
+], ids=["alibi-mqa", "t5", "sliding-mqa", "sink-talking", "performer-mqa"])
 def test_gpt_cached_decoding_equals_the_full_forward(kw):
   position = kw.pop("position")
   model = _gpt(position, **kw)

@@ -60,6 +60,7 @@ its mean output replaces it). Without that collection nothing changes.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -122,6 +123,25 @@ def repeat_kv_heads(x: Array, num_heads: int) -> Array:
   if kv_heads == num_heads:
     return x
   return jnp.repeat(x, num_heads // kv_heads, axis=-3)  # [batch, heads, len, d]
+
+
+def _decode_rows(call: Callable[..., Any], q: Array, k: Array, v: Array, mask: Array,
+                 bias: Array | None, offset: Array, need_weights: bool
+                 ) -> tuple[Array, Array | None]:
+  """A mechanism on a decode chunk of L > 1 queries `[batch, heads, L, d]` against the cache,
+  one query at a time (lax.map): each query's mask `[batch, 1|heads, 1, max_len]` is then a key
+  mask, which every mechanism takes (the kernelised ones refuse per-query masks)."""
+  rows = lambda x: None if x is None else jnp.moveaxis(
+      jnp.broadcast_to(x, x.shape[:-2] + (q.shape[2], x.shape[-1]))[..., None, :], -3, 0)
+  def one(args):
+    i, q_i, mask_i, bias_i = args  # q_i [batch, heads, 1, d]; mask_i [batch, 1|h, 1, max_len]
+    return call(q_i, k, v, mask=mask_i, bias=bias_i, q_offset=offset + i)
+  context, weights = jax.lax.map(one, (jnp.arange(q.shape[2]), rows(q), rows(mask),
+                                       rows(bias)))  # [L, batch, heads, 1, d | max_len]
+  context = jnp.moveaxis(context[..., 0, :], 0, -2)  # [batch, heads, L, d]
+  if need_weights:
+    weights = jnp.moveaxis(weights[..., 0, :], 0, -2)  # [batch, heads, L, max_len]
+  return context, weights
 
 
 def forms_scores(mechanism: registry.Mechanism) -> bool:
@@ -367,13 +387,19 @@ class MultiHeadAttention(nn.Module):
                                         self.max_len or kh.shape[2], **options)
       if jax.eval_shape(init, jax.random.key(0)) is not None:
         mech_params = self.param("mechanism_params", init)
-      if offset is not None:
-        options["q_offset"] = offset  # [batch]: the queries' first absolute position
-      context, weights = mechanism.fn(
-          qh, kh, vh, mask=mask, causal=causal, params=mech_params, return_weights=need_weights,
-          score=self.score, score_params=params, bias=score_bias, normalizer=self.normalizer,
+      call = functools.partial(
+          mechanism.fn, causal=causal, params=mech_params, return_weights=need_weights,
+          score=self.score, score_params=params, normalizer=self.normalizer,
           normalizer_params=norm_params, topk=self.topk,
           implementation="reference" if need_weights else self.implementation, **options)
+      if offset is None:
+        context, weights = call(qh, kh, vh, mask=mask, bias=score_bias)
+      elif qh.shape[2] == 1 or forms_scores(mechanism):
+        # [batch]: the queries' first absolute position
+        context, weights = call(qh, kh, vh, mask=mask, bias=score_bias, q_offset=offset)
+      else:  # a chunk into the cache: one query at a time, each with its own key mask
+        context, weights = _decode_rows(call, qh, kh, vh, mask, score_bias, offset,
+                                        need_weights)
     # context [batch, heads, q_len, head_dim]; weights [batch, heads, q_len, k_len] or None
     if sow_weights:
       self.sow("intermediates", "attention_weights", weights)
