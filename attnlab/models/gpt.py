@@ -4,6 +4,14 @@ Model: token + position embeddings -> `num_layers` pre-LN causal TransformerBloc
 LayerNorm -> logits through the transposed token table (the LM head is tied to the embedding).
 Residual-output kernels start at std 0.02 / sqrt(2 * num_layers) (GPT-2).
 
+Attention options (config keys of the same names, checked by config_utils.validate):
+`position` alibi / t5_bias add a bias to the scores instead of a position table (T5's table is one
+`t5_bias` parameter shared by the layers), so the model runs at lengths past block_size;
+`num_kv_heads` (grouped-query / multi-query), `talking_heads`, `normalizer` (+ `topk`) and
+`mechanism` (+ `window`, `num_features`, `linformer_k`) go to every block's attention
+(attnlab.layers.MultiHeadAttention), which asks attnlab.attention.registry what a mechanism
+supports.
+
 Generation (`generate`) runs through `attnlab.decoding.sample` (temperature 0 = greedy) with a
 step function over one of two states:
 
@@ -19,6 +27,9 @@ step function over one of two states:
 While prompt + generated tokens fit in block_size the two give identical logits, hence
 identical tokens under greedy decoding (tests/test_gpt.py checks); beyond it their contexts
 differ as described.
+
+A mechanism without KV-cache decoding in its registry entry (e.g. bigbird) generates without
+the cache by default (`use_cache=None`); asking for the cache with it is a clear error.
 
 Prompts of different lengths go in one batch (a ragged batch): each row is padded after its
 tokens, every cache row writes and counts positions from its own length, and rows restart their
