@@ -309,10 +309,13 @@ def test_vmapped_seeds_on_a_two_device_mesh(tmp_path, shared_data):
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   arg = (f"mode=pretrain,{FAST},data.manual_dir={shared_data},num_seeds=2,mesh.cpu_devices=2,"
-         "model.mechanism=linformer,model.num_kv_heads=1,model.position=alibi")
+         "model.mechanism=linformer,model.num_kv_heads=1,model.position=rotary")
   proc = subprocess.run([sys.executable, "-m", "attnlab.main", f"--config=configs/bert.py:{arg}",
                          f"--workdir={tmp_path}"], capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   train = [r for r in records if r.get("split") == "train"]
-  assert train and all(np.all(np.isfinite(r["loss"])) for r in train)
+  assert train and all(len(r["per_seed"]["loss"]) == 2 for r in train)
+  assert all(np.all(np.isfinite(r["per_seed"]["loss"])) for r in train)
+  assert train[-1]["per_seed"]["loss"][0] != train[-1]["per_seed"]["loss"][1]  # two inits
+  assert "mesh.cpu_devices=2: 2 CPU devices" in proc.stderr  # data axis over both (batch 8)
