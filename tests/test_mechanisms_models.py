@@ -64,6 +64,25 @@ def test_alibi_in_the_layer_matches_numpy():
   np.testing.assert_allclose(out, ctx @ np.asarray(p["out"]["kernel"]), atol=1e-5)
 
 
+def test_t5_bias_table_per_layer_or_shared():
+  """Without a shared table the layer owns one ([32 buckets, heads]); passing the same values as
+  the shared table gives the same output; the bias depends on the table (zero table = none)."""
+  layer = MultiHeadAttention(num_heads=2, causal=True, position_bias="t5_bias")
+  plain = MultiHeadAttention(num_heads=2, causal=True)
+  x = jnp.asarray(RNG.normal(size=(2, 6, 8)), jnp.float32)
+  p = layer.init(jax.random.key(0), x)["params"]
+  assert p["t5_bias"].shape == (32, 2)
+  table = jax.random.normal(jax.random.key(5), (32, 2))
+  own = layer.apply({"params": {**p, "t5_bias": table}}, x)
+  rest = {k: v for k, v in p.items() if k != "t5_bias"}
+  shared = layer.apply({"params": rest}, x, t5_table=table)
+  np.testing.assert_allclose(np.asarray(own), np.asarray(shared), atol=1e-6)
+  zero = layer.apply({"params": rest}, x, t5_table=jnp.zeros((32, 2)))
+  np.testing.assert_allclose(np.asarray(zero), np.asarray(plain.apply({"params": rest}, x)),
+                             atol=1e-6)
+  assert np.abs(np.asarray(own) - np.asarray(zero)).max() > 1e-3
+
+
 # ------------------------------------------------------------------------------ extrapolation
 
 
