@@ -98,6 +98,9 @@ class _Tiling:
   bias: Any = None
   # whether to skip, inside the visible range, each tile the user mask hides (block-sparse)
   skip_inner: bool = False
+  # structured sparsity pattern (WindowPattern / BlockPattern) or None: its tile visibility
+  # and in-tile mask are computed from tile indices, no [q_len, k_len] mask is formed
+  pattern: Any = None
 
   def tile_bias(self, rp: Array, i: Any, j: Any) -> Array:
     """Additive bias of score tile (i, j) from the rows' parameters rp `[G, P]`: [G, bq, bk]."""
@@ -137,7 +140,7 @@ class _Tiling:
       hi = jnp.minimum(nk, last_row // bk + 1)
       full_hi = jnp.minimum(full_hi, (i * bq + self.causal_offset + 1) // bk)
       full_hi = jnp.minimum(full_hi, hi)
-    if self.has_mask:
+    if self.has_mask or self.pattern is not None:
       full_hi = 0
     return full_hi, hi
 
@@ -153,7 +156,7 @@ class _Tiling:
       full_lo = jnp.clip(-(-full_row // bq), lo, nq)
     if self.k_ragged:
       full_lo = jnp.where(j == self.num_k_blocks - 1, nq, full_lo)
-    if self.has_mask:
+    if self.has_mask or self.pattern is not None:
       full_lo = nq
     return lo, full_lo
 
@@ -195,7 +198,64 @@ def _tile_mask(t: _Tiling, mask: Array | None, i: Any, j: Any) -> Array:
     if t.mask_k:
       m = _tile(m, j, bk, axis=2)
     ok = m if ok is None else ok & m  # [G|1, bq|1, bk|1]
+  if t.pattern is not None:
+    p = t.pattern.tile_mask(t, i, j)  # [1, bq, bk] or None (tile all visible)
+    if p is not None:
+      ok = p if ok is None else ok & p
   return ok
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowPattern:
+  """Sliding window: query i (at key position i + offset) sees keys |i + offset - j| <= window."""
+  # largest |query position - key position| that is visible
+  window: int
+  # key position of query 0
+  offset: int = 0
+
+  def tile_mask(self, t: "_Tiling", i: Any, j: Any) -> Array:
+    q_pos = i * t.block_q + lax.broadcasted_iota(jnp.int32, (1, t.block_q, 1), 1)
+    k_pos = j * t.block_k + lax.broadcasted_iota(jnp.int32, (1, 1, t.block_k), 2)
+    return jnp.abs(k_pos - q_pos - self.offset) <= self.window  # [1, bq, bk]
+
+  def visible(self, t: "_Tiling") -> Array:
+    """bool [nq, nk]: whether tile (i, j) holds any (query, key) pair within the window."""
+    i = jnp.arange(t.num_q_blocks)[:, None]
+    j = jnp.arange(t.num_k_blocks)[None, :]
+    lo = j * t.block_k - (i * t.block_q + t.block_q - 1 + self.offset)  # min key - query
+    hi = j * t.block_k + t.block_k - 1 - (i * t.block_q + self.offset)  # max key - query
+    return (hi >= -self.window) & (lo <= self.window)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPattern:
+  """A block table: query block a sees key block b iff table[a][b] (tiles = blocks)."""
+  # [q_blocks][k_blocks] visibility (a tuple of tuples: hashable, static)
+  table: tuple
+  # block length (the kernel's tile length along queries and keys)
+  block: int
+
+  def tile_mask(self, t: "_Tiling", i: Any, j: Any) -> None:
+    del t, i, j  # a visible block is visible in full
+
+  def visible(self, t: "_Tiling") -> Array:
+    table = jnp.asarray(self.table, bool)
+    if table.shape != (t.num_q_blocks, t.num_k_blocks):
+      raise ValueError(f"block pattern table {table.shape} does not match the "
+                       f"{t.num_q_blocks} x {t.num_k_blocks} tiles of block {self.block}")
+    return table
+
+
+def _visible_table(t: _Tiling, mask: Array | None) -> tuple[Array | None, bool, bool]:
+  """(tile visibility [nq|1, nk|1] or None, whether it varies along q, along k)."""
+  user = _visible_tiles(t, mask) if t.has_mask and (t.skip_empty or t.pattern is not None) \
+      else None
+  if t.pattern is None:
+    return user, t.mask_q, t.mask_k
+  table = t.pattern.visible(t)  # [nq, nk]
+  if user is not None:
+    table = table & user
+  return table, True, True
 
 
 def _visible_tiles(t: _Tiling, mask: Array) -> Array:
@@ -232,7 +292,7 @@ def _forward_group(t: _Tiling, q: Array, k: Array, v: Array, rp: Array | None,
   g, d_v = q.shape[0], v.shape[2]
   bq, bk = t.block_q, t.block_k
   dt = q.dtype
-  visible = _visible_tiles(t, mask) if t.has_mask and t.skip_empty else None
+  visible, vary_q, vary_k = _visible_table(t, mask)
 
   def q_step(i, carry):
     out, lse = carry
@@ -262,16 +322,15 @@ def _forward_group(t: _Tiling, q: Array, k: Array, v: Array, rp: Array | None,
     full_hi, hi = t.key_blocks(i)
     lo = full_hi
     if visible is not None:  # tiles outside [vis_lo, vis_hi) are hidden by the user mask
-      vis_lo, vis_hi = _visible_range(visible[i if t.mask_q else 0], t.mask_k,
-                                      t.num_k_blocks)
+      vis_lo, vis_hi = _visible_range(visible[i if vary_q else 0], vary_k, t.num_k_blocks)
       lo, hi = vis_lo, jnp.minimum(hi, vis_hi)
     init = _like(q, (jnp.full((g, bq), -jnp.inf, dt), jnp.zeros((g, bq), dt),
                      jnp.zeros((g, bq, d_v), dt)))
     c = _loop(0, full_hi, make_step(False), init)
     masked_step = make_step(True)
     if visible is not None and t.skip_inner:  # block-sparse: skip each hidden tile
-      row_vis = visible[i if t.mask_q else 0]
-      masked_step = _skip_hidden(masked_step, lambda j: row_vis[j if t.mask_k else 0])
+      row_vis = visible[i if vary_q else 0]
+      masked_step = _skip_hidden(masked_step, lambda j: row_vis[j if vary_k else 0])
     m, l, acc = _loop(lo, hi, masked_step, c)
     seen = l > 0  # [G, bq]; False for rows with no visible key
     l_safe = jnp.where(seen, l, 1.0)
@@ -312,7 +371,7 @@ def _backward_group(t: _Tiling, q: Array, k: Array, v: Array, rp: Array | None,
   bq, bk = t.block_q, t.block_k
   dt = q.dtype
   k_t = jnp.swapaxes(k, 1, 2)  # [G, d, k_pad]
-  visible = _visible_tiles(t, mask) if t.has_mask and t.skip_empty else None
+  visible, vary_q, vary_k = _visible_table(t, mask)
 
   def k_step(j, carry):
     dq_t, dk, dv, drp = carry
@@ -346,14 +405,13 @@ def _backward_group(t: _Tiling, q: Array, k: Array, v: Array, rp: Array | None,
     lo, full_lo = t.query_blocks(j)
     hi = full_lo
     if visible is not None:  # tiles outside [vis_lo, vis_hi) are hidden by the user mask
-      vis_lo, vis_hi = _visible_range(visible[:, j if t.mask_k else 0], t.mask_q,
-                                      t.num_q_blocks)
+      vis_lo, vis_hi = _visible_range(visible[:, j if vary_k else 0], vary_q, t.num_q_blocks)
       lo, hi = jnp.maximum(lo, vis_lo), jnp.minimum(hi, vis_hi)
     init = (*_like(q, (jnp.zeros((g, bk, d), dt), jnp.zeros((g, bk, d_v), dt))), dq_t, drp)
     masked_step = make_step(True)
     if visible is not None and t.skip_inner:  # block-sparse: skip each hidden tile
-      col_vis = visible[:, j if t.mask_k else 0]
-      masked_step = _skip_hidden(masked_step, lambda i: col_vis[i if t.mask_q else 0])
+      col_vis = visible[:, j if vary_k else 0]
+      masked_step = _skip_hidden(masked_step, lambda i: col_vis[i if vary_q else 0])
     c = _loop(lo, hi, masked_step, init)
     dk_j, dv_j, dq_t, drp = _loop(full_lo, t.num_q_blocks, make_step(False), c)
     return dq_t, _put(dk, dk_j, j), _put(dv, dv_j, j), drp
@@ -459,7 +517,7 @@ def _group_size(rows: int, target: int) -> int:
   return next(g for g in range(max(1, min(rows, target)), 0, -1) if rows % g == 0)
 
 
-def _batch_shards(q: Array, k: Array, v: Array, mask: Any):
+def _batch_shards(q: Array, k: Array, v: Array, mask: Any, bias: Any = None):
   """Under a mesh (`jax.set_mesh`, or `jax.sharding.use_abstract_mesh` as the train step traces
   the model) whose devices split the batch: a
   function that runs a kernel on each device's slice of the batch (`jax.shard_map` over every
@@ -479,10 +537,12 @@ def _batch_shards(q: Array, k: Array, v: Array, mask: Any):
   mask_split = mask is not None and mask.ndim == q.ndim and mask.shape[0] == batch
 
   def run(kernel):
-    inner = lambda q, k, v, m: kernel(q, k, v, mask=m)
-    specs = (split, split, split, split if mask_split else P())
+    # the bias's parameters enter as a replicated argument (a closed-over traced array does
+    # not lower inside shard_map on CPU)
+    inner = lambda q, k, v, m, b: kernel(q, k, v, mask=m, bias=b)
+    specs = (split, split, split, split if mask_split else P(), P())
     return jax.shard_map(inner, mesh=mesh, in_specs=specs, out_specs=split,
-                         check_vma=False)(q, k, v, mask)
+                         check_vma=False)(q, k, v, mask, bias)
   return run
 
 
@@ -490,7 +550,8 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
                       mask: Any = None, causal: bool = False, block_q: int | None = None,
                       block_k: int | None = None, head_group: int | None = None,
                       skip_empty_tiles: bool = True, parallel: int | None = None,
-                      bias: Any = None, block_sparse: bool = False) -> Array:
+                      bias: Any = None, block_sparse: bool = False,
+                      pattern: Any = None) -> Array:
   """softmax(scale · q kᵀ, masked) v, computed tile by tile (flash-style).
 
   Args:
@@ -519,6 +580,10 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
     block_sparse: also skip, inside each tile loop's visible range, every tile the mask hides
       (a lax.cond per tile): for block-sparse masks (sliding window, BigBird) whose visible
       tiles are not contiguous. Use tiles aligned with the pattern's blocks.
+    pattern: a structured sparsity pattern ANDed with the mask, computed per tile from the
+      tile indices (no [q_len, k_len] array): WindowPattern(window, offset) or
+      BlockPattern(table, block) (then both tile lengths are `block`). Hidden tiles are
+      skipped one by one, so a pattern with O(len) visible tiles costs O(len) time and memory.
 
   Returns:
     context `[..., q_len, d_v]` in the inputs' dtype. A query with no visible key gets a zero
@@ -526,12 +591,12 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
   """
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   core.check_qkv(q, k, v)
-  per_shard = _batch_shards(q, k, v, mask)
+  per_shard = _batch_shards(q, k, v, mask, bias)
   if per_shard is not None:
     return per_shard(functools.partial(
         blocked_attention, scale=scale, causal=causal, block_q=block_q, block_k=block_k,
         head_group=head_group, skip_empty_tiles=skip_empty_tiles, parallel=parallel,
-        bias=bias, block_sparse=block_sparse))
+        block_sparse=block_sparse, pattern=pattern))
   if q.shape[-1] != k.shape[-1]:
     raise ValueError(f"q and k must share the feature dim d for a dot score; got q {q.shape}, "
                      f"k {k.shape}")
@@ -559,7 +624,10 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
   if mask is not None:
     mask = masks_lib.check_mask(mask, lead + (q_len, k_len))
     mask = mask.reshape((1,) * (len(lead) + 2 - mask.ndim) + mask.shape)
-  block_q, block_k = _fit_block(q_len, block_q), _fit_block(k_len, block_k)
+  if isinstance(pattern, BlockPattern):  # tiles are the pattern's blocks (no refitting)
+    block_q = block_k = pattern.block
+  else:
+    block_q, block_k = _fit_block(q_len, block_q), _fit_block(k_len, block_k)
   if head_group is None:
     head_group = max(1, DEFAULT_TILE_ELEMENTS // (block_q * block_k))
   chunks = _group_size(rows, DEFAULT_PARALLEL if parallel is None
@@ -571,7 +639,8 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
       mask_rows=mask is not None and math.prod(mask.shape[:-2]) > 1,
       mask_q=mask is not None and mask.shape[-2] > 1,
       mask_k=mask is not None and mask.shape[-1] > 1, skip_empty=bool(skip_empty_tiles),
-      bias=None if bias is None else bias.spec(), skip_inner=bool(block_sparse))
+      bias=None if bias is None else bias.spec(),
+      skip_inner=bool(block_sparse) or pattern is not None, pattern=pattern)
 
   def flat(x: Array, length: int, pad: int) -> Array:
     x = jnp.broadcast_to(x.astype(dt), lead + x.shape[-2:]).reshape((rows, length, -1))

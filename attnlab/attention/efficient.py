@@ -296,11 +296,12 @@ def sliding_window_mask(q_len: int, k_len: int, window: int, *, causal: bool) ->
   if window < 0:
     raise ValueError(f"window must be >= 0 (keys within distance window); got {window}")
   off = _causal_offset(q_len, k_len)
-  dist = np.arange(k_len)[None, :] - (np.arange(q_len)[:, None] + off)  # [q_len, k_len]
-  ok = np.abs(dist) <= window
+  # built from iotas (no [q_len, k_len] constant in the compiled program)
+  dist = jnp.arange(k_len)[None, :] - (jnp.arange(q_len)[:, None] + off)  # [q_len, k_len]
+  ok = jnp.abs(dist) <= window
   if causal:
-    ok &= dist <= 0
-  return jnp.asarray(ok)[None, None]
+    ok = ok & (dist <= 0)
+  return ok[None, None]
 
 
 def bigbird_mask(q_len: int, k_len: int, *, block: int, num_global: int = 1,
@@ -314,25 +315,15 @@ def bigbird_mask(q_len: int, k_len: int, *, block: int, num_global: int = 1,
   numpy's generator seeded rng_seed (fixed for a given seed). causal ANDs the end-aligned
   look-ahead mask (and draws the random blocks among the earlier ones).
   """
-  if block < 1 or num_global < 0 or num_random < 0 or window_blocks < 0:
-    raise ValueError(f"bigbird_mask needs block >= 1 and num_global, num_random, window_blocks "
-                     f">= 0; got block={block}, num_global={num_global}, "
-                     f"num_random={num_random}, window_blocks={window_blocks}")
-  nq, nk = -(-q_len // block), -(-k_len // block)
-  off = _causal_offset(q_len, k_len) // block
-  a = np.arange(nq)[:, None] + off  # query block positions among the key blocks
-  b = np.arange(nk)[None, :]
-  blocks = (np.abs(a - b) <= window_blocks) | (a < num_global) | (b < num_global)
-  rng = np.random.default_rng(rng_seed)
-  for row in range(nq):
-    hi = min(row + off + 1, nk) if causal else nk
-    if num_random and hi > 0:
-      picks = rng.choice(hi, size=min(num_random, hi), replace=False)
-      blocks[row, picks] = True
-  ok = np.repeat(np.repeat(blocks, block, 0), block, 1)[:q_len, :k_len]
+  blocks = bigbird_blocks(q_len, k_len, block=block, num_global=num_global,
+                          num_random=num_random, rng_seed=rng_seed, causal=causal,
+                          window_blocks=window_blocks)
+  # only the [q_blocks, k_blocks] table is a constant; the expansion happens on the device
+  ok = jnp.repeat(jnp.repeat(jnp.asarray(blocks), block, 0), block, 1)[:q_len, :k_len]
   if causal:
-    ok &= np.arange(k_len)[None, :] <= np.arange(q_len)[:, None] + _causal_offset(q_len, k_len)
-  return jnp.asarray(ok)[None, None]
+    ok = ok & (jnp.arange(k_len)[None, :]
+               <= jnp.arange(q_len)[:, None] + _causal_offset(q_len, k_len))
+  return ok[None, None]
 
 
 def block_sparse_attention(q: Array, k: Array, v: Array, pattern: Array, *,
@@ -352,25 +343,67 @@ def block_sparse_attention(q: Array, k: Array, v: Array, pattern: Array, *,
                                    block_k=block, bias=bias, block_sparse=True)
 
 
+def _blocked_pattern(q: Array, k: Array, v: Array, pattern: Any, *, causal: bool, mask: Any,
+                     block: int, bias: Any, scale: float | None) -> Array:
+  from attnlab.attention import blocked  # pylint: disable=g-import-not-at-top
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  core.check_qkv(q, k, v)
+  lead = tuple(jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+  q, k, v = (jnp.broadcast_to(x, lead + x.shape[-2:]) for x in (q, k, v))
+  return blocked.blocked_attention(q, k, v, scale=scale, mask=mask, causal=causal,
+                                   block_q=block, block_k=block, bias=bias, pattern=pattern)
+
+
 def sliding_window_attention(q: Array, k: Array, v: Array, *, window: int, causal: bool = False,
-                             mask: Any = None, block: int | None = None,
-                             bias: Any = None) -> Array:
-  """Softmax attention within a sliding window (sliding_window_mask) on the blocked kernel;
-  tiles of `block` (default: window rounded up to a multiple of 8, at least 32)."""
+                             mask: Any = None, block: int | None = None, bias: Any = None,
+                             scale: float | None = None) -> Array:
+  """Softmax attention within a sliding window (the sliding_window_mask pattern) on the
+  blocked kernel, which computes the window per tile (no [q_len, k_len] mask) and skips the
+  tiles outside it: O(len · window). Tiles of `block` (default: the window rounded up to a
+  multiple of 8, at least 32); mask: an extra user mask (e.g. key padding)."""
+  from attnlab.attention import blocked  # pylint: disable=g-import-not-at-top
+  if window < 0:
+    raise ValueError(f"window must be >= 0 (keys within distance window); got {window}")
   if block is None:
     block = max(32, -(-window // 8) * 8)
-  pattern = sliding_window_mask(q.shape[-2], k.shape[-2], window, causal=causal)
-  return block_sparse_attention(q, k, v, pattern, causal=causal, mask=mask, block=block,
-                                bias=bias)
+  pattern = blocked.WindowPattern(int(window), _causal_offset(q.shape[-2], k.shape[-2]))
+  return _blocked_pattern(q, k, v, pattern, causal=causal, mask=mask, block=block, bias=bias,
+                          scale=scale)
+
+
+def bigbird_blocks(q_len: int, k_len: int, *, block: int, num_global: int = 1,
+                   num_random: int = 1, rng_seed: int = 0, causal: bool = False,
+                   window_blocks: int = 1) -> np.ndarray:
+  """BigBird's block table `[q_blocks, k_blocks]` (see bigbird_mask), as NumPy bool."""
+  if block < 1 or num_global < 0 or num_random < 0 or window_blocks < 0:
+    raise ValueError(f"bigbird needs block >= 1 and num_global, num_random, window_blocks "
+                     f">= 0; got block={block}, num_global={num_global}, "
+                     f"num_random={num_random}, window_blocks={window_blocks}")
+  nq, nk = -(-q_len // block), -(-k_len // block)
+  off = _causal_offset(q_len, k_len) // block
+  a = np.arange(nq)[:, None] + off  # query block positions among the key blocks
+  b = np.arange(nk)[None, :]
+  blocks = (np.abs(a - b) <= window_blocks) | (a < num_global) | (b < num_global)
+  rng = np.random.default_rng(rng_seed)
+  for row in range(nq):
+    hi = min(row + off + 1, nk) if causal else nk
+    if num_random and hi > 0:
+      picks = rng.choice(hi, size=min(num_random, hi), replace=False)
+      blocks[row, picks] = True
+  return blocks
 
 
 def bigbird_attention(q: Array, k: Array, v: Array, *, block: int = 64, num_global: int = 1,
                       num_random: int = 1, rng_seed: int = 0, causal: bool = False,
-                      mask: Any = None, window_blocks: int = 1, bias: Any = None) -> Array:
-  """BigBird attention (bigbird_mask) on the blocked kernel with `block` x `block` tiles."""
-  pattern = bigbird_mask(q.shape[-2], k.shape[-2], block=block, num_global=num_global,
+                      mask: Any = None, window_blocks: int = 1, bias: Any = None,
+                      scale: float | None = None) -> Array:
+  """BigBird attention (the bigbird_mask pattern) on the blocked kernel with `block` x `block`
+  tiles, visiting only the visible blocks: O(len · block · (2 window_blocks + 1 + num_random)
+  + len · num_global · block)."""
+  from attnlab.attention import blocked  # pylint: disable=g-import-not-at-top
+  table = bigbird_blocks(q.shape[-2], k.shape[-2], block=block, num_global=num_global,
                          num_random=num_random, rng_seed=rng_seed, causal=causal,
                          window_blocks=window_blocks)
-  return block_sparse_attention(q, k, v, pattern, causal=causal, mask=mask, block=block,
-                                bias=bias)
-
+  pattern = blocked.BlockPattern(tuple(map(tuple, table.tolist())), int(block))
+  return _blocked_pattern(q, k, v, pattern, causal=causal, mask=mask, block=block, bias=bias,
+                          scale=scale)

@@ -196,8 +196,8 @@ class T5Bias:
     """row_params `[G, num_buckets]`, dist `[bq, bk]` -> `[G, bq, bk]`."""
     bucket = t5_relative_bucket(dist, bidirectional=self.bidirectional,
                                 num_buckets=self.num_buckets, max_distance=self.max_distance)
-    one_hot = jax.nn.one_hot(bucket, self.num_buckets, dtype=row_params.dtype)  # [bq, bk, nb]
-    return jnp.einsum("gn,qkn->gqk", row_params, one_hot)
+    # a gather (its gradient a scatter-add): half the CPU time of a one-hot einsum per tile
+    return jnp.take(row_params, bucket, axis=1)  # [G, bq, bk]
 
   def row_params(self) -> Array:
     return jnp.swapaxes(jnp.asarray(self.table), 0, 1)  # [heads, num_buckets]

@@ -5,7 +5,7 @@ Layers and config validation read this table; nothing else branches on a mechani
 | name | paper | cost | causal | bidirectional | KV cache | weights | scores | bias (ALiBi/T5) | normalizers |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
 | full | Vaswani et al. 2017 | O(n²) (blocked kernel: O(n) memory) | yes | yes | yes | yes | all | yes | all |
-| linear | Katharopoulos et al. 2020 | O(n) | yes (chunked prefix sums) | yes | yes (quadratic in the cache) | implicit | none: phi(q)ᵀphi(k) replaces the score | no | none (own normalisation) |
+| linear | Katharopoulos et al. 2020 | O(n) | yes (chunked prefix sums) | yes | yes (quadratic in the cache) | implicit | scaled_dot (the default) only: phi(q)ᵀphi(k) replaces it | no | softmax (the default) only: its own normalisation replaces it |
 | performer | Choromanski et al. 2021 | O(n) | yes (chunked prefix sums) | yes | yes (quadratic in the cache) | implicit | scaled_dot only (estimates it) | no | softmax only (estimates it) |
 | linformer | Wang et al. 2020 | O(n) | no | yes | no | implicit | scaled_dot only | no | softmax only |
 | sliding_window | Beltagy et al. 2020 | O(n · window) | yes | yes | yes | yes | all (non-dot scores: reference path) | yes | all (non-softmax: reference path) |
@@ -23,6 +23,7 @@ cannot honour (e.g. a bias for linear) with one clear ValueError.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -123,7 +124,7 @@ def _linear(q, k, v, *, mask=None, causal=False, params=None, return_weights=Fal
             **options):
   del params, options
   _refuse("linear", score=score, bias=bias, normalizer=normalizer,
-          allowed_scores=(None, "scaled_dot", "dot"))
+          allowed_scores=(None, "scaled_dot"))
   context = efficient.linear_attention(q, k, v, causal=causal, mask=mask, chunk_size=chunk_size)
   weights = (efficient.linear_attention_weights(q, k, causal=causal, mask=mask)
              if return_weights else None)
@@ -179,18 +180,18 @@ def _linformer(q, k, v, *, mask=None, causal=False, params=None, return_weights=
 # ----------------------------------------------------------------------------- block-sparse
 
 
-def _pattern_or_reference(q, k, v, pattern, *, mask, causal, return_weights, score,
-                          score_params, bias, normalizer, normalizer_params, topk, block,
+def _pattern_or_reference(q, k, v, pattern, fast_fn, *, mask, causal, return_weights, score,
+                          score_params, bias, normalizer, normalizer_params, topk,
                           implementation):
-  """The blocked kernel on the pattern when it can run it, else attend's reference path."""
+  """fast_fn (the blocked kernel with the pattern computed per tile) when it can run, else
+  attend's reference path with the pattern as a mask (weights, other scores/normalisers)."""
   fast = (not return_weights and score in core.FAST_SCORES and normalizer == "softmax"
           and not score_params and implementation in ("auto", "blocked")
           and (bias is None or isinstance(bias, positions_lib.LAZY_BIASES))
           and q.shape[-2] > 1)
   if fast:
-    return efficient.block_sparse_attention(q, k, v, pattern, causal=causal, mask=mask,
-                                            scale=None if score == "scaled_dot" else 1.0,
-                                            block=block, bias=bias), None
+    return fast_fn(q, k, v, causal=causal, mask=mask, bias=bias,
+                   scale=None if score == "scaled_dot" else 1.0), None
   return core.attend(q, k, v, score=score, params=score_params,
                      mask=masks_lib.combine(pattern, mask), causal=causal,
                      implementation="reference", return_weights=return_weights, bias=bias,
@@ -212,12 +213,11 @@ def _sliding_window(q, k, v, *, mask=None, causal=False, params=None, return_wei
                        implementation="reference", return_weights=return_weights, bias=bias,
                        normalizer=normalizer, normalizer_params=normalizer_params, topk=topk)
   pattern = efficient.sliding_window_mask(q_len, k_len, window, causal=causal)
-  if block is None:
-    block = max(32, -(-window // 8) * 8)
-  return _pattern_or_reference(q, k, v, pattern, mask=mask, causal=causal,
+  fast_fn = functools.partial(efficient.sliding_window_attention, window=window, block=block)
+  return _pattern_or_reference(q, k, v, pattern, fast_fn, mask=mask, causal=causal,
                                return_weights=return_weights, score=score,
                                score_params=score_params, bias=bias, normalizer=normalizer,
-                               normalizer_params=normalizer_params, topk=topk, block=block,
+                               normalizer_params=normalizer_params, topk=topk,
                                implementation=implementation)
 
 
@@ -228,10 +228,12 @@ def _bigbird(q, k, v, *, mask=None, causal=False, params=None, return_weights=Fa
   del params, options
   pattern = efficient.bigbird_mask(q.shape[-2], k.shape[-2], block=block, num_global=num_global,
                                    num_random=num_random, rng_seed=rng_seed, causal=causal)
-  return _pattern_or_reference(q, k, v, pattern, mask=mask, causal=causal,
+  fast_fn = functools.partial(efficient.bigbird_attention, block=block, num_global=num_global,
+                              num_random=num_random, rng_seed=rng_seed)
+  return _pattern_or_reference(q, k, v, pattern, fast_fn, mask=mask, causal=causal,
                                return_weights=return_weights, score=score,
                                score_params=score_params, bias=bias, normalizer=normalizer,
-                               normalizer_params=normalizer_params, topk=topk, block=block,
+                               normalizer_params=normalizer_params, topk=topk,
                                implementation=implementation)
 
 
@@ -249,7 +251,7 @@ MECHANISMS: dict[str, Mechanism] = {
                   "Vaswani et al. 2017", "softmax attention over every key (today's default)"),
         Mechanism("linear", _linear, _no_params,
                   Supports(causal=True, bidirectional=True, cache=True, weights=True,
-                           scores=(), bias=False, normalizers=()),
+                           scores=("scaled_dot",), bias=False, normalizers=("softmax",)),
                   "Katharopoulos et al. 2020", "phi(q)ᵀ phi(k) with phi = elu + 1, O(n)"),
         Mechanism("performer", _performer, _performer_init,
                   Supports(causal=True, bidirectional=True, cache=True, weights=True,

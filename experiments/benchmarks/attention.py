@@ -23,10 +23,18 @@ A last table gives the peak memory of one jitted forward+backward (arguments, ou
 XLA temporaries, from the compiled executable's memory analysis: deterministic, no run
 needed) for blocked vs reference at growing lengths, with the growth factor per doubling.
 
+With --mechanisms, it instead compares the attention mechanisms of attnlab.attention.registry
+and the position biases / normalisers of attend side by side (MECHANISM_CELLS): forward+backward
+wall ms and peak memory of the jitted step at each --seq, with the growth from the first length
+(time(4096)/time(1024) <= 5 is about linear; softmax without the blocked kernel grows ~16x).
+--one-core pins the process to one CPU core first.
+
 Run from the repository root:
   python experiments/benchmarks/attention.py                 # S = 128, 512, 1024 + memory
   python experiments/benchmarks/attention.py --seq=512,1024 --reps=7
   python experiments/benchmarks/attention.py --quick         # small and fast smoke run
+  python experiments/benchmarks/attention.py --mechanisms=all --seq=512,1024,2048,4096 \
+      --batch=1 --heads=4 --one-core                         # every mechanism, one core
 """
 
 from __future__ import annotations
@@ -75,7 +83,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  help="matmul GFLOP/s ceiling of the machine, for blocked's %% column")
   p.add_argument("--quick", action="store_true",
                  help="smoke run: S=128,256, B=2, 2 reps, memory at 256,512")
+  p.add_argument("--mechanisms", default="",
+                 help="'all' or comma-separated cells of MECHANISM_CELLS: time and memory of "
+                      "each mechanism instead of the implementation tables")
+  p.add_argument("--mech-causal", default="yes", choices=("yes", "no"),
+                 help="causal (decoder) or bidirectional cells in the --mechanisms table")
+  p.add_argument("--one-core", action="store_true",
+                 help="pin the process to one CPU core (before JAX starts its threads)")
   args = p.parse_args(argv)
+  if args.one_core and hasattr(os, "sched_setaffinity"):
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+  if args.mechanisms:
+    names = list(MECHANISM_CELLS) if args.mechanisms == "all" else [
+        x.strip() for x in args.mechanisms.split(",") if x.strip()]
+    unknown = [x for x in names if x not in MECHANISM_CELLS]
+    if unknown:
+      p.error(f"unknown --mechanisms {unknown}; valid: all, {', '.join(MECHANISM_CELLS)}")
+    args.mechanisms = names
   if args.quick:
     args.seq, args.batch, args.reps, args.memory_seq = "128,256", 2, 2, "256,512"
   args.seq = _int_list(args.seq, "--seq")
@@ -314,8 +338,99 @@ def memory_table(args: argparse.Namespace) -> str:
   return _fmt_table(header, rows)
 
 
+# ----------------------------------------------------------------------------- mechanisms
+
+# cell -> (registry mechanism, options for its fn, options for its init); "full" runs
+# attend(implementation="auto"), i.e. the blocked kernel on CPU from 256x256 scores
+MECHANISM_CELLS: dict[str, tuple[str, dict, dict]] = {
+    "softmax": ("full", {}, {}),
+    "softmax-reference": ("full", {"implementation": "reference"}, {}),
+    "alibi": ("full", {"bias": "alibi"}, {}),
+    "t5_bias": ("full", {"bias": "t5"}, {}),
+    "softmax_sink": ("full", {"normalizer": "softmax_sink"}, {}),
+    "sigmoid": ("full", {"normalizer": "sigmoid"}, {}),
+    "sparsemax": ("full", {"normalizer": "sparsemax"}, {}),
+    "topk": ("full", {"normalizer": "topk", "topk": 8}, {}),
+    "linear": ("linear", {}, {}),
+    "performer": ("performer", {}, {"num_features": 256}),
+    "linformer": ("linformer", {}, {"linformer_k": 64}),
+    "sliding_window": ("sliding_window", {"window": 128, "block": 128}, {}),
+    "bigbird": ("bigbird", {"block": 64, "num_global": 1, "num_random": 2}, {}),
+}
+
+
+def mechanism_fn(cell: str, causal: bool, h: int, d: int, s: int) -> Callable | None:
+  """f(q, k, v) -> context for one MECHANISM_CELLS cell, or None where it is not defined."""
+  from attnlab.attention import normalizers, positions, registry  # pylint: disable=g-import-not-at-top
+  name, opts, init_opts = MECHANISM_CELLS[cell]
+  mech = registry.get_mechanism(name)
+  if causal and not mech.supports.causal:
+    return None
+  params = mech.init(jax.random.PRNGKey(0), h, d, s, **init_opts)
+  opts = dict(opts)
+  if opts.get("bias") == "alibi":
+    opts["bias"] = positions.AlibiBias(positions.alibi_slopes(h))
+  elif opts.get("bias") == "t5":
+    opts["bias"] = positions.T5Bias(0.02 * jnp.ones((32, h)), bidirectional=not causal)
+  if "normalizer" in opts:
+    opts["normalizer_params"] = normalizers.init_normalizer_params(
+        opts["normalizer"], jax.random.PRNGKey(1), h)
+
+  def f(q, k, v):  # [B, H, S, D] each
+    return mech.fn(q, k, v, causal=causal, params=params, return_weights=False, **opts)[0]
+  return f
+
+
+def mechanism_table(args: argparse.Namespace) -> str:
+  """fwd+bwd wall ms and peak MiB per (mechanism, S), with the growth from the first S."""
+  b, h, d = args.batch, args.heads, args.head_dim
+  causal = args.mech_causal == "yes"
+  header = ["mechanism"] + [f"S={s} ms" for s in args.seq] + [
+      f"time x{args.seq[-1] // args.seq[0]} S"] + [f"S={s} MiB" for s in args.seq] + [
+      f"memory x{args.seq[-1] // args.seq[0]} S"]
+  rows = []
+  for cell in args.mechanisms:
+    times, mems = [], []
+    for s in args.seq:
+      f = mechanism_fn(cell, causal, h, d, s)
+      if f is None:
+        break
+      inputs = make_inputs(b, h, s, d)["reference"]
+
+      def fwd_bwd(q, k, v, do, f=f):
+        out, vjp = jax.vjp(f, q, k, v)
+        return out, vjp(do)
+      step = jax.jit(fwd_bwd)
+      stats = step.lower(*inputs).compile().memory_analysis()
+      mems.append(stats.argument_size_in_bytes + stats.output_size_in_bytes
+                  + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+      times.append(time_cell({cell: step}, {cell: inputs}, "fwd+bwd", args.reps)[cell][0])
+      print(f"  measured {cell} S={s}: {times[-1] * 1e3:.1f} ms, {mems[-1] / 2**20:.1f} MiB",
+            flush=True)
+    if not times:
+      rows.append([cell] + ["-"] * (2 * len(args.seq) + 2))
+      continue
+    grow = lambda xs: f"{xs[-1] / xs[0]:.1f}x" if len(xs) == len(args.seq) > 1 else "-"
+    rows.append([cell] + [f"{t * 1e3:.1f}" for t in times] + [grow(times)]
+                + [f"{m / 2**20:.1f}" for m in mems] + [grow(mems)])
+  return _fmt_table(header, rows)
+
+
 def main(argv: list[str] | None = None) -> None:
   args = parse_args(argv)
+  if args.mechanisms:
+    b, h, d = args.batch, args.heads, args.head_dim
+    print(f"attention mechanisms: B={b} H={h} D={d} float32, causal={args.mech_causal}, best "
+          f"of {args.reps}; {len(os.sched_getaffinity(0))} core(s) of {os.cpu_count()}, "
+          f"jax {jax.__version__} ({jax.default_backend()})")
+    if hasattr(os, "getloadavg"):
+      print("load average before: %.2f %.2f %.2f" % os.getloadavg())
+    t0 = time.perf_counter()
+    print(mechanism_table(args))
+    if hasattr(os, "getloadavg"):
+      print("load average after: %.2f %.2f %.2f" % os.getloadavg())
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    return
   b, h, d = args.batch, args.heads, args.head_dim
   torch_info = (f"torch {torch.__version__} ({torch.get_num_threads()} threads)"
                 if torch is not None else "torch not installed")
