@@ -183,6 +183,32 @@ def test_implicit_weights_are_sown_for_analysis(mechanism):
   assert np.all(np.triu(w, 1) == 0) and np.all(w >= 0)  # causal, positive features
 
 
+def test_fixed_random_draws_of_a_mechanism_are_not_parameters(monkeypatch):
+  """A mechanism naming init outputs as `fixed` (Performer's random features) gets them drawn
+  from the layer's seed on every call: not in the parameters, so never trained or decayed."""
+  import types  # pylint: disable=g-import-not-at-top
+  real = registry.get_mechanism("performer")
+  fake = types.SimpleNamespace(**{f: getattr(real, f) for f in ("name", "fn", "init", "supports")},
+                               fixed=("features",))
+  monkeypatch.setitem(registry.MECHANISMS, "performer", fake)
+  layer = MultiHeadAttention(num_heads=2, mechanism="performer", num_features=8)
+  x = jnp.asarray(RNG.normal(size=(1, 5, 8)), jnp.float32)
+  params = layer.init(jax.random.key(0), x)["params"]
+  assert "mechanism_params" not in params
+  for seed in (0, 3):
+    feats = real.init(jax.random.key(seed), 2, 4, 5, num_features=8)["features"]
+    split = lambda y: y.reshape(1, 5, 2, 4).transpose(0, 2, 1, 3)
+    q, k, v = (split(x @ params[f"{n}_kernel"] + params[f"{n}_bias"])
+               for n in ("query", "key", "value"))
+    ctx, _ = real.fn(q, k, v, params={"features": feats})  # [1, heads, 5, 4]
+    want = ctx.transpose(0, 2, 1, 3).reshape(1, 5, 8) @ params["out"]["kernel"] + \
+        params["out"]["bias"]
+    got = layer.clone(mechanism_seed=seed).apply({"params": params}, x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+  grads = jax.grad(lambda p: jnp.sum(layer.apply({"params": p}, x)))(params)
+  assert set(grads) == set(params)  # nothing else to train
+
+
 # ------------------------------------------------------------------------------ BERT, Transformer
 
 

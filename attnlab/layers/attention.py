@@ -382,11 +382,8 @@ class MultiHeadAttention(nn.Module):
                                              bias=score_bias, normalizer_params=norm_params)
     else:
       options = self._mechanism_options()
-      mech_params = None
-      init = lambda rng: mechanism.init(rng, self.num_heads, head_dim,
-                                        self.max_len or kh.shape[2], **options)
-      if jax.eval_shape(init, jax.random.key(0)) is not None:
-        mech_params = self.param("mechanism_params", init)
+      mech_params = self._mechanism_params(mechanism, head_dim, self.max_len or kh.shape[2],
+                                           options)
       call = functools.partial(
           mechanism.fn, causal=causal, params=mech_params, return_weights=need_weights,
           score=self.score, score_params=params, normalizer=self.normalizer,
@@ -416,6 +413,26 @@ class MultiHeadAttention(nn.Module):
     out = core.merge_heads(context.astype(dtype))  # [batch, q_len, inner]
     return Dense(self.out_features or d_model, use_bias=self.use_bias,
                  kernel_init=self.out_kernel_init, dtype=dtype, name="out")(out)
+
+  def _mechanism_params(self, mechanism: Any, head_dim: int, max_len: int,
+                        options: dict[str, Any]) -> Any:
+    """The mechanism's parameters: the learned ones under `mechanism_params`, the fixed random
+    draws it names in `mechanism.fixed` (Performer's features) drawn from `mechanism_seed` on
+    every call (never trained, the same in every step and replica)."""
+    init = lambda rng: mechanism.init(rng, self.num_heads, head_dim, max_len, **options)
+    shapes = jax.eval_shape(init, jax.random.key(0))
+    if shapes is None:
+      return None
+    fixed = tuple(getattr(mechanism, "fixed", ()))
+    learned = {k: v for k, v in shapes.items() if k not in fixed}
+    out = {}
+    if learned:
+      out.update(self.param("mechanism_params", lambda rng: {
+          k: v for k, v in init(rng).items() if k not in fixed}))
+    if fixed:
+      drawn = init(jax.random.key(self.mechanism_seed))
+      out.update({k: jax.lax.stop_gradient(drawn[k]) for k in fixed if k in drawn})
+    return out
 
   def _check_mechanism(self, mechanism: Any, decoding: bool) -> None:
     """ValueError when this module's options ask what `mechanism` does not support."""
