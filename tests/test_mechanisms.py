@@ -151,7 +151,7 @@ def test_t5_bias_gathers_table_and_extrapolates():
     for j in range(6):
       want[:, i, j] = table[np_t5_bucket(j - (i + 1), True)]
   np.testing.assert_allclose(got, want)
-  long = positions.t5_bias(table, 400, 400, bidirectional=False)  # past max_distance
+  long = jax.jit(lambda t: positions.t5_bias(t, 400, 400, bidirectional=False))(table)
   assert long.shape == (3, 400, 400) and np.all(np.isfinite(long))
   np.testing.assert_allclose(long[:, 399, 0], table[31])
 
@@ -193,7 +193,7 @@ def test_alibi_slope_zero_equals_no_bias(qkv):
   for impl in ("reference", "blocked"):
     fn = _attend_bias(impl, True)
     zero = fn(q, k, v, positions.AlibiBias(np.zeros(4, np.float32)))
-    none = core.attend(q, k, v, causal=True, implementation=impl)[0]
+    none = fn(q, k, v, None)
     np.testing.assert_allclose(zero, none, **TOL)
 
 
@@ -586,10 +586,14 @@ def test_every_mechanism_context_equals_its_weights_times_values(name):
   pad = (np.arange(s)[None] < np.array([48, 30])[:, None])[:, None, None, :]
   opts = dict(window=8, block=16)
   for causal in [c for c in (False, True) if (mech.supports.causal if c else True)]:
-    ctx, w = mech.fn(q, k, v, mask=pad, causal=causal, params=params, return_weights=True,
-                     **opts)
-    fast, none = jax.jit(lambda q, k, v: mech.fn(q, k, v, mask=pad, causal=causal,
-                                                 params=params, **opts))(q, k, v)
+
+    @jax.jit
+    def both(q, k, v, causal=causal):
+      return (mech.fn(q, k, v, mask=pad, causal=causal, params=params, return_weights=True,
+                      **opts),
+              mech.fn(q, k, v, mask=pad, causal=causal, params=params, **opts))
+
+    (ctx, w), (fast, none) = both(q, k, v)
     assert none is None and w.shape == (b, h, s, s)
     np.testing.assert_allclose(ctx, np.asarray(w) @ v, **TOL)
     np.testing.assert_allclose(fast, ctx, **TOL)
@@ -611,3 +615,23 @@ def test_mechanisms_under_vmap_and_jit():
       q, k, v, bias=positions.AlibiBias(positions.alibi_slopes(2)), causal=True)[0]))
   np.testing.assert_allclose(g(q, k, v), np_attention(
       q, k, v, bias=np_alibi(16, 16, positions.alibi_slopes(2)), causal=True), **TOL)
+
+
+def test_decoding_one_query_equals_the_full_rows():
+  """KV-cache decoding: query p alone (q_offset = p) sees what row p of the full causal
+  computation sees, for ALiBi (bias array with a [batch] offset) and the sliding window."""
+  b, h, s, d = 2, 2, 12, 4
+  q, k, v = rand(43, b, h, s, d), rand(44, b, h, s, d), rand(45, b, h, s, d)
+  pos = np.array([7, 3])  # each sequence's current position
+  rows = q[np.arange(b), :, pos][:, :, None]  # [b, h, 1, d]
+  slopes = positions.alibi_slopes(h)
+  full = np_attention(q, k, v, bias=np_alibi(s, s, slopes), causal=True)
+  bias = positions.alibi_bias(1, s, h, causal=True, q_offset=pos)  # [b, h, 1, s]
+  visible = np.arange(s)[None, None, None, :] <= pos[:, None, None, None]
+  got = core.attend(rows, k, v, bias=bias, mask=visible)[0]
+  np.testing.assert_allclose(got[:, :, 0], full[np.arange(b), :, pos], **TOL)
+  window = registry.get_mechanism("sliding_window")
+  full = np_attention(q, k, v, allowed=np.asarray(efficient.sliding_window_mask(
+      s, s, 3, causal=True)), causal=True)
+  got = window.fn(rows, k, v, causal=True, window=3, q_offset=pos)[0]
+  np.testing.assert_allclose(got[:, :, 0], full[np.arange(b), :, pos], **TOL)

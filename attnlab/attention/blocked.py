@@ -12,6 +12,13 @@ mask arithmetic. With a user mask every visited tile is masked, and each tile lo
 by the first and last tile in which the mask (over the whole head group) leaves anything
 visible, so the padding at the end of short sequences is skipped.
 
+Position biases and sparsity patterns are recomputed per tile from the tile indices, so they
+cost no quadratic memory either: `bias=` takes a positions.AlibiBias / positions.T5Bias (their
+per-head parameters travel with the rows; the backward pass returns their gradient), and
+`pattern=` a WindowPattern (sliding window) or BlockPattern (a block table such as BigBird's):
+the tiles the pattern hides are skipped one by one (a `lax.cond` per tile of the visible range),
+so block-sparse attention costs time linear in the length.
+
 Everything is pure JAX (`lax.fori_loop`, `lax.map`, `dot_general`), so the same code compiles
 for CPU, GPU and TPU; the default tile sizes are tuned for XLA:CPU (see
 experiments/benchmarks/README.md).

@@ -27,7 +27,6 @@ import functools
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 
 from attnlab import errors
 from attnlab.attention import core

@@ -108,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   unknown = [x for x in args.impls if x not in IMPLS]
   if unknown:
     p.error(f"unknown --impls {unknown}; valid: {', '.join(IMPLS)}")
-  if "blocked-devices" in args.impls:
+  if "blocked-devices" in args.impls and not args.mechanisms:
     cores = len(os.sched_getaffinity(0))
     if cores < 2 or args.batch % cores:
       print(f"blocked-devices needs >= 2 cores and a batch that splits over them ({cores} cores, "
@@ -361,7 +361,8 @@ MECHANISM_CELLS: dict[str, tuple[str, dict, dict]] = {
 
 def mechanism_fn(cell: str, causal: bool, h: int, d: int, s: int) -> Callable | None:
   """f(q, k, v) -> context for one MECHANISM_CELLS cell, or None where it is not defined."""
-  from attnlab.attention import normalizers, positions, registry  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from attnlab.attention import normalizers, positions, registry
   name, opts, init_opts = MECHANISM_CELLS[cell]
   mech = registry.get_mechanism(name)
   if causal and not mech.supports.causal:
