@@ -718,7 +718,9 @@ ATTENTION_DEFAULTS: dict[str, Any] = {"num_kv_heads": 0, "talking_heads": False,
 ADDED_DEFAULTS: dict[str, Any] = {"num_seeds": 1, "mesh.data": -1, "mesh.fsdp": 1,
                                   "mesh.fsdp_min_size": 1024, "mesh.cpu_devices": 1,
                                   "optimizer.decay": "all",
-                                  **{f"model.{k}": v for k, v in ATTENTION_DEFAULTS.items()}}
+                                  **{f"model.{k}": v for k, v in ATTENTION_DEFAULTS.items()},
+                                  # BERT's (GPT and the Transformer always had the key).
+                                  "model.position": "learned"}
 
 
 # Keys that may change when a run resumes: they change where it runs, not what it computes.

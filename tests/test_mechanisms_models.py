@@ -292,6 +292,13 @@ def test_gpt_num_kv_heads_must_divide_the_size_s_heads():
     gpt.from_config(cfg.model, VOCAB)
 
 
+def test_an_older_bert_run_resumes_without_a_config_change():
+  cfg = config_utils.to_jsonable(_config("bert", "runlocal=True"))
+  old = {**cfg, "model": {k: v for k, v in cfg["model"].items()
+                          if k not in (*config_utils.ATTENTION_DEFAULTS, "position")}}
+  assert config_utils.config_diff(old, cfg) == []
+
+
 def test_older_configs_without_the_keys_build_the_same_models():
   cfg = _config("gpt", "runlocal=True")
   old = config_utils.ConfigDict({k: v for k, v in cfg.model.items()
