@@ -114,7 +114,8 @@ def get_config(arg: str | None = None):
   # performer (Choromanski et al. 2021), linformer (Wang et al. 2020; not causal),
   # sliding_window, bigbird (Zaheer et al. 2020) (attnlab.attention.registry).
   config.model.mechanism = "full"
-  # sliding_window: keys each side of a query; bigbird: block size (0: the mechanism's default).
+  # sliding_window: keys each side of a query (0: its default, 64); bigbird keeps its 64-token
+  # blocks (its block size is not a config key yet).
   config.model.window = 0
   # performer: random features (0: its default).
   config.model.num_features = 0

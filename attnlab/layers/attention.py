@@ -198,7 +198,7 @@ class MultiHeadAttention(nn.Module):
   topk: int = 8
   # Attention mechanism (attnlab.attention.registry): full, linear, performer, linformer, ...
   mechanism: str = "full"
-  # Sliding-window width / BigBird block size of the block-sparse mechanisms (0: its default).
+  # Sliding-window width (keys each side) of the block-sparse mechanisms (0: its default).
   window: int = 0
   # Random features of Performer (0: its default).
   num_features: int = 0

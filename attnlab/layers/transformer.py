@@ -119,7 +119,7 @@ class TransformerBlock(nn.Module):
   topk: int = 8
   # Self-attention mechanism (attnlab.attention.registry); cross-attention is always full.
   mechanism: str = "full"
-  # Sliding-window width / BigBird block of the block-sparse mechanisms (0: default).
+  # Sliding-window width (keys each side; 0: the mechanism's default).
   window: int = 0
   # Performer's random features (0: default).
   num_features: int = 0

@@ -89,7 +89,7 @@ class BertHyperparameters(nn.Module):
   topk: int = 8
   # Self-attention mechanism (attnlab.attention.registry).
   mechanism: str = "full"
-  # Sliding-window width / BigBird block (0: the mechanism's default).
+  # Sliding-window width (keys each side; 0: the mechanism's default).
   window: int = 0
   # Performer's random features (0: default).
   num_features: int = 0

@@ -117,7 +117,7 @@ class Transformer(nn.Module):
   # Mechanism of the encoder and decoder self-attentions (attnlab.attention.registry);
   # cross-attention is full.
   mechanism: str = "full"
-  # Sliding-window width / BigBird block (0: the mechanism's default).
+  # Sliding-window width (keys each side; 0: the mechanism's default).
   window: int = 0
   # Performer's random features (0: default).
   num_features: int = 0
