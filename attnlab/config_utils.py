@@ -521,6 +521,7 @@ def validate(config: ConfigDict) -> None:
   model = config.get("model")
   if isinstance(model, ConfigDict) and "dtype" in model:
     check_choice("model.dtype", model.dtype, DTYPES, "dtypes")
+  _validate_mechanism(model, config.task)
 
 
 def _validate_attention(model: ConfigDict | None) -> None:
@@ -545,6 +546,79 @@ def _validate_attention(model: ConfigDict | None) -> None:
     raise ConfigError(f"model.implementation={implementation} supports only the scores "
                       f"{', '.join(core.FAST_SCORES)}, not {score!r}; use implementation=auto "
                       f"or reference for other scores")
+
+
+# The self-attention directions each task's model runs (a mechanism must support all of them):
+# GPT is causal, BERT bidirectional, the Transformer both (encoder and decoder).
+TASK_DIRECTIONS: dict[str, tuple[str, ...]] = {
+    "causal_lm": ("causal",), "masked_lm": ("bidirectional",),
+    "classification": ("bidirectional",), "translation": ("bidirectional", "causal")}
+# How the errors name a task's model.
+_TASK_MODELS = {"causal_lm": "GPT (causal)", "masked_lm": "BERT (bidirectional)",
+                "classification": "BERT (bidirectional)",
+                "translation": "the Transformer (a causal decoder)"}
+
+
+def _validate_mechanism(model: ConfigDict | None, task: str) -> None:
+  """Checks the attention options (ATTENTION_DEFAULTS, model.position) where the model has them:
+  the names against attnlab.attention's registries, and the combinations against what the
+  mechanism's registry entry supports. One line says what to change."""
+  if not isinstance(model, ConfigDict) or "mechanism" not in model:
+    return
+  # Imported here: reading a config file stays free of JAX.
+  from attnlab.attention import normalizers  # pylint: disable=g-import-not-at-top
+  from attnlab.attention import positions  # pylint: disable=g-import-not-at-top
+  from attnlab.attention import registry  # pylint: disable=g-import-not-at-top
+  from attnlab.layers import POSITIONS  # pylint: disable=g-import-not-at-top
+  opt = {key: model.get(key, default) for key, default in ATTENTION_DEFAULTS.items()}
+  name, normalizer = opt["mechanism"], opt["normalizer"]
+  check_choice("model.mechanism", name, registry.MECHANISMS, "mechanisms")
+  check_choice("model.normalizer", normalizer, normalizers.NORMALIZERS, "normalizers")
+  position = model.get("position")
+  if position is not None:
+    check_choice("model.position", position, POSITIONS + positions.POSITION_BIASES, "positions")
+  for key in ("num_kv_heads", "window", "num_features", "linformer_k"):
+    if opt[key] < 0:
+      raise ConfigError(f"model.{key} must be >= 0 (0: the default), got {opt[key]}")
+  if opt["topk"] < 1:
+    raise ConfigError(f"model.topk must be >= 1 (keys kept per query), got {opt['topk']}")
+  heads, kv = model.get("num_heads", 0), opt["num_kv_heads"]
+  if heads and kv and heads % kv:
+    raise ConfigError(f"model.num_kv_heads={kv} must divide model.num_heads={heads} "
+                      f"(0: num_heads, 1: multi-query)")
+  implementation = model.get("implementation", "auto")
+  if (normalizer != "softmax" or opt["talking_heads"]) and implementation not in (
+      "auto", "reference"):
+    what = "talking_heads" if opt["talking_heads"] else f"model.normalizer={normalizer}"
+    raise ConfigError(f"{what} runs on the reference path; set model.implementation=auto or "
+                      f"reference (not {implementation})")
+  supports = registry.get_mechanism(name).supports
+  mech = f"model.mechanism={name}"
+  for direction in TASK_DIRECTIONS.get(task, ()):
+    if not getattr(supports, direction):
+      raise ConfigError(f"{mech} is not defined for {direction} attention, which "
+                        f"{_TASK_MODELS[task]} needs; valid mechanisms here: " + ", ".join(
+                            n for n, m in registry.MECHANISMS.items()
+                            if all(getattr(m.supports, d) for d in TASK_DIRECTIONS[task])))
+  from attnlab.layers.attention import forms_scores  # pylint: disable=g-import-not-at-top
+  if opt["talking_heads"] and not forms_scores(registry.get_mechanism(name)):
+    raise ConfigError(f"talking heads mix the score matrix, which {mech} never forms; use "
+                      f"mechanism=full or talking_heads=False")
+  if position in positions.POSITION_BIASES and not supports.bias:
+    raise ConfigError(f"model.position={position} adds a bias to the scores, which {mech} never "
+                      f"forms; use position=rotary (or learned, sinusoidal) with it")
+  # The defaults (softmax, scaled_dot) always pass: a mechanism with its own similarity or
+  # normalisation (linear) lists none and runs its own.
+  if normalizer != "softmax" and normalizer not in supports.normalizers:
+    raise ConfigError(f"{mech} runs the normalizers {', '.join(supports.normalizers) or 'of its own'}"
+                      f", not {normalizer!r}; use model.normalizer=softmax or mechanism=full")
+  score = model.get("score", "scaled_dot")
+  if score != "scaled_dot" and score not in supports.scores:
+    raise ConfigError(f"{mech} composes with the scores {', '.join(supports.scores) or 'of its own'}"
+                      f", not {score!r}; use model.score=scaled_dot or mechanism=full")
+  if model.get("attention_dropout_rate", 0.0) > 0 and not supports.weights:
+    raise ConfigError(f"attention dropout drops attention weights, which {mech} never forms; "
+                      f"set model.attention_dropout_rate=0")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -671,12 +745,21 @@ def rename_old_keys(data: Mapping[str, Any]) -> dict[str, Any]:
   return out
 
 
+# The attention options of the Transformer families (GPT, BERT, Transformer), each one config key
+# `model.<name>`, with the value that means "as before they existed" (older runs lack the keys).
+ATTENTION_DEFAULTS: dict[str, Any] = {"num_kv_heads": 0, "talking_heads": False,
+                                      "normalizer": "softmax", "topk": 8, "mechanism": "full",
+                                      "window": 0, "num_features": 0, "linformer_k": 0}
+
 # Fields added to base_config after runs existed: absent from an old config.json, they read as these
 # defaults (so such runs resume without allow_config_change).
 ADDED_DEFAULTS: dict[str, Any] = {"num_seeds": 1, "mesh.data": -1, "mesh.fsdp": 1,
                                   "mesh.fsdp_min_size": 1024, "mesh.cpu_devices": 1,
                                   "optimizer.decay": "all", "eval_batches": 0,
-                                  "model.dtype": "float32"}
+                                  "model.dtype": "float32",
+                                  **{f"model.{k}": v for k, v in ATTENTION_DEFAULTS.items()},
+                                  # BERT's (GPT and the Transformer always had the key).
+                                  "model.position": "learned"}
 
 
 # Keys that may change when a run resumes: they change where it runs, not what it computes.

@@ -44,7 +44,8 @@ def _define_flags() -> flags.FlagValues:
                      "(1: all).", flag_values=fv)
   flags.DEFINE_integer("seed", 0, "Sampling seed.", flag_values=fv)
   flags.DEFINE_bool("use_cache", True, "Use the KV cache (--nouse_cache runs a full forward pass "
-                    "per token).", flag_values=fv)
+                    "per token); left out: the cache when the run's attention mechanism supports "
+                    "it.", flag_values=fv)
   flags.DEFINE_bool("timing", False, "Print tokens/s to stderr.", flag_values=fv)
   return fv
 
@@ -81,7 +82,7 @@ def generate_text(workdir: str, prompt: str = "", **options) -> tuple[str, str, 
 
 def generate_texts(workdir: str, prompts: Sequence[str], *, num_tokens: int = 300,
                    temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                   step: str | int = "latest", use_cache: bool = True,
+                   step: str | int = "latest", use_cache: bool | None = None,
                    warn: Callable[[str], None] | None = None
                    ) -> tuple[list[str], list[str], float]:
   """(prompts used, generated texts, seconds spent generating incl. compilation): the prompts
@@ -130,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   def body() -> None:
     prompts, texts, seconds = generate_texts(
         fv.workdir, fv.prompt or [""], num_tokens=fv.num_tokens, temperature=fv.temperature,
-        top_k=fv.top_k, top_p=fv.top_p, seed=fv.seed, step=fv.step, use_cache=fv.use_cache,
+        top_k=fv.top_k, top_p=fv.top_p, seed=fv.seed, step=fv.step,
+        use_cache=fv.use_cache if fv["use_cache"].present else None,
         warn=lambda message: print(f"{prog}: warning: {message}", file=sys.stderr))
     print("\n\n".join(prompt + text for prompt, text in zip(prompts, texts)))
     if fv.timing:

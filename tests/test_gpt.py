@@ -280,7 +280,7 @@ def test_bad_config_values_raise_clear_errors(tmp_path):
   from attnlab import tasks  # pylint: disable=g-import-not-at-top
   for arg, pattern in [("size=huge", "valid sizes"),
                        ("dataset=wiki", "valid: tiny_shakespeare, addition"),
-                       ("model.position=alibi", "valid: learned")]:
+                       ("model.position=fourier", "valid: learned")]:
     with pytest.raises(ConfigError, match=pattern):
       tasks.build_task(_load_config(f"runlocal=True,dataset=addition,{arg}"))
   # The score name is checked once, where the config is read (config_utils.validate).

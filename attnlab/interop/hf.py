@@ -428,6 +428,14 @@ def _gpt2_export_config(config: Any, params: Any) -> dict[str, Any]:
           "scale_attn_weights": True}
 
 
+def _attention_option_problems(m: Any, name: str) -> list[str]:
+  """The attention options (config_utils.ATTENTION_DEFAULTS) of `m` that differ from plain
+  multi-head softmax attention, which `name` has."""
+  from attnlab.config_utils import ATTENTION_DEFAULTS  # pylint: disable=g-import-not-at-top
+  return [f"model.{key}={m.get(key)} ({name} has plain multi-head softmax attention)"
+          for key, default in ATTENTION_DEFAULTS.items() if m.get(key, default) != default]
+
+
 def _check_gpt_exportable(config: Any) -> None:
   m = config.model
   problems = []
@@ -437,6 +445,7 @@ def _check_gpt_exportable(config: Any) -> None:
     problems.append("model.use_bias=False (GPT-2 has biases)")
   if m.score != "scaled_dot":
     problems.append(f"model.score={m.score} (GPT-2 uses scaled_dot)")
+  problems += _attention_option_problems(m, "GPT-2")
   if problems:
     raise HFError(f"this GPT run cannot be written as GPT-2: {'; '.join(problems)}; only runs "
                   f"with position=learned, use_bias=True, score=scaled_dot can")
@@ -567,6 +576,9 @@ def _check_bert_exportable(config: Any) -> None:
     problems.append(f"model.norm_position={m.norm_position} (BERT is post-LN)")
   if m.score != "scaled_dot":
     problems.append(f"model.score={m.score} (BERT uses scaled_dot)")
+  if m.get("position", "learned") != "learned":
+    problems.append(f"model.position={m.position} (BERT has a learned position table)")
+  problems += _attention_option_problems(m, "BERT")
   if problems:
     raise HFError(f"this BERT run cannot be written as a Hugging Face BERT: "
                   f"{'; '.join(problems)}")

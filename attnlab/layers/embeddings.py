@@ -71,7 +71,7 @@ class Embeddings(nn.Module):
         if initialized:
           positions = positions + counter.value[:, None]  # [batch, len]
           counter.value = counter.value + length
-    if not decode and length > self.max_len:
+    if not decode and length > self.max_len and self.position in ("learned", "sinusoidal"):
       raise ValueError(f"sequence of {length} tokens is longer than max_len={self.max_len} "
                        "positions; crop the input or raise max_len")
     x = self.token(tokens)  # [batch, len, d]

@@ -107,6 +107,26 @@ class TransformerBlock(nn.Module):
   max_len: int | None = None
   # Rotary position encoding of the self-attention's queries and keys.
   rotary: bool = False
+  # Key/value heads of every attention (grouped-query; 0 or None: num_heads, 1: multi-query).
+  num_kv_heads: int | None = None
+  # Talking heads (learned mixes across heads of the logits and of the weights).
+  talking_heads: bool = False
+  # Score bias of the self-attention: None, "alibi" or "t5_bias".
+  position_bias: str | None = None
+  # Scores -> weights of every attention (attnlab.attention.normalizers).
+  normalizer: str = "softmax"
+  # Keys kept per query by the topk normalizer.
+  topk: int = 8
+  # Self-attention mechanism (attnlab.attention.registry); cross-attention is always full.
+  mechanism: str = "full"
+  # Sliding-window width (keys each side; 0: the mechanism's default).
+  window: int = 0
+  # Performer's random features (0: default).
+  num_features: int = 0
+  # Linformer's projected length (0: default).
+  linformer_k: int = 0
+  # Seed of the mechanism's fixed random draws.
+  mechanism_seed: int = 0
   # Initialiser of the input kernels (q/k/v, first MLP layer).
   kernel_init: Initializer = default_kernel_init
   # Initialiser of the kernels that write into the residual stream (attention out, MLP out).
@@ -114,12 +134,17 @@ class TransformerBlock(nn.Module):
   # Compute dtype (None: float32).
   dtype: Any = None
 
-  def _attention(self, name: str, causal: bool) -> MultiHeadAttention:
+  def _attention(self, name: str, causal: bool, self_attention: bool) -> MultiHeadAttention:
+    own = dict(position_bias=self.position_bias, mechanism=self.mechanism, window=self.window,
+               num_features=self.num_features, linformer_k=self.linformer_k,
+               mechanism_seed=self.mechanism_seed) if self_attention else {}
     return MultiHeadAttention(
         num_heads=self.num_heads, score=self.score, implementation=self.implementation,
         dropout_rate=self.attention_dropout_rate, use_bias=self.use_bias, causal=causal,
-        max_len=self.max_len, rotary=self.rotary, kernel_init=self.kernel_init,
-        out_kernel_init=self.out_kernel_init, dtype=self.dtype, name=name)
+        max_len=self.max_len, rotary=self.rotary, num_kv_heads=self.num_kv_heads,
+        talking_heads=self.talking_heads, normalizer=self.normalizer, topk=self.topk,
+        kernel_init=self.kernel_init, out_kernel_init=self.out_kernel_init, dtype=self.dtype,
+        name=name, **own)
 
   def _norm(self, name: str) -> LayerNorm:
     return LayerNorm(epsilon=self.layer_norm_epsilon, use_bias=self.use_bias, dtype=self.dtype,
@@ -128,7 +153,8 @@ class TransformerBlock(nn.Module):
   @nn.compact
   def __call__(self, x: Array, *, mask: Array | None = None, encoded: Array | None = None,
                encoder_mask: Array | None = None, deterministic: bool = True,
-               decode: bool = False, sow_weights: bool | None = None) -> Array:
+               decode: bool = False, sow_weights: bool | None = None,
+               t5_table: Array | None = None) -> Array:
     """x `[batch, len, d]` -> `[batch, len, d]`.
 
     Args:
@@ -139,6 +165,8 @@ class TransformerBlock(nn.Module):
       deterministic: disables dropout.
       decode: KV-cache decoding in the self-attention (see MultiHeadAttention).
       sow_weights: passed to the attention modules.
+      t5_table: a T5 relative-bias table `[num_buckets, heads]` shared across the layers
+        (position_bias="t5_bias"); None: the self-attention's own.
     """
     if self.norm_position not in NORM_POSITIONS:
       raise ValueError(f"unknown norm_position {self.norm_position!r}; valid: "
@@ -155,10 +183,10 @@ class TransformerBlock(nn.Module):
         return x + fn(self._norm(norm_name)(x))  # [batch, len, d]
       return self._norm(norm_name)(x + fn(x))  # [batch, len, d]
 
-    x = branch(x, "ln_1", lambda h: drop(self._attention("self_attention", self.causal)(
-        h, mask=mask, decode=decode, **attn_kw)))
+    x = branch(x, "ln_1", lambda h: drop(self._attention("self_attention", self.causal, True)(
+        h, mask=mask, decode=decode, t5_table=t5_table, **attn_kw)))
     if self.cross_attention:
-      x = branch(x, "ln_cross", lambda h: drop(self._attention("cross_attention", False)(
+      x = branch(x, "ln_cross", lambda h: drop(self._attention("cross_attention", False, False)(
           h, encoded, mask=encoder_mask, **attn_kw)))
     mlp = MLP(self.mlp_dim, activation=self.activation, dropout_rate=self.dropout_rate,
               use_bias=self.use_bias, kernel_init=self.kernel_init,

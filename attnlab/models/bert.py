@@ -30,6 +30,9 @@ from attnlab.errors import ConfigError
 from attnlab.attention import masks as masks_lib
 from attnlab.layers import Dense
 from attnlab.layers import Embeddings
+from attnlab.layers import POSITION_BIASES
+from attnlab.layers import POSITIONS
+from attnlab.layers import T5_NUM_BUCKETS
 from attnlab.layers import TransformerBlock
 from attnlab.layers import default_kernel_init
 from attnlab.layers import get_activation
@@ -59,8 +62,6 @@ class BertHyperparameters(nn.Module):
   mlp_dim: int = 512
   # Longest sequence (rows of the position table).
   max_len: int = 128
-  # Position encoding added to the token embeddings: learned (BERT) or sinusoidal.
-  position: str = "learned"
   # Dropout on the embeddings and the residual branches (training only).
   dropout_rate: float = 0.1
   # Dropout on the attention weights (training only; forces the reference attention path).
@@ -77,6 +78,24 @@ class BertHyperparameters(nn.Module):
   layer_norm_epsilon: float = 1e-12
   # Number of segment (token type) ids: BERT's sentence A = 0, sentence B = 1.
   type_vocab_size: int = NUM_SEGMENTS
+  # Position encoding: learned (BERT), sinusoidal, rotary, none, alibi, t5_bias.
+  position: str = "learned"
+  # Key/value heads (grouped-query attention; 0: num_heads, 1: multi-query).
+  num_kv_heads: int = 0
+  # Talking heads (learned mixes across heads of the logits and of the weights).
+  talking_heads: bool = False
+  # Scores -> weights (attnlab.attention.normalizers).
+  normalizer: str = "softmax"
+  # Keys kept per query by the topk normalizer.
+  topk: int = 8
+  # Self-attention mechanism (attnlab.attention.registry).
+  mechanism: str = "full"
+  # Sliding-window width (keys each side; 0: the mechanism's default).
+  window: int = 0
+  # Performer's random features (0: default).
+  num_features: int = 0
+  # Linformer's projected length (0: default).
+  linformer_k: int = 0
   # Compute dtype (None: float32).
   dtype: Any = None
 
@@ -87,9 +106,14 @@ class BertEncoder(BertHyperparameters):
   def setup(self):
     if self.d_model % self.num_heads:
       raise ValueError(f"d_model={self.d_model} must be divisible by num_heads={self.num_heads}")
-    self.embed = Embeddings(self.vocab_size, self.d_model, self.max_len, position=self.position,
+    bias = self.position if self.position in POSITION_BIASES else None
+    self.embed = Embeddings(self.vocab_size, self.d_model, self.max_len,
+                            position="none" if bias else self.position,
                             dropout_rate=0.0, embedding_init=default_kernel_init,
                             dtype=self.dtype)
+    # T5's relative-bias table, shared by every layer (as in T5).
+    self.t5_table = (self.param("t5_bias", _init_t5_table, T5_NUM_BUCKETS, self.num_heads)
+                     if bias == "t5_bias" else None)  # [num_buckets, heads]
     self.segment = nn.Embed(self.type_vocab_size, self.d_model,
                             embedding_init=default_kernel_init, dtype=self.dtype)
     self.embed_norm = nn.LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype)
@@ -100,8 +124,12 @@ class BertEncoder(BertHyperparameters):
             attention_dropout_rate=self.attention_dropout_rate, score=self.score,
             implementation=self.implementation, causal=False, norm_position=self.norm_position,
             activation=self.activation, use_bias=True,
-            layer_norm_epsilon=self.layer_norm_epsilon,
-            max_len=self.max_len, dtype=self.dtype, name=f"block_{i}")
+            layer_norm_epsilon=self.layer_norm_epsilon, max_len=self.max_len,
+            rotary=self.position == "rotary", position_bias=bias,
+            num_kv_heads=self.num_kv_heads, talking_heads=self.talking_heads,
+            normalizer=self.normalizer, topk=self.topk, mechanism=self.mechanism,
+            window=self.window, num_features=self.num_features, linformer_k=self.linformer_k,
+            mechanism_seed=i, dtype=self.dtype, name=f"block_{i}")
         for i in range(self.num_layers)]
     # A pre-LN stack needs a final LayerNorm; a post-LN one ends normalised already.
     self.final_norm = (nn.LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype)
@@ -134,12 +162,17 @@ class BertEncoder(BertHyperparameters):
     x = self.embed_dropout(self.embed_norm(x), deterministic=deterministic)
     mask = masks_lib.padding_mask(valid.astype(bool))  # [batch, 1, 1, len]
     for block in self.blocks:
-      x = block(x, mask=mask, deterministic=deterministic,
-                sow_weights=sow_weights)  # [batch, len, d]
+      x = block(x, mask=mask, deterministic=deterministic, sow_weights=sow_weights,
+                t5_table=self.t5_table)  # [batch, len, d]
     if self.final_norm is not None:
       x = self.final_norm(x)
     pooled = jnp.tanh(self.pooler(x[:, 0]))  # [batch, d]
     return x, pooled
+
+
+def _init_t5_table(rng: Array, num_buckets: int, num_heads: int) -> Array:
+  from attnlab.attention import positions  # pylint: disable=g-import-not-at-top
+  return positions.init_t5_table(rng, num_buckets, num_heads)  # [num_buckets, heads]
 
 
 def _encoder(module: BertHyperparameters) -> BertEncoder:
@@ -225,7 +258,14 @@ def config_kwargs(config: Any, vocab_size: int) -> dict[str, Any]:
     raise ConfigError(f"data.max_len must be >= 8, got {config.data.max_len}")
   fields = ("num_layers", "d_model", "num_heads", "mlp_dim", "max_len", "dropout_rate",
             "attention_dropout_rate", "score", "implementation", "activation", "norm_position")
-  return dict(vocab_size=vocab_size, **{key: m[key] for key in fields},
+  position = m.get("position", "learned")
+  models_lib.check_choices({"position": position},
+                           {"position": POSITIONS + POSITION_BIASES})
+  if m.get("num_kv_heads", 0) and m.num_heads % m.num_kv_heads:
+    raise ConfigError(f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads="
+                      f"{m.num_heads} (0: num_heads, 1: multi-query)")
+  return dict(vocab_size=vocab_size, **{key: m[key] for key in fields}, position=position,
+              **models_lib.attention_options(m),
               # Written by attnlab import-hf; absent from older configs (BERT's values).
               layer_norm_epsilon=m.get("layer_norm_epsilon", 1e-12),
               type_vocab_size=m.get("type_vocab_size", NUM_SEGMENTS),

@@ -4,6 +4,14 @@ Model: token + position embeddings -> `num_layers` pre-LN causal TransformerBloc
 LayerNorm -> logits through the transposed token table (the LM head is tied to the embedding).
 Residual-output kernels start at std 0.02 / sqrt(2 * num_layers) (GPT-2).
 
+Attention options (config keys of the same names, checked by config_utils.validate):
+`position` alibi / t5_bias add a bias to the scores instead of a position table (T5's table is one
+`t5_bias` parameter shared by the layers), so the model runs at lengths past block_size;
+`num_kv_heads` (grouped-query / multi-query), `talking_heads`, `normalizer` (+ `topk`) and
+`mechanism` (+ `window`, `num_features`, `linformer_k`) go to every block's attention
+(attnlab.layers.MultiHeadAttention), which asks attnlab.attention.registry what a mechanism
+supports.
+
 Generation (`generate`) runs through `attnlab.decoding.sample` (temperature 0 = greedy) with a
 step function over one of two states:
 
@@ -19,6 +27,9 @@ step function over one of two states:
 While prompt + generated tokens fit in block_size the two give identical logits, hence
 identical tokens under greedy decoding (tests/test_gpt.py checks); beyond it their contexts
 differ as described.
+
+A mechanism without KV-cache decoding in its registry entry (e.g. bigbird) generates without
+the cache by default (`use_cache=None`); asking for the cache with it is a clear error.
 
 Prompts of different lengths go in one batch (a ragged batch): each row is padded after its
 tokens, every cache row writes and counts positions from its own length, and rows restart their
@@ -42,7 +53,9 @@ from attnlab import precision
 from attnlab.errors import ConfigError
 from attnlab.layers import Embeddings
 from attnlab.layers import LayerNorm
+from attnlab.layers import POSITION_BIASES
 from attnlab.layers import POSITIONS
+from attnlab.layers import T5_NUM_BUCKETS
 from attnlab.layers import TransformerBlock
 from attnlab.layers import get_activation
 
@@ -76,8 +89,25 @@ class GPT(nn.Module):
   score: str = "scaled_dot"
   # attend() implementation: auto, reference, xla, blocked.
   implementation: str = "auto"
-  # Position encoding: learned, sinusoidal, rotary, none.
+  # Position encoding: learned, sinusoidal, rotary, none, alibi, t5_bias (score biases: the
+  # model then runs at any length, past block_size).
   position: str = "learned"
+  # Key/value heads (grouped-query attention; 0: num_heads, 1: multi-query).
+  num_kv_heads: int = 0
+  # Talking heads (learned mixes across heads of the logits and of the weights).
+  talking_heads: bool = False
+  # Scores -> weights (attnlab.attention.normalizers).
+  normalizer: str = "softmax"
+  # Keys kept per query by the topk normalizer.
+  topk: int = 8
+  # Self-attention mechanism (attnlab.attention.registry).
+  mechanism: str = "full"
+  # Sliding-window width (keys each side; 0: the mechanism's default).
+  window: int = 0
+  # Performer's random features (0: default).
+  num_features: int = 0
+  # Linformer's projected length (0: default).
+  linformer_k: int = 0
   # MLP activation: gelu_tanh, gelu, relu.
   activation: str = "gelu_tanh"
   # Biases in Dense layers and LayerNorms (nanoGPT's recipe: none).
@@ -91,9 +121,13 @@ class GPT(nn.Module):
     check_config(self)
     init = nn.initializers.normal(stddev=0.02)
     out_init = nn.initializers.normal(stddev=0.02 / math.sqrt(2 * self.num_layers))
+    bias = self.position if self.position in POSITION_BIASES else None
     self.embed = Embeddings(self.vocab_size, self.d_model, self.block_size,
-                            position=self.position, dropout_rate=self.dropout_rate,
-                            embedding_init=init, dtype=self.dtype)
+                            position="none" if bias else self.position,
+                            dropout_rate=self.dropout_rate, embedding_init=init, dtype=self.dtype)
+    # T5's relative-bias table, shared by every layer (as in T5).
+    self.t5_table = (self.param("t5_bias", _init_t5_table, T5_NUM_BUCKETS, self.num_heads)
+                     if bias == "t5_bias" else None)  # [num_buckets, heads]
     self.blocks = [
         TransformerBlock(
             num_heads=self.num_heads, mlp_dim=self.mlp_ratio * self.d_model,
@@ -101,7 +135,11 @@ class GPT(nn.Module):
             score=self.score, implementation=self.implementation, causal=True,
             norm_position="pre", activation=self.activation, use_bias=self.use_bias,
             layer_norm_epsilon=self.layer_norm_epsilon, max_len=self.block_size,
-            rotary=self.position == "rotary", kernel_init=init, out_kernel_init=out_init,
+            rotary=self.position == "rotary", position_bias=bias,
+            num_kv_heads=self.num_kv_heads, talking_heads=self.talking_heads,
+            normalizer=self.normalizer, topk=self.topk, mechanism=self.mechanism,
+            window=self.window, num_features=self.num_features, linformer_k=self.linformer_k,
+            mechanism_seed=i, kernel_init=init, out_kernel_init=out_init,
             dtype=self.dtype, name=f"block_{i}")
         for i in range(self.num_layers)]
     self.ln_f = LayerNorm(epsilon=self.layer_norm_epsilon, use_bias=self.use_bias, dtype=self.dtype)
@@ -116,9 +154,15 @@ class GPT(nn.Module):
     """
     x = self.embed(tokens, deterministic=deterministic, decode=decode)  # [batch, len, d]
     for block in self.blocks:
-      x = block(x, deterministic=deterministic, decode=decode, sow_weights=sow_weights)
+      x = block(x, deterministic=deterministic, decode=decode, sow_weights=sow_weights,
+                t5_table=self.t5_table)
     x = self.ln_f(x)  # [batch, len, d]
     return self.embed.attend(x).astype(jnp.float32)  # [batch, len, vocab]
+
+
+def _init_t5_table(rng: Array, num_buckets: int, num_heads: int) -> Array:
+  from attnlab.attention import positions  # pylint: disable=g-import-not-at-top
+  return positions.init_t5_table(rng, num_buckets, num_heads)  # [num_buckets, heads]
 
 
 def check_config(model: GPT) -> None:
@@ -128,9 +172,12 @@ def check_config(model: GPT) -> None:
   where the config is read.
   """
   get_activation(model.activation)
-  if model.position not in POSITIONS:
+  if model.position not in POSITIONS + POSITION_BIASES:
     raise ValueError(f"unknown position encoding {model.position!r}; valid: "
-                     f"{', '.join(POSITIONS)}")
+                     f"{', '.join(POSITIONS + POSITION_BIASES)}")
+  if model.num_kv_heads < 0 or model.num_heads % (model.num_kv_heads or model.num_heads):
+    raise ValueError(f"num_kv_heads={model.num_kv_heads} must divide num_heads="
+                     f"{model.num_heads} (0: num_heads, 1: multi-query)")
   for name in ("vocab_size", "num_layers", "num_heads", "d_model", "block_size", "mlp_ratio"):
     if getattr(model, name) < 1:
       raise ValueError(f"{name} must be >= 1, got {getattr(model, name)}")
@@ -155,6 +202,7 @@ def from_config(model_cfg: Any, vocab_size: int) -> GPT:
             "position", "activation", "use_bias")
   try:
     model = GPT(vocab_size=vocab_size, **dims, **{key: model_cfg[key] for key in fields},
+                **models_lib.attention_options(model_cfg),
                 layer_norm_epsilon=model_cfg.get("layer_norm_epsilon", 1e-5),
                 dtype=precision.compute_dtype(model_cfg, "gpt"))
     check_config(model)
@@ -164,6 +212,12 @@ def from_config(model_cfg: Any, vocab_size: int) -> GPT:
 
 
 # ------------------------------------------------------------------------------ KV cache
+
+
+def supports_cache(model: GPT) -> bool:
+  """Whether the model's attention mechanism supports KV-cache decoding (its registry entry)."""
+  from attnlab.attention import registry  # pylint: disable=g-import-not-at-top
+  return bool(registry.get_mechanism(model.mechanism).supports.cache)
 
 
 def init_cache(model: GPT, batch_size: int) -> Any:
@@ -271,7 +325,7 @@ def _generate(model: GPT, params: Any, prompt: Array, lengths: Array, rng: Array
 
 def generate(model: GPT, params: Any, prompt: Any, rng: Array, *, num_tokens: int,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-             use_cache: bool = True, keep: int | None = None,
+             use_cache: bool | None = None, keep: int | None = None,
              end_id: int | None = None, banned_ids: Any = ()) -> decoding.Decoded:
   """Continues each prompt row by `num_tokens` tokens (jit-compiled, one scan).
 
@@ -284,13 +338,19 @@ def generate(model: GPT, params: Any, prompt: Any, rng: Array, *, num_tokens: in
     num_tokens: tokens to generate.
     temperature: 0 = greedy; otherwise softmax(logits / temperature) after top-k/top-p.
     top_k, top_p: optional filters (decoding.filter_logits).
-    use_cache: KV-cache decoding (default) or a full forward pass per token.
+    use_cache: KV-cache decoding or a full forward pass per token; None: the cache when the
+      attention mechanism supports it (`supports_cache`).
     keep: tokens kept when the cache is full (default block_size // 2; 1 <= keep < block_size).
     end_id: stop a row at this token (the rest is padding 0).
     banned_ids: token ids never sampled (special tokens the training text never holds).
   Returns:
     decoding.Decoded with tokens `[batch, num_tokens]`.
   """
+  if use_cache is None:
+    use_cache = supports_cache(model)
+  elif use_cache and not supports_cache(model):
+    raise ConfigError(f"mechanism {model.mechanism!r} does not support KV-cache decoding; "
+                      f"generate without it (use_cache=False, attnlab generate --nouse_cache)")
   prompt, lengths = _prompt_rows(prompt, model.block_size)
   keep = model.block_size // 2 if keep is None else int(keep)
   if not 1 <= keep < model.block_size:

@@ -27,7 +27,9 @@ mutable collections). Each step feeds one token and costs one position. The cach
 positions: asking for more decoding steps than that raises ValueError (`max_decode_len`; the
 config's default max_len covers twice the longest training source).
 `make_step_fn(..., use_cache=False)` is the uncached reference (every step re-runs the decoder
-over the whole prefix); tests check both give the same tokens.
+over the whole prefix); tests check both give the same tokens. A self-attention mechanism without
+KV-cache decoding (attnlab.attention.registry) decodes the uncached way through `encode` and
+`decode_step` too.
 
 Attention weights are sown by every attention module: `intermediates/encoder_layer_<i>/
 self_attention/attention_weights` and `intermediates/decoder_layer_<i>/{self,cross}_attention/
@@ -50,7 +52,9 @@ from attnlab.attention import masks as masks_lib
 from attnlab.layers import Dense
 from attnlab.layers import Embeddings
 from attnlab.layers import NORM_POSITIONS
+from attnlab.layers import POSITION_BIASES
 from attnlab.layers import POSITIONS
+from attnlab.layers import T5_NUM_BUCKETS
 from attnlab.layers import TransformerBlock
 from attnlab.layers import get_activation
 from attnlab.layers import project_kv
@@ -60,6 +64,8 @@ Array = jax.Array
 
 # size name -> (num_layers, num_heads, d_model, mlp_dim) (attnlab.models.SIZES).
 SIZES: dict[str, dict[str, int]] = models_lib.SIZES["transformer"]
+# Position encodings the Transformer accepts.
+TRANSFORMER_POSITIONS: tuple[str, ...] = tuple(p for p in POSITIONS if p != "none") + POSITION_BIASES
 # Embedding sharing choices (module docstring).
 SHARE_EMBEDDINGS: tuple[str, ...] = ("none", "target", "all")
 
@@ -88,7 +94,8 @@ class Transformer(nn.Module):
   score: str = "scaled_dot"
   # attend() implementation: auto, reference, xla or blocked.
   implementation: str = "auto"
-  # Position encoding: sinusoidal or learned.
+  # Position encoding: sinusoidal, learned, rotary, alibi or t5_bias (self-attention biases; T5:
+  # one table for the encoder's layers, one for the decoder's).
   position: str = "sinusoidal"
   # none | target | all (module docstring).
   share_embeddings: str = "none"
@@ -102,10 +109,28 @@ class Transformer(nn.Module):
   weights_layer: int = -1
   # Compute dtype (None: float32; parameters stay float32, logits are float32; attnlab.precision).
   dtype: Any = None
+  # Key/value heads of every attention (grouped-query; 0: num_heads, 1: multi-query).
+  num_kv_heads: int = 0
+  # Talking heads in every attention.
+  talking_heads: bool = False
+  # Scores -> weights of every attention (attnlab.attention.normalizers).
+  normalizer: str = "softmax"
+  # Keys kept per query by the topk normalizer.
+  topk: int = 8
+  # Mechanism of the encoder and decoder self-attentions (attnlab.attention.registry);
+  # cross-attention is full.
+  mechanism: str = "full"
+  # Sliding-window width (keys each side; 0: the mechanism's default).
+  window: int = 0
+  # Performer's random features (0: default).
+  num_features: int = 0
+  # Linformer's projected length (0: default).
+  linformer_k: int = 0
 
   def setup(self):
-    if self.position not in POSITIONS or self.position == "none":
-      raise ValueError(f"unknown position {self.position!r}; valid: sinusoidal, learned, rotary")
+    if self.position not in TRANSFORMER_POSITIONS:
+      raise ValueError(f"unknown position {self.position!r}; valid: "
+                       f"{', '.join(TRANSFORMER_POSITIONS)}")
     if self.share_embeddings not in SHARE_EMBEDDINGS:
       raise ValueError(f"unknown share_embeddings {self.share_embeddings!r}; valid: "
                        f"{', '.join(SHARE_EMBEDDINGS)}")
@@ -116,8 +141,9 @@ class Transformer(nn.Module):
       raise ValueError(f"weights_layer={self.weights_layer} is not a decoder layer; valid: "
                        f"-{self.decoder_depth}..{self.decoder_depth - 1}")
     # Token tables start at unit scale, like the sinusoids they are added to.
+    bias = self.position if self.position in POSITION_BIASES else None
     embed = lambda vocab, name: Embeddings(
-        vocab, self.d_model, self.max_len, position=self.position,
+        vocab, self.d_model, self.max_len, position="none" if bias else self.position,
         dropout_rate=self.dropout_rate, embedding_init=nn.initializers.normal(1.0),
         dtype=self.dtype, name=name)
     if self.share_embeddings == "all":
@@ -130,12 +156,22 @@ class Transformer(nn.Module):
                  attention_dropout_rate=self.attention_dropout_rate, score=self.score,
                  implementation=self.implementation, norm_position=self.norm_position,
                  activation=self.activation, max_len=self.max_len,
-                 rotary=self.position == "rotary", dtype=self.dtype)
-    self.encoder_layers = [TransformerBlock(**block, name=f"encoder_layer_{i}")
+                 rotary=self.position == "rotary", position_bias=bias,
+                 num_kv_heads=self.num_kv_heads, talking_heads=self.talking_heads,
+                 normalizer=self.normalizer, topk=self.topk, mechanism=self.mechanism,
+                 window=self.window, num_features=self.num_features,
+                 linformer_k=self.linformer_k, dtype=self.dtype)
+    self.encoder_layers = [TransformerBlock(**block, mechanism_seed=i, name=f"encoder_layer_{i}")
                            for i in range(self.num_layers)]
     self.decoder_layers = [TransformerBlock(**block, causal=True, cross_attention=True,
-                                        name=f"decoder_layer_{i}")
+                                            mechanism_seed=self.num_layers + i,
+                                            name=f"decoder_layer_{i}")
                            for i in range(self.decoder_depth)]
+    # T5's relative-bias tables: one per stack, shared by its layers (as in T5).
+    t5 = lambda name: (self.param(name, _init_t5_table, T5_NUM_BUCKETS, self.num_heads)
+                       if bias == "t5_bias" else None)  # [num_buckets, heads]
+    self.encoder_t5_table = t5("encoder_t5_bias")
+    self.decoder_t5_table = t5("decoder_t5_bias")
     if self.norm_position == "pre":
       self.encoder_norm = nn.LayerNorm(dtype=self.dtype, name="encoder_norm")
       self.decoder_norm = nn.LayerNorm(dtype=self.dtype, name="decoder_norm")
@@ -159,7 +195,8 @@ class Transformer(nn.Module):
     mask = masks_lib.padding_mask(src_lengths.astype(jnp.int32), src.shape[1])
     x = self.src_embed(src, deterministic=deterministic)  # [batch, src_len, d]
     for layer in self.encoder_layers:
-      x = layer(x, mask=mask, deterministic=deterministic)  # [batch, src_len, d]
+      x = layer(x, mask=mask, deterministic=deterministic,
+                t5_table=self.encoder_t5_table)  # [batch, src_len, d]
     if self.norm_position == "pre":
       x = self.encoder_norm(x)
     return x, mask
@@ -176,7 +213,7 @@ class Transformer(nn.Module):
     for i, layer in enumerate(self.decoder_layers):
       encoded = memory[i] if isinstance(memory, (list, tuple)) else memory
       y = layer(y, encoded=encoded, encoder_mask=src_mask, deterministic=deterministic,
-                decode=decode)  # [batch, tgt_len, d]
+                decode=decode, t5_table=self.decoder_t5_table)  # [batch, tgt_len, d]
     if self.norm_position == "pre":
       y = self.decoder_norm(y)
     if self.share_embeddings == "none":
@@ -215,8 +252,17 @@ class Transformer(nn.Module):
     layer = f"decoder_layer_{range(self.decoder_depth)[self.weights_layer]}"
     return jnp.mean(intermediates[layer]["cross_attention"]["attention_weights"][0], axis=1)
 
+  @property
+  def supports_cache(self) -> bool:
+    """Whether the self-attention mechanism supports KV-cache decoding (its registry entry)."""
+    from attnlab.attention import registry  # pylint: disable=g-import-not-at-top
+    return bool(registry.get_mechanism(self.mechanism).supports.cache)
+
   def encode(self, src: Array, src_lengths: Array) -> dict[str, Any]:
-    """The decoding state: cross keys/values per layer, source mask, an empty KV cache."""
+    """The decoding state: cross keys/values per layer, source mask, an empty KV cache (the
+    uncached state of `encode_uncached` for a mechanism without KV-cache decoding)."""
+    if not self.supports_cache:
+      return self.encode_uncached(src, src_lengths)
     encoded, mask = self.encode_source(src, src_lengths)
     params = self.variables["params"]
     memory = [project_kv(params[f"decoder_layer_{i}"]["cross_attention"], encoded,
@@ -236,7 +282,10 @@ class Transformer(nn.Module):
 
   def decode_step(self, state: dict[str, Any], tokens: Array
                   ) -> tuple[Array, dict[str, Any], Array]:
-    """One step for attnlab.decoding: (logits `[b, vocab]`, new state, cross weights `[b, s]`)."""
+    """One step for attnlab.decoding: (logits `[b, vocab]`, new state, cross weights `[b, s]`);
+    `decode_step_uncached` for a mechanism without KV-cache decoding."""
+    if not self.supports_cache:
+      return self.decode_step_uncached(state, tokens)
     variables = {"params": self.variables["params"], "cache": state["cache"]}
     logits, updated = self._apply_decoder(
         variables, tokens[:, None].astype(jnp.int32), state["memory"], state["mask"],
@@ -266,8 +315,16 @@ class Transformer(nn.Module):
             pick(weights, index))  # [batch, vocab], state, [batch, src_len]
 
 
+def _init_t5_table(rng: Array, num_buckets: int, num_heads: int) -> Array:
+  from attnlab.attention import positions  # pylint: disable=g-import-not-at-top
+  return positions.init_t5_table(rng, num_buckets, num_heads)  # [num_buckets, heads]
+
+
 def make_step_fn(model: Transformer, params: Any, *, use_cache: bool = True):
   """A `step_fn(state, tokens) -> (logits, state, cross weights)` for attnlab.decoding."""
+  if use_cache and not model.supports_cache:
+    raise ValueError(f"mechanism {model.mechanism!r} does not support KV-cache decoding; use "
+                     f"use_cache=False")
   method = Transformer.decode_step if use_cache else Transformer.decode_step_uncached
 
   def step_fn(state, tokens):
@@ -278,6 +335,9 @@ def make_step_fn(model: Transformer, params: Any, *, use_cache: bool = True):
 def init_decode_state(model: Transformer, params: Any, src: Array, src_lengths: Array, *,
                       use_cache: bool = True) -> dict[str, Any]:
   """The `state` for make_step_fn(model, params, use_cache=use_cache)."""
+  if use_cache and not model.supports_cache:
+    raise ValueError(f"mechanism {model.mechanism!r} does not support KV-cache decoding; use "
+                     f"use_cache=False")
   method = Transformer.encode if use_cache else Transformer.encode_uncached
   return model.apply({"params": params}, src, src_lengths, method=method)
 
@@ -307,7 +367,7 @@ def from_config(model_config: Any, src_vocab_size: int, tgt_vocab_size: int,
   """
   from attnlab.errors import ConfigError  # pylint: disable=g-import-not-at-top
   dims = models_lib.config_dims("transformer", model_config)
-  models_lib.check_choices(model_config, {"position": ("sinusoidal", "learned"),
+  models_lib.check_choices(model_config, {"position": TRANSFORMER_POSITIONS,
                                           "share_embeddings": SHARE_EMBEDDINGS,
                                           "norm_position": NORM_POSITIONS})
   try:  # model.score and model.implementation: checked by config_utils.validate
@@ -317,6 +377,10 @@ def from_config(model_config: Any, src_vocab_size: int, tgt_vocab_size: int,
   if dims["d_model"] % dims["num_heads"]:
     raise ConfigError(f"model.d_model={dims['d_model']} must be divisible by "
                       f"model.num_heads={dims['num_heads']}")
+  attention = models_lib.attention_options(model_config)
+  if attention["num_kv_heads"] and dims["num_heads"] % attention["num_kv_heads"]:
+    raise ConfigError(f"model.num_kv_heads={attention['num_kv_heads']} must divide "
+                      f"model.num_heads={dims['num_heads']} (0: num_heads, 1: multi-query)")
   max_len = model_config.max_len or max(64, 2 * max_src_len + 2)
   if max_len < max_src_len:
     raise ConfigError(f"model.max_len={max_len} is shorter than the longest training source "
@@ -326,4 +390,4 @@ def from_config(model_config: Any, src_vocab_size: int, tgt_vocab_size: int,
   return Transformer(src_vocab_size, tgt_vocab_size, **dims, max_len=max_len,
                      num_decoder_layers=model_config.num_decoder_layers or dims["num_layers"],
                      dtype=precision.compute_dtype(model_config, "transformer"),
-                     **{key: model_config[key] for key in fields})
+                     **{key: model_config[key] for key in fields}, **attention)

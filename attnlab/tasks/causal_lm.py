@@ -280,14 +280,15 @@ class CausalLMTask(Task):
 
   def sample_text(self, params, prompt: str, *, num_tokens: int, temperature: float,
                   top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                  use_cache: bool = True) -> str:
-    """The prompt's continuation as text (KV-cache sampling; temperature 0 = greedy)."""
+                  use_cache: bool | None = None) -> str:
+    """The prompt's continuation as text (temperature 0 = greedy; use_cache None: the KV cache
+    when the attention mechanism supports it)."""
     return self.sample_texts(params, [prompt], num_tokens=num_tokens, temperature=temperature,
                              top_k=top_k, top_p=top_p, seed=seed, use_cache=use_cache)[0]
 
   def sample_texts(self, params, prompts: list[str], *, num_tokens: int, temperature: float,
                    top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                   use_cache: bool = True) -> list[str]:
+                   use_cache: bool | None = None) -> list[str]:
     """The continuations of several prompts, of any lengths, sampled as one batch."""
     return self.sample_rows(params, prompts, num_tokens=num_tokens, temperature=temperature,
                             top_k=top_k, top_p=top_p, seed=seed, use_cache=use_cache)[0]

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from attnlab import config_utils
 from attnlab import data as data_lib
 from attnlab import losses
 from attnlab.data import assets as assets_lib
@@ -42,9 +43,11 @@ from attnlab.tasks.base import ratios
 
 # Model fields that must agree between a pretraining run and the fine-tuning model.
 ENCODER_KEYS = ("num_layers", "d_model", "num_heads", "mlp_dim", "max_len", "score", "activation",
-                "norm_position", "layer_norm_epsilon", "type_vocab_size")
+                "norm_position", "layer_norm_epsilon", "type_vocab_size", "position",
+                *config_utils.ATTENTION_DEFAULTS)
 # Defaults of the encoder keys that older configs lack (a run imported from Hugging Face has them).
-ENCODER_DEFAULTS = {"layer_norm_epsilon": 1e-12, "type_vocab_size": bert.NUM_SEGMENTS}
+ENCODER_DEFAULTS = {"layer_norm_epsilon": 1e-12, "type_vocab_size": bert.NUM_SEGMENTS,
+                    "position": "learned", **config_utils.ATTENTION_DEFAULTS}
 NUM_CLASSES = 2
 
 
