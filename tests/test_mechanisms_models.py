@@ -152,7 +152,9 @@ def test_gpt_cached_decoding_equals_the_full_forward(kw):
   for t in range(6, 16):
     logits, cache = chunk(params, cache, tokens[:, t:t + 1])
     outs.append(np.asarray(logits))
-  np.testing.assert_allclose(np.concatenate(outs, axis=1), full, atol=1e-4)
+  # Performer's exp features reach large values: its running sums lose a few more float32 bits.
+  atol = 1e-3 if kw.get("mechanism") == "performer" else 1e-4
+  np.testing.assert_allclose(np.concatenate(outs, axis=1), full, atol=atol)
 
 
 def test_generation_without_a_kv_cache_where_the_mechanism_has_none():

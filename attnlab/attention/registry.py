@@ -65,6 +65,8 @@ class Supports:
   bias: bool
   # normalizers it composes with
   normalizers: tuple[str, ...]
+  # forms the full [q_len, k_len] score matrix (talking heads mix it across heads)
+  scores_matrix: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +84,9 @@ class Mechanism:
   paper: str
   # one line for tables
   summary: str
+  # init outputs that are fixed random draws, not learned (Performer's features): the layer
+  # draws them from its seed and keeps them out of the optimiser
+  fixed: tuple[str, ...] = ()
 
 
 def _no_params(rng, num_heads, head_dim, max_len, **options):
@@ -246,7 +251,8 @@ MECHANISMS: dict[str, Mechanism] = {
     m.name: m for m in (
         Mechanism("full", _full, _no_params,
                   Supports(causal=True, bidirectional=True, cache=True, weights=True,
-                           scores=ALL_SCORES, bias=True, normalizers=_ALL_NORMALIZERS),
+                           scores=ALL_SCORES, bias=True, normalizers=_ALL_NORMALIZERS,
+                           scores_matrix=True),
                   "Vaswani et al. 2017", "softmax attention over every key (today's default)"),
         Mechanism("linear", _linear, _no_params,
                   Supports(causal=True, bidirectional=True, cache=True, weights=True,
@@ -255,7 +261,8 @@ MECHANISMS: dict[str, Mechanism] = {
         Mechanism("performer", _performer, _performer_init,
                   Supports(causal=True, bidirectional=True, cache=True, weights=True,
                            scores=("scaled_dot",), bias=False, normalizers=("softmax",)),
-                  "Choromanski et al. 2021", "FAVOR+ positive orthogonal random features, O(n)"),
+                  "Choromanski et al. 2021", "FAVOR+ positive orthogonal random features, O(n)",
+                  fixed=("features",)),
         Mechanism("linformer", _linformer, _linformer_init,
                   Supports(causal=False, bidirectional=True, cache=False, weights=True,
                            scores=("scaled_dot",), bias=False, normalizers=("softmax",)),

@@ -146,12 +146,7 @@ def _decode_rows(call: Callable[..., Any], q: Array, k: Array, v: Array, mask: A
 
 def forms_scores(mechanism: registry.Mechanism) -> bool:
   """Whether a mechanism forms the full `[q_len, k_len]` score matrix (talking heads mix it)."""
-  supports = mechanism.supports
-  if hasattr(supports, "scores_matrix"):
-    return bool(supports.scores_matrix)
-  # Until the registry says so itself: the mechanism that composes with every score, normaliser
-  # and bias and decodes from the cache without a sparsity pattern of its own is the full one.
-  return mechanism is registry.MECHANISMS["full"]
+  return mechanism.supports.scores_matrix
 
 
 def mix_heads(x: Array, mix: Array) -> Array:
@@ -423,7 +418,7 @@ class MultiHeadAttention(nn.Module):
     shapes = jax.eval_shape(init, jax.random.key(0))
     if shapes is None:
       return None
-    fixed = tuple(getattr(mechanism, "fixed", ()))
+    fixed = mechanism.fixed
     learned = {k: v for k, v in shapes.items() if k not in fixed}
     out = {}
     if learned:
