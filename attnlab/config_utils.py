@@ -552,10 +552,12 @@ def _validate_attention(model: ConfigDict | None) -> None:
 # GPT is causal, BERT bidirectional, the Transformer both (encoder and decoder).
 TASK_DIRECTIONS: dict[str, tuple[str, ...]] = {
     "causal_lm": ("causal",), "masked_lm": ("bidirectional",),
-    "classification": ("bidirectional",), "translation": ("bidirectional", "causal")}
+    "classification": ("bidirectional",), "long_range": ("bidirectional",),
+    "translation": ("bidirectional", "causal")}
 # How the errors name a task's model.
 _TASK_MODELS = {"causal_lm": "GPT (causal)", "masked_lm": "BERT (bidirectional)",
                 "classification": "BERT (bidirectional)",
+                "long_range": "the long-range classifier (a BERT encoder)",
                 "translation": "the Transformer (a causal decoder)"}
 
 

@@ -125,10 +125,10 @@ def get_config(arg: str | None = None):
   model.score = "scaled_dot"
   # attend() implementation: auto, reference, xla, blocked.
   model.implementation = "auto"
-  # Attention mechanism: full (softmax over all pairs); linear, performer, linformer,
-  # sliding_window, bigbird where attnlab.attention.registry exists.
+  # Attention mechanism (attnlab.attention.registry): full (softmax over all pairs), linear,
+  # performer, linformer, sliding_window, bigbird.
   model.mechanism = "full"
-  # Window of sliding_window / block size of bigbird (tokens).
+  # Keys each side of a query for sliding_window (bigbird keeps its 64-token blocks).
   model.window = 64
   # Random features of performer.
   model.num_features = 64

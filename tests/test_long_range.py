@@ -306,12 +306,11 @@ def test_mean_pooling_ignores_padding():
   np.testing.assert_allclose(np.asarray(short), np.asarray(long), atol=1e-5)
 
 
-def test_unavailable_mechanism_is_one_clear_error():
-  from attnlab.tasks import long_range  # pylint: disable=g-import-not-at-top
-  if long_range.has_mechanism_registry():
-    pytest.skip("this checkout has attnlab.attention.registry: every mechanism is available")
-  with pytest.raises(ConfigError, match="model.mechanism='linear'"):
-    long_range.LongRangeTask(_config("task=listops,runlocal=True,mechanism=linear"))
+def test_mechanisms_are_validated_for_the_bidirectional_encoder():
+  from attnlab import config_utils  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ConfigError, match="valid mechanisms: full, linear"):
+    config_utils.validate(_config("task=listops,runlocal=True,mechanism=nonsense"))
+  config_utils.validate(_config("task=listops,runlocal=True,mechanism=linformer"))
 
 
 def test_configs_per_task_and_scale():

@@ -16,16 +16,13 @@ Data sizes: `data.size` picks the builder config (runlocal, cpu, paper; imdb_byt
 reviews for cpu and paper, "full"). `data.num_train` / `data.num_eval` use only the first N
 examples (0 = all).
 
-Mechanism: `model.mechanism` ("full" = softmax attention over all pairs) goes to the encoder
-with its settings (`model.window`, `model.num_features`, `model.linformer_k`) where the encoder
-has those fields (the attention-mechanism registry, attnlab.attention.registry); a checkout
-without that registry accepts only "full" and says so in one line.
+Mechanism: `model.mechanism` ("full" = softmax attention over all pairs; the others from
+attnlab.attention.registry) goes to the encoder with its settings (`model.window`,
+`model.num_features`, `model.linformer_k`), as in every family (models.attention_options).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
 import pathlib
 from typing import Any
 
@@ -36,11 +33,11 @@ import numpy as np
 
 from attnlab import data as data_lib
 from attnlab import losses
+from attnlab import models as models_lib
 from attnlab.data import pipeline
 from attnlab.data.builders import listops as listops_lib
 from attnlab.data.builders import pathfinder as pathfinder_lib
 from attnlab.errors import ConfigError
-from attnlab.models import bert
 from attnlab.models import sequence_classifier as classifier_lib
 from attnlab.tasks import register_task
 from attnlab.tasks.base import Task
@@ -61,8 +58,6 @@ _BUILDER_CONFIG = {"imdb_bytes": {"runlocal": "runlocal", "cpu": "full", "paper"
 ENCODER_KEYS = ("num_layers", "d_model", "num_heads", "mlp_dim", "dropout_rate",
                 "attention_dropout_rate", "score", "implementation", "activation",
                 "norm_position", "position")
-# Mechanism settings (attnlab.attention.registry), passed on when the encoder declares them.
-MECHANISM_KEYS = ("mechanism", "window", "num_features", "linformer_k")
 _LISTOPS_IDS = {token: i + classifier_lib.FIRST_ID for i, token in enumerate(listops_lib.VOCAB)}
 
 
@@ -74,25 +69,6 @@ def builder_config(data: ml_collections.ConfigDict) -> Any:
     low, high = (int(x) for x in data.listops_lengths)
     return listops_lib.Listops.custom_config(data.size, min_len=low, max_len=high)
   return _BUILDER_CONFIG.get(data.name, {}).get(data.size, data.size)
-
-
-def mechanism_kwargs(model: ml_collections.ConfigDict) -> dict[str, Any]:
-  """The encoder keyword arguments of the attention mechanism (module docstring)."""
-  fields = {f.name for f in dataclasses.fields(bert.BertHyperparameters)}
-  mechanism = model.get("mechanism", "full")
-  if "mechanism" not in fields:
-    if mechanism != "full":
-      raise ConfigError(
-          f"model.mechanism={mechanism!r} is not available in this checkout: its BERT encoder "
-          f"has only full softmax attention (the mechanisms come with "
-          f"attnlab.attention.registry); use model.mechanism=full")
-    return {}
-  return {key: model[key] for key in MECHANISM_KEYS if key in model and key in fields}
-
-
-def has_mechanism_registry() -> bool:
-  """Whether attnlab.attention.registry (the efficient mechanisms) is in this checkout."""
-  return importlib.util.find_spec("attnlab.attention.registry") is not None
 
 
 def encode(name: str, examples: Any, max_len: int, cls: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -152,7 +128,7 @@ class LongRangeTask(Task):
     kwargs = {key: model[key] for key in ENCODER_KEYS}
     self.model = classifier_lib.SequenceClassifier(
         vocab_size=self.vocab_size, max_len=self.seq_len, num_classes=self.num_classes,
-        pooling=model.pooling, **kwargs, **mechanism_kwargs(model))
+        pooling=model.pooling, **kwargs, **models_lib.attention_options(model))
     self._train: dict[str, np.ndarray] | None = None
     self._eval: list[dict[str, np.ndarray]] | None = None
 

@@ -71,11 +71,8 @@ BASELINE = "softmax"
 
 
 def default_mechanisms() -> list[str]:
-  """Every registered mechanism where attnlab.attention.registry exists, else ["full"]."""
-  from attnlab.tasks import long_range  # pylint: disable=g-import-not-at-top
-  if not long_range.has_mechanism_registry():
-    return ["full"]
-  from attnlab.attention import registry  # pylint: disable=g-import-not-at-top,import-error
+  """Every registered mechanism (attnlab.attention.registry)."""
+  from attnlab.attention import registry  # pylint: disable=g-import-not-at-top
   return list(registry.MECHANISMS)
 
 
