@@ -131,10 +131,14 @@ def make_train_step(task: tasks.Task, tx: optax.GradientTransformation, schedule
         out = data_parallel(state, batch, rng)
         jitted.per_device = True
         return out
-      except (_PerDeviceLoss, TypeError) as e:
+      except (_PerDeviceLoss, TypeError, ValueError) as e:
         # TypeError: shard_map's check of per-device values, e.g. a scan whose initial carry all
-        # devices hold alike (flax's nn.RNN) returning one that differs per device. A genuine
-        # error in the task comes back from the compiler's version below.
+        # devices hold alike (flax's nn.RNN) returning one that differs per device; ValueError:
+        # the same check inside a primitive ("varying manual axes", e.g. the block-sparse
+        # kernel's lax.cond under vmapped seeds). A genuine error in the task comes back from
+        # the compiler's version below.
+        if isinstance(e, ValueError) and "varying manual axes" not in str(e):
+          raise
         _LOG.info("task %r: the compiler splits the train step over the devices (%s)", task.name,
                   (str(e).strip() or type(e).__name__).splitlines()[0])
     jitted.per_device = False
