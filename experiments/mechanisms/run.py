@@ -276,6 +276,8 @@ def main(argv=None) -> int:
   previous = json.loads(results_path.read_text()) if results_path.is_file() else {}
   results = {"gpt_spec": specs["gpt"].split(":", 1)[1], "bert_spec": specs["bert"].split(":", 1)[1],
              "num_seeds": NUM_SEEDS, "cpus": os.cpu_count(), "arms": {}}
+  if all(previous.get(k) == results[k] for k in ("gpt_spec", "bert_spec")):
+    results["arms"] = dict(previous.get("arms", {}))  # arms of earlier invocations stay listed
   status = 0
   bar = tqdm.tqdm(table.items(), desc="arms", unit="arm", file=sys.stderr)
   for arm, (family, keys) in bar:
