@@ -231,3 +231,38 @@ def test_seeds_benchmark():
   out = _run("benchmarks/seeds.py", "--configs=gpt", "--seeds=2", "--steps=2")
   row = _table(out, "config")["gpt"]
   assert row[1] == "2" and float(row[4]) > 0  # N, ratio
+
+
+def test_mechanisms(tmp_path, shared_data):
+  workdir = tmp_path / "mech"
+  args = ("mechanisms/run.py", f"--workdir={workdir}", "--runlocal",
+          "--arms=alibi,learned,bert_linformer", f"--data_dir={shared_data}")
+  _run(*args)
+  rows = {r[0]: r for r in _rows((workdir / "results.md").read_text())}
+  assert {"alibi", "learned", "bert_linformer"} <= set(rows)
+  assert all(rows[a][2] == "20" for a in ("alibi", "learned", "bert_linformer"))  # steps
+  assert rows["learned"][4].startswith("n/a (")  # no loss at 2x the length for a learned table
+  assert " ± " in rows["alibi"][3] and " ± " in rows["alibi"][4]
+  assert 0 <= float(rows["bert_linformer"][3].split(" ± ")[0]) <= 1  # MLM accuracy
+  _pngs(workdir / "results.png")
+  results = json.loads((workdir / "results.json").read_text())
+  alibi = results["arms"]["alibi"]
+  assert len(alibi["per_seed"]) == 3 and alibi["steps"] == alibi["num_train_steps"] == 20
+  # The loss at twice the training length, seed 0, recomputed here: the first 8 non-overlapping
+  # windows of 2 x block tokens of the validation text, cross-entropy from the logits in NumPy.
+  from attnlab import analysis  # pylint: disable=g-import-not-at-top
+  run = analysis.load_run(alibi["run_dir"], replica=0)
+  length, ids = 2 * run.task.block_size, np.asarray(run.task.validation_ids())
+  x = np.stack([ids[i * length:(i + 1) * length] for i in range(8)])
+  y = np.stack([ids[i * length + 1:(i + 1) * length + 1] for i in range(8)])
+  logits = np.asarray(run.task.model.apply({"params": run.params}, x), np.float64)
+  top = logits.max(-1, keepdims=True)
+  log_z = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+  ce = log_z - np.take_along_axis(logits, y[..., None], -1)[..., 0]
+  assert abs(ce.mean() - alibi["extrapolation"][0]) < 1e-4
+  # Resumable: a second invocation skips the finished arm and keeps its figures.
+  _run("mechanisms/run.py", f"--workdir={workdir}", "--runlocal", "--arms=learned",
+       f"--data_dir={shared_data}")
+  again = json.loads((workdir / "results.json").read_text())["arms"]
+  assert again["learned"]["status"] == "skipped" and set(again) == set(results["arms"])
+  assert again["learned"]["per_seed"] == results["arms"]["learned"]["per_seed"]
