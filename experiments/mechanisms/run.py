@@ -81,10 +81,6 @@ def bert_arms() -> dict[str, dict[str, object]]:
     keys: dict[str, object] = {"model.mechanism": name}
     if name == "sliding_window":
       keys["model.window"] = WINDOW
-      # Workaround: the blocked sliding-window kernel with BERT's padding mask fails under
-      # vmapped seeds on a mesh of several CPU devices (jax shard_map "varying manual axes");
-      # one device trains it (its steps/s is not comparable with the other arms on a CPU).
-      keys["mesh.cpu_devices"] = 1
     arms["bert_" + name] = keys
   arms["bert_alibi"] = {"model.position": "alibi"}
   return arms
