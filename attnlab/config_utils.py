@@ -753,6 +753,33 @@ ATTENTION_DEFAULTS: dict[str, Any] = {"num_kv_heads": 0, "talking_heads": False,
                                       "normalizer": "softmax", "topk": 8, "mechanism": "full",
                                       "window": 0, "num_features": 0, "linformer_k": 0}
 
+def add_attention_options(model: ConfigDict) -> None:
+  """Adds the attention options every Transformer family shares to `config.model` (their defaults
+  are ATTENTION_DEFAULTS: today's multi-head softmax attention over every key)."""
+  # Key/value heads (grouped-query attention, Ainslie et al. 2023): 0 = num_heads (multi-head),
+  # 1 = multi-query (Shazeer 2019); must divide num_heads.
+  model.num_kv_heads = ATTENTION_DEFAULTS["num_kv_heads"]
+  # Talking-heads attention (Shazeer et al. 2020): learned [heads, heads] mixes of the logits
+  # before the normaliser and of the weights after it (reference attention path).
+  model.talking_heads = ATTENTION_DEFAULTS["talking_heads"]
+  # How scores become weights: softmax, softmax_sink (a learned sink logit per head), sigmoid
+  # (Ramapuram et al. 2024), sparsemax (Martins & Astudillo 2016), topk (Zhao et al. 2019).
+  model.normalizer = ATTENTION_DEFAULTS["normalizer"]
+  # Keys kept per query by normalizer=topk.
+  model.topk = ATTENTION_DEFAULTS["topk"]
+  # Self-attention mechanism: full (the score matrix), linear (Katharopoulos et al. 2020),
+  # performer (Choromanski et al. 2021), linformer (Wang et al. 2020; not causal),
+  # sliding_window, bigbird (Zaheer et al. 2020) (attnlab.attention.registry).
+  model.mechanism = ATTENTION_DEFAULTS["mechanism"]
+  # sliding_window: keys each side of a query (0: its default, 64); bigbird keeps its 64-token
+  # blocks (its block size is not a config key yet).
+  model.window = ATTENTION_DEFAULTS["window"]
+  # performer: random features (0: its default).
+  model.num_features = ATTENTION_DEFAULTS["num_features"]
+  # linformer: projected length of keys and values (0: its default).
+  model.linformer_k = ATTENTION_DEFAULTS["linformer_k"]
+
+
 # Fields added to base_config after runs existed: absent from an old config.json, they read as these
 # defaults (so such runs resume without allow_config_change).
 ADDED_DEFAULTS: dict[str, Any] = {"num_seeds": 1, "mesh.data": -1, "mesh.fsdp": 1,

@@ -99,28 +99,8 @@ def get_config(arg: str | None = None):
   # alibi or t5_bias (score biases of the self-attentions; T5: one table per stack, shared by
   # its layers).
   config.model.position = "sinusoidal"
-  # Key/value heads (grouped-query attention, Ainslie et al. 2023): 0 = num_heads (multi-head),
-  # 1 = multi-query (Shazeer 2019); must divide num_heads.
-  config.model.num_kv_heads = 0
-  # Talking-heads attention (Shazeer et al. 2020): learned [heads, heads] mixes of the logits
-  # before the normaliser and of the weights after it (reference attention path).
-  config.model.talking_heads = False
-  # How scores become weights: softmax, softmax_sink (a learned sink logit per head), sigmoid
-  # (Ramapuram et al. 2024), sparsemax (Martins & Astudillo 2016), topk (Zhao et al. 2019).
-  config.model.normalizer = "softmax"
-  # Keys kept per query by normalizer=topk.
-  config.model.topk = 8
-  # Self-attention mechanism: full (the score matrix), linear (Katharopoulos et al. 2020),
-  # performer (Choromanski et al. 2021), linformer (Wang et al. 2020; not causal),
-  # sliding_window, bigbird (Zaheer et al. 2020) (attnlab.attention.registry).
-  config.model.mechanism = "full"
-  # sliding_window: keys each side of a query (0: its default, 64); bigbird keeps its 64-token
-  # blocks (its block size is not a config key yet).
-  config.model.window = 0
-  # performer: random features (0: its default).
-  config.model.num_features = 0
-  # linformer: projected length of keys and values (0: its default).
-  config.model.linformer_k = 0
+  # Attention options (GQA/MQA, talking heads, normaliser, mechanism): config_utils.
+  config_utils.add_attention_options(config.model)
   # none | target (target table = output layer) | all (one table for source, target and output).
   config.model.share_embeddings = "none"
   # LayerNorm placement: pre or post (Vaswani et al.).
