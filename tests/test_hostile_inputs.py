@@ -41,7 +41,7 @@ def _cli(*args, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
 def _one_line(stderr: str) -> str:
   """The only line of stderr that is not a progress log (checked: no traceback)."""
   lines = [l for l in stderr.splitlines() if l.strip() and not l[:8].replace(":", "").isdigit()
-           and ": warning: " not in l]  # the few-training-steps warning of a runlocal run
+           and " was trained for only " not in l]  # the few-training-steps warning of runlocal
   assert len(lines) == 1, stderr
   assert "Traceback" not in stderr, stderr
   return lines[0]
