@@ -385,7 +385,9 @@ def test_linear_attention_matches_quadratic_numpy(causal):
   q, k, v = rand(11, 2, 3, 37, 4), rand(12, 2, 3, 37, 4), rand(13, 2, 3, 37, 5)
   key_valid = np.arange(37)[None, :] < np.array([37, 20])[:, None]  # [batch, k_len]
   want = np_linear_attention(q, k, v, causal, key_valid[:, None, None, :])
-  for chunk in (8, 10, 64):  # chunks that do and do not divide the length, and one chunk
+  # chunks that do and do not divide the length, one chunk, and chunks in several scan steps
+  assert 37 // 2 > efficient.CHUNK_GROUP
+  for chunk in (8, 10, 64, 2):
     got = _linear(q, k, v, causal=causal, mask=key_valid, chunk_size=chunk)
     np.testing.assert_allclose(got, want, **TOL)
   w = efficient.linear_attention_weights(q, k, causal=causal, mask=key_valid)
@@ -401,8 +403,10 @@ def test_linear_causal_chunked_equals_quadratic_form_with_gradients():
     a = jnp.where(np.tril(np.ones((30, 30), bool)), a, 0.0)
     return (a / a.sum(-1, keepdims=True)) @ v
 
-  def chunked(q, k, v):
-    return efficient.linear_attention(q, k, v, causal=True, chunk_size=7)
+  assert 30 // 3 > efficient.CHUNK_GROUP
+
+  def chunked(q, k, v):  # 10 chunks of 3: two scan steps of CHUNK_GROUP chunks, padded
+    return efficient.linear_attention(q, k, v, causal=True, chunk_size=3)
 
   g_quad = jax.jit(jax.grad(lambda *a: jnp.sum(quadratic(*a) * ct), argnums=(0, 1, 2)))(q, k, v)
   g_chunk = jax.jit(jax.grad(lambda *a: jnp.sum(chunked(*a) * ct), argnums=(0, 1, 2)))(q, k, v)

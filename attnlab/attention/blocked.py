@@ -16,8 +16,10 @@ Position biases and sparsity patterns are recomputed per tile from the tile indi
 cost no quadratic memory either: `bias=` takes a positions.AlibiBias / positions.T5Bias (their
 per-head parameters travel with the rows; the backward pass returns their gradient), and
 `pattern=` a WindowPattern (sliding window) or BlockPattern (a block table such as BigBird's):
-the tiles the pattern hides are skipped one by one (a `lax.cond` per tile of the visible range),
-so block-sparse attention costs time linear in the length.
+a WindowPattern's loops span its band of tiles, and a BlockPattern's walk each row's (column's)
+list of visible tiles, computed from the static table (a global block makes the span from the
+first to the last visible tile as long as the sequence, the list stays short), so block-sparse
+attention costs time linear in the length.
 
 Everything is pure JAX (`lax.fori_loop`, `lax.map`, `dot_general`), so the same code compiles
 for CPU, GPU and TPU; the default tile sizes are tuned for XLA:CPU (see
@@ -48,6 +50,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -252,6 +255,21 @@ class BlockPattern:
                        f"{t.num_q_blocks} x {t.num_k_blocks} tiles of block {self.block}")
     return table
 
+  def visible_lists(self, axis: int) -> tuple[Array, Array]:
+    """The visible tiles of each query row (axis=1) or key column (axis=0), compacted:
+    (indices int32 [n, max count], padded with 0; counts int32 [n]). The tile loops walk these
+    lists, so their length is the pattern's visible-tile count (O(len) for BigBird), not the
+    span from the first to the last visible tile (O(len^2) with global blocks)."""
+    table = np.asarray(self.table, bool)
+    if axis == 0:
+      table = table.T
+    counts = table.sum(axis=1)
+    lists = np.zeros((table.shape[0], max(int(counts.max(initial=0)), 1)), np.int32)
+    for row, visible in enumerate(table):
+      idx = np.flatnonzero(visible)
+      lists[row, :len(idx)] = idx
+    return jnp.asarray(lists), jnp.asarray(counts.astype(np.int32))
+
 
 def _visible_table(t: _Tiling, mask: Array | None) -> tuple[Array | None, bool, bool]:
   """(tile visibility [nq|1, nk|1] or None, whether it varies along q, along k)."""
@@ -335,10 +353,14 @@ def _forward_group(t: _Tiling, q: Array, k: Array, v: Array, rp: Array | None,
                      jnp.zeros((g, bq, d_v), dt)))
     c = _loop(0, full_hi, make_step(False), init)
     masked_step = make_step(True)
-    if visible is not None and t.skip_inner:  # block-sparse: skip each hidden tile
-      row_vis = visible[i if vary_q else 0]
-      masked_step = _skip_hidden(masked_step, lambda j: row_vis[j if vary_k else 0])
-    m, l, acc = _loop(lo, hi, masked_step, c)
+    if isinstance(t.pattern, BlockPattern):  # the row's visible tiles, inside [lo, hi)
+      cols, counts = t.pattern.visible_lists(axis=1)
+      m, l, acc = _walk_list(cols[i], counts[i], lo, hi, visible[i], masked_step, c)
+    else:
+      if visible is not None and t.skip_inner:  # block-sparse: skip each hidden tile
+        row_vis = visible[i if vary_q else 0]
+        masked_step = _skip_hidden(masked_step, lambda j: row_vis[j if vary_k else 0])
+      m, l, acc = _loop(lo, hi, masked_step, c)
     seen = l > 0  # [G, bq]; False for rows with no visible key
     l_safe = jnp.where(seen, l, 1.0)
     out_i = acc / l_safe[..., None]  # [G, bq, d_v]
@@ -354,6 +376,16 @@ def _skip_hidden(step, visible_at):
   def body(index, carry):
     return lax.cond(visible_at(index), step, lambda _, c: c, index, carry)
   return body
+
+
+def _walk_list(tiles: Array, count: Array, lo: Any, hi: Any, visible: Array, step, carry):
+  """Runs `step(tile, carry)` on tiles[0:count] (a static pattern's visible tiles of one row or
+  column) that lie in [lo, hi) and that `visible` (pattern AND user mask) keeps."""
+  def body(index, c):
+    tile = tiles[index]
+    keep = visible[tile] & (tile >= lo) & (tile < hi)
+    return lax.cond(keep, step, lambda _, c: c, tile, c)
+  return lax.fori_loop(0, count, body, carry)
 
 
 def _like(x: Array, carry: tuple[Array, ...]) -> tuple[Array, ...]:
@@ -416,10 +448,14 @@ def _backward_group(t: _Tiling, q: Array, k: Array, v: Array, rp: Array | None,
       lo, hi = jnp.maximum(lo, vis_lo), jnp.minimum(hi, vis_hi)
     init = (*_like(q, (jnp.zeros((g, bk, d), dt), jnp.zeros((g, bk, d_v), dt))), dq_t, drp)
     masked_step = make_step(True)
-    if visible is not None and t.skip_inner:  # block-sparse: skip each hidden tile
-      col_vis = visible[:, j if vary_k else 0]
-      masked_step = _skip_hidden(masked_step, lambda i: col_vis[i if vary_q else 0])
-    c = _loop(lo, hi, masked_step, init)
+    if isinstance(t.pattern, BlockPattern):  # the column's visible tiles, inside [lo, hi)
+      rows, counts = t.pattern.visible_lists(axis=0)
+      c = _walk_list(rows[j], counts[j], lo, hi, visible[:, j], masked_step, init)
+    else:
+      if visible is not None and t.skip_inner:  # block-sparse: skip each hidden tile
+        col_vis = visible[:, j if vary_k else 0]
+        masked_step = _skip_hidden(masked_step, lambda i: col_vis[i if vary_q else 0])
+      c = _loop(lo, hi, masked_step, init)
     dk_j, dv_j, dq_t, drp = _loop(full_lo, t.num_q_blocks, make_step(False), c)
     return dq_t, _put(dk, dk_j, j), _put(dv, dv_j, j), drp
 

@@ -34,6 +34,11 @@ Array = jax.Array
 
 # default chunk length of the causal prefix-sum scan
 DEFAULT_CHUNK = 64
+# Chunks per step of the causal scan: longer inputs loop over groups of this many chunks, so the
+# arrays of one step stay the same size (and in cache) whatever the length. Vectorising all the
+# chunks at once made XLA:CPU's batched matmuls slower per chunk as the length grew (time
+# 1024 -> 4096 tokens 7.7x for 4x the work, experiments/benchmarks/README.md).
+CHUNK_GROUP = 8
 
 
 # ----------------------------------------------------------------------------- kernelised core
@@ -101,8 +106,8 @@ def kernel_attention(phi_q: Array, phi_k: Array, v: Array, *, causal: bool = Fal
   d_v]`. Non-causal: one pass, S = sum_j phi(k_j) v_jᵀ `[r, d_v]`, z = sum_j phi(k_j).
   Causal with q_len == k_len: chunks of chunk_size; inside a chunk the masked quadratic form,
   plus the exclusive prefix sum of the earlier chunks' S and z (same values as the quadratic
-  form, O(len · chunk · r + len · r · d_v) work). Causal with q_len < k_len (decoding): the
-  quadratic form (the queries are few).
+  form, O(len · chunk · r + len · r · d_v) work), a scan over groups of CHUNK_GROUP chunks.
+  Causal with q_len < k_len (decoding): the quadratic form (the queries are few).
   """
   q_len, k_len = phi_q.shape[-2], phi_k.shape[-2]
   key_mask = _key_mask(mask, k_len)
@@ -123,25 +128,41 @@ def kernel_attention(phi_q: Array, phi_k: Array, v: Array, *, causal: bool = Fal
   phi_q, phi_k, v = (jnp.broadcast_to(x, lead + x.shape[-2:]) for x in (phi_q, phi_k, v))
   c = min(chunk_size, q_len)
   n = -(-q_len // c)
-  pad = n * c - q_len
+  g = min(n, CHUNK_GROUP)  # chunks per scan step
+  m = -(-n // g)  # scan steps
+  pad = m * g * c - q_len
 
-  def chunks(x: Array) -> Array:
+  def groups(x: Array) -> Array:
     x = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, pad), (0, 0)])
-    return x.reshape(lead + (n, c, x.shape[-1]))  # [..., n, c, feat]
+    x = x.reshape(lead + (m, g, c, x.shape[-1]))  # [..., m, g, c, feat]
+    return jnp.moveaxis(x, -4, 0)  # [m, ..., g, c, feat]
 
-  qc, kc, vc = chunks(phi_q), chunks(phi_k), chunks(v)
-  # running state of all earlier chunks (exclusive prefix sums over the chunk axis)
-  s = jnp.einsum("...ncr,...ncd->...nrd", kc, vc)  # [..., n, r, d_v]
-  z = jnp.sum(kc, axis=-2)  # [..., n, r]
-  s_prev = jnp.cumsum(s, axis=-3) - s  # [..., n, r, d_v]
-  z_prev = jnp.cumsum(z, axis=-2) - z  # [..., n, r]
+  qg, kg, vg = groups(phi_q), groups(phi_k), groups(v)
   tril = jnp.tril(jnp.ones((c, c), bool))  # [c, c]
-  a = jnp.where(tril, jnp.einsum("...nqr,...nkr->...nqk", qc, kc), 0.0)  # [..., n, c, c]
-  num = (jnp.einsum("...nqk,...nkd->...nqd", a, vc)
-         + jnp.einsum("...nqr,...nrd->...nqd", qc, s_prev))  # [..., n, c, d_v]
-  den = (jnp.sum(a, axis=-1)
-         + jnp.einsum("...nqr,...nr->...nq", qc, z_prev))[..., None]  # [..., n, c, 1]
-  out = _safe_div(num, den).reshape(lead + (n * c, v.shape[-1]))
+
+  def step(state, group):
+    s_before, z_before = state  # sums over all earlier groups: [..., r, d_v], [..., r]
+    qc, kc, vc = group  # [..., g, c, feat]
+    s = jnp.einsum("...ncr,...ncd->...nrd", kc, vc)  # [..., g, r, d_v]
+    z = jnp.sum(kc, axis=-2)  # [..., g, r]
+    # exclusive prefix sums over the chunks of this group, plus the earlier groups' sums
+    s_prev = jnp.cumsum(s, axis=-3) - s + s_before[..., None, :, :]  # [..., g, r, d_v]
+    z_prev = jnp.cumsum(z, axis=-2) - z + z_before[..., None, :]  # [..., g, r]
+    a = jnp.where(tril, jnp.einsum("...nqr,...nkr->...nqk", qc, kc), 0.0)  # [..., g, c, c]
+    num = (jnp.einsum("...nqk,...nkd->...nqd", a, vc)
+           + jnp.einsum("...nqr,...nrd->...nqd", qc, s_prev))  # [..., g, c, d_v]
+    den = (jnp.sum(a, axis=-1)
+           + jnp.einsum("...nqr,...nr->...nq", qc, z_prev))[..., None]  # [..., g, c, 1]
+    return (s_before + jnp.sum(s, axis=-3), z_before + jnp.sum(z, axis=-2)), _safe_div(num, den)
+
+  state = (jnp.zeros(lead + (phi_k.shape[-1], v.shape[-1]), v.dtype),
+           jnp.zeros(lead + (phi_k.shape[-1],), v.dtype))
+  if m == 1:  # one group: no loop
+    _, out = step(state, (qg[0], kg[0], vg[0]))
+    out = out[None]
+  else:  # a scan over groups of chunks keeps each step's work (and memory) the same size
+    _, out = jax.lax.scan(step, state, (qg, kg, vg))  # [m, ..., g, c, d_v]
+  out = jnp.moveaxis(out, 0, -4).reshape(lead + (m * g * c, v.shape[-1]))
   return out[..., :q_len, :]  # [..., q_len, d_v]
 
 
