@@ -508,3 +508,42 @@ def test_automatic_devices_fall_back_to_one_with_one_line(monkeypatch):
     logger.removeHandler(handler)
   [line] = lines.getvalue().splitlines()
   assert line.startswith("batch_size=7 does not split over the 2 CPU cores: training on 1 device")
+
+
+# ----------------------------------------------------------------------------- allocator
+
+_MALLINFO_PROBE = r"""
+import ctypes, json, sys
+import attnlab  # applies (or, with ATTNLAB_MALLOC_TUNING=0, skips) the allocator settings
+class MallInfo2(ctypes.Structure):
+  _fields_ = [(n, ctypes.c_size_t) for n in (
+      "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+      "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+size = 16 << 20
+before = libc.mallinfo2()
+p = libc.malloc(size)
+during = libc.mallinfo2()
+libc.free(p)
+after = libc.mallinfo2()
+print(json.dumps({"mmapped": during.hblkhd - before.hblkhd,
+                  "kept_free": after.fordblks - before.fordblks}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr(
+    "CS_GNU_LIBC_VERSION") is None, reason="glibc's malloc only")
+def test_importing_attnlab_keeps_large_freed_blocks_in_the_heap():
+  """A 16 MiB malloc is mmapped with glibc's defaults (and unmapped at free, so the next call
+  faults its pages in again); after `import attnlab` it comes from the heap and stays there."""
+  def probe(tuning: str) -> dict:
+    env = dict(os.environ, ATTNLAB_MALLOC_TUNING=tuning)
+    out = subprocess.run([sys.executable, "-c", _MALLINFO_PROBE], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+  default, tuned = probe("0"), probe("")
+  assert default["mmapped"] >= 16 << 20 and default["kept_free"] < 1 << 20
+  assert tuned["mmapped"] == 0 and tuned["kept_free"] >= 15 << 20
