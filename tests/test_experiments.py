@@ -266,3 +266,11 @@ def test_mechanisms(tmp_path, shared_data):
   again = json.loads((workdir / "results.json").read_text())["arms"]
   assert again["learned"]["status"] == "skipped" and set(again) == set(results["arms"])
   assert again["learned"]["per_seed"] == results["arms"]["learned"]["per_seed"]
+  # Arms of a family whose settings changed are dropped; the other family's arms stay listed.
+  stale = json.loads((workdir / "results.json").read_text())
+  stale["bert_spec"] += ",num_train_steps=7"
+  (workdir / "results.json").write_text(json.dumps(stale))
+  _run("mechanisms/run.py", f"--workdir={workdir}", "--runlocal", "--arms=learned",
+       f"--data_dir={shared_data}")
+  kept = json.loads((workdir / "results.json").read_text())["arms"]
+  assert set(kept) == {"alibi", "learned"}

@@ -276,15 +276,17 @@ def main(argv=None) -> int:
   previous = json.loads(results_path.read_text()) if results_path.is_file() else {}
   results = {"gpt_spec": specs["gpt"].split(":", 1)[1], "bert_spec": specs["bert"].split(":", 1)[1],
              "num_seeds": NUM_SEEDS, "cpus": os.cpu_count(), "arms": {}}
-  if all(previous.get(k) == results[k] for k in ("gpt_spec", "bert_spec")):
-    results["arms"] = dict(previous.get("arms", {}))  # arms of earlier invocations stay listed
+  # arms of earlier invocations stay listed where their family's settings are unchanged
+  results["arms"] = {arm: r for arm, r in previous.get("arms", {}).items()
+                     if previous.get(f"{r.get('family')}_spec") == results.get(
+                         f"{r.get('family')}_spec")}
   status = 0
   bar = tqdm.tqdm(table.items(), desc="arms", unit="arm", file=sys.stderr)
   for arm, (family, keys) in bar:
     bar.set_postfix_str(arm)
     load = os.getloadavg()[0]
-    entry = run_arm(family, arm, keys, specs[family], workdir,
-                    previous.get("arms", {}).get(arm, {}), max_windows)
+    entry = run_arm(family, arm, keys, specs[family], workdir, results["arms"].get(arm, {}),
+                    max_windows)
     entry["load_average_start"] = load
     results["arms"][arm] = entry
     status |= entry["status"] == "failed"
