@@ -380,21 +380,29 @@ def test_attend_with_normalizers_and_unknown_name(qkv):
 _linear = jax.jit(efficient.linear_attention, static_argnames=("causal", "chunk_size"))
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_linear_attention_matches_quadratic_numpy(causal):
+@pytest.mark.parametrize("causal,fused_bytes", [(False, efficient.FUSED_FEATURE_BYTES),
+                                                (True, efficient.FUSED_FEATURE_BYTES),
+                                                (True, 0)])
+def test_linear_attention_matches_quadratic_numpy(monkeypatch, causal, fused_bytes):
+  monkeypatch.setattr(efficient, "FUSED_FEATURE_BYTES", fused_bytes)  # 0: features in the scan
+  linear = jax.jit(lambda *a, **kw: efficient.linear_attention(*a, **kw),  # a trace of its own
+                   static_argnames=("causal", "chunk_size"))
   q, k, v = rand(11, 2, 3, 37, 4), rand(12, 2, 3, 37, 4), rand(13, 2, 3, 37, 5)
   key_valid = np.arange(37)[None, :] < np.array([37, 20])[:, None]  # [batch, k_len]
   want = np_linear_attention(q, k, v, causal, key_valid[:, None, None, :])
   # chunks that do and do not divide the length, one chunk, and chunks in several scan steps
   assert 37 // 2 > efficient.CHUNK_GROUP
   for chunk in (8, 10, 64, 2):
-    got = _linear(q, k, v, causal=causal, mask=key_valid, chunk_size=chunk)
+    got = linear(q, k, v, causal=causal, mask=key_valid, chunk_size=chunk)
     np.testing.assert_allclose(got, want, **TOL)
   w = efficient.linear_attention_weights(q, k, causal=causal, mask=key_valid)
   np.testing.assert_allclose(w @ v, want, **TOL)
 
 
-def test_linear_causal_chunked_equals_quadratic_form_with_gradients():
+@pytest.mark.parametrize("fused_bytes", [0, efficient.FUSED_FEATURE_BYTES])
+def test_linear_causal_chunked_equals_quadratic_form_with_gradients(monkeypatch, fused_bytes):
+  """Features made whole, or inside the rematerialised scan steps (FUSED_FEATURE_BYTES = 0)."""
+  monkeypatch.setattr(efficient, "FUSED_FEATURE_BYTES", fused_bytes)
   q, k, v = rand(14, 1, 2, 30, 4), rand(15, 1, 2, 30, 4), rand(16, 1, 2, 30, 4)
   ct = rand(17, 1, 2, 30, 4)
 
@@ -483,6 +491,43 @@ def test_performer_weights_and_mask():
     np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, rtol=1e-5)
     assert np.all(np.asarray(w)[1, :, :, 6:] == 0)
     np.testing.assert_allclose(ctx, np.asarray(w) @ v, **TOL)
+
+
+@pytest.mark.parametrize("fused_bytes", [0, efficient.FUSED_FEATURE_BYTES])
+def test_performer_causal_scan_matches_numpy_with_gradients(monkeypatch, fused_bytes):
+  """The causal scan, with the features made whole or (FUSED_FEATURE_BYTES = 0) a group of
+  chunks at a time inside the rematerialised steps: values against FAVOR+'s quadratic form in
+  NumPy, gradients against the weights path."""
+  monkeypatch.setattr(efficient, "FUSED_FEATURE_BYTES", fused_bytes)
+  q, k, v = rand(32, 2, 2, 30, 4), rand(33, 2, 2, 30, 4), rand(34, 2, 2, 30, 3)
+  ct = rand(35, 2, 2, 30, 3)
+  feats = efficient.performer_features(jax.random.PRNGKey(4), 16, 4)
+  valid = np.arange(30)[None] < np.array([30, 17])[:, None]  # [batch, k_len]
+  assert 30 // 3 > efficient.CHUNK_GROUP  # chunks of 3: two scan steps, the last one padded
+
+  def np_phi(x, c):  # exp(wᵀx' - |x'|²/2 - c) / sqrt(m) + 1e-6, x' = x / d^(1/4)
+    x = np.asarray(x, np.float64) / 4 ** 0.25
+    proj = x @ np.asarray(feats, np.float64).T
+    return np.exp(proj - 0.5 * (x * x).sum(-1, keepdims=True) - c(proj)) / 4.0 + 1e-6
+
+  phi_q = np_phi(q, lambda p: p.max(-1, keepdims=True))
+  phi_k = np_phi(k, lambda p: p.max(axis=(-1, -2), keepdims=True))
+  a = phi_q @ np.swapaxes(phi_k, -1, -2) * np.tril(np.ones((30, 30)))
+  a = a * valid[:, None, None, :]
+  want = (a / a.sum(-1, keepdims=True)) @ np.asarray(v, np.float64)
+
+  def scan(q, k, v):
+    return efficient.performer_attention(q, k, v, features=feats, causal=True, mask=valid,
+                                         chunk_size=3)
+
+  def quadratic(q, k, v):
+    return efficient.performer_weights(q, k, features=feats, causal=True, mask=valid) @ v
+
+  np.testing.assert_allclose(jax.jit(scan)(q, k, v), want, **TOL)
+  g_scan = jax.jit(jax.grad(lambda *a: jnp.sum(scan(*a) * ct), argnums=(0, 1, 2)))(q, k, v)
+  g_quad = jax.jit(jax.grad(lambda *a: jnp.sum(quadratic(*a) * ct), argnums=(0, 1, 2)))(q, k, v)
+  for got, ref in zip(g_scan, g_quad):
+    np.testing.assert_allclose(got, ref, **GRAD_TOL)
 
 
 # ----------------------------------------------------------------------------- Linformer
