@@ -448,6 +448,25 @@ def test_performer_features_are_orthogonal_gaussian_rows():
   assert not np.allclose(w, other)  # redraw by rng
 
 
+def test_performer_orthogonalisation_matches_numpy_qr_and_calls_no_lapack():
+  """Gram-Schmidt's Q equals NumPy's QR with R's diagonal made positive (random and badly
+  conditioned blocks); the features' program has no custom call (XLA:CPU's batched LAPACK QR
+  blocked the thread pool of two CPU devices)."""
+  rng = np.random.default_rng(0)
+  g = rng.normal(size=(3, 16, 16))
+  g[2, :, 0] = g[2, :, 1] + 1e-3 * rng.normal(size=16)  # two nearly parallel columns
+  q_np, r_np = np.linalg.qr(g)
+  want = q_np * np.sign(np.diagonal(r_np, axis1=-2, axis2=-1))[..., None, :]
+  got = np.asarray(efficient._orthonormal_columns(jnp.asarray(g, jnp.float32)), np.float64)
+  np.testing.assert_allclose(got, want, atol=2e-3)  # the near-parallel pair: cond ~ 1e4
+  np.testing.assert_allclose(got[:2], want[:2], atol=1e-5)
+  eye = np.broadcast_to(np.eye(16), got.shape)
+  np.testing.assert_allclose(np.swapaxes(got, -1, -2) @ got, eye, atol=1e-5)
+  hlo = jax.jit(efficient.performer_features, static_argnums=(1, 2)).lower(
+      jax.random.PRNGKey(0), 64, 16).as_text()
+  assert "custom_call" not in hlo
+
+
 def test_performer_estimate_converges_to_softmax():
   """Mean |performer - softmax attention| shrinks as the feature count m grows (FAVOR+ is an
   unbiased estimator whose error falls as 1/sqrt(m)), below 0.01 at m = 4096 (about 0.004

@@ -250,10 +250,10 @@ def linear_attention_weights(q: Array, k: Array, *, causal: bool = False,
 def performer_features(rng: Array, num_features: int, head_dim: int) -> Array:
   """Positive orthogonal random features `[num_features, head_dim]` (FAVOR+, section 2.4).
 
-  Blocks of head_dim rows are orthogonal (Haar: QR of a Gaussian matrix with the signs of R's
-  diagonal folded into Q); each row is rescaled to
-  the norm of an independent Gaussian vector, so every row is marginally N(0, I) and the
-  estimate stays unbiased. Redraw by calling again with another rng.
+  Blocks of head_dim rows are orthogonal (Haar: the Q of a Gaussian matrix's QR with R's
+  diagonal positive); each row is rescaled to the norm of an independent Gaussian vector, so
+  every row is marginally N(0, I) and the estimate stays unbiased. Redraw by calling again with
+  another rng.
   """
   if num_features < 1 or head_dim < 1:
     raise ValueError(f"performer_features needs num_features >= 1 and head_dim >= 1; got "
@@ -261,13 +261,33 @@ def performer_features(rng: Array, num_features: int, head_dim: int) -> Array:
   n_blocks = -(-num_features // head_dim)
   rng_q, rng_n = jax.random.split(rng)
   g = jax.random.normal(rng_q, (n_blocks, head_dim, head_dim), jnp.float32)
-  qs, r = jnp.linalg.qr(g)  # [n_blocks, d, d], orthonormal columns
-  # sign fix: Q diag(sign(diag R)) is Haar-distributed (plain QR's Q is not: its columns lean
-  # to the signs the QR routine picks, which biases the estimate)
-  qs = qs * jnp.sign(jnp.diagonal(r, axis1=-2, axis2=-1))[..., None, :]
+  qs = _orthonormal_columns(g)  # [n_blocks, d, d]
   w = jnp.swapaxes(qs, -1, -2).reshape(n_blocks * head_dim, head_dim)[:num_features]
   norms = jnp.linalg.norm(jax.random.normal(rng_n, (num_features, head_dim)), axis=-1)
   return w * norms[:, None]  # [num_features, head_dim]
+
+
+def _orthonormal_columns(g: Array) -> Array:
+  """Q of g = QR with R's diagonal positive, `[..., d, d]`, by Gram-Schmidt with a second pass
+  per column (orthogonal to float32 rounding for any invertible g).
+
+  Plain matmuls instead of `jnp.linalg.qr`: XLA:CPU runs a batched QR as LAPACK calls that
+  wait on the same thread pool as the program that calls them, and two CPU devices drawing
+  Performer features at once blocked every thread of the pool (a train step that never ended).
+  The positive diagonal makes Q Haar-distributed for a Gaussian g (a QR routine's own signs
+  would bias it), and Gram-Schmidt gives that Q by construction.
+  """
+  d = g.shape[-1]
+  cols = jnp.arange(d)
+
+  def one_column(j, q):
+    v = g[..., :, j]  # [..., d]; q's columns from j on are still zero
+    for _ in range(2):  # project out the earlier columns twice (classical Gram-Schmidt, twice)
+      v = v - jnp.einsum("...ij,...j->...i", q, jnp.einsum("...ij,...i->...j", q, v))
+    v = v / jnp.linalg.norm(v, axis=-1, keepdims=True)
+    return jnp.where(cols == j, v[..., :, None], q)
+
+  return jax.lax.fori_loop(0, d, one_column, jnp.zeros_like(g))
 
 
 def _performer_projection(x: Array, features: Array) -> tuple[Array, Array]:
