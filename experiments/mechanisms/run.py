@@ -236,6 +236,8 @@ def main(argv=None) -> int:
                       help="seconds-long check: runlocal=True configs, 20 steps, 8 windows")
   parser.add_argument("--extrapolation_windows", type=int, default=0,
                       help="validation windows of 2 x block for the extrapolation loss (0: all)")
+  parser.add_argument("--arg", default="",
+                      help="extra key=value,... for every arm's config (e.g. mesh.cpu_devices=1)")
   parser.add_argument("--data_dir", default=str(REPO.parent / "shared" / "data"),
                       help="folder with tinyshakespeare/input.txt ('' = $ATTNLAB_DATA_DIR)")
   args = parser.parse_args(argv)
@@ -248,6 +250,7 @@ def main(argv=None) -> int:
   main_lib.setup_logging()
 
   data = f",data.manual_dir={args.data_dir}" if args.data_dir else ""
+  data += f",{args.arg.strip(',')}" if args.arg.strip(",") else ""
   local = ",runlocal=True" if args.runlocal else ""
   gpt_steps = args.steps or (0 if args.runlocal else 2000)
   bert_steps = args.steps or (0 if args.runlocal else args.bert_steps)
