@@ -249,16 +249,16 @@ def main(argv=None) -> int:
   from attnlab.errors import UserError  # pylint: disable=g-import-not-at-top
   main_lib.setup_logging()
 
-  data = f",data.manual_dir={args.data_dir}" if args.data_dir else ""
-  data += f",{args.arg.strip(',')}" if args.arg.strip(",") else ""
+  extra = "".join(f",{a}" for a in (f"data.manual_dir={args.data_dir}" if args.data_dir else "",
+                                      args.arg.strip(",")) if a)  # every arm's extra keys
   local = ",runlocal=True" if args.runlocal else ""
   gpt_steps = args.steps or (0 if args.runlocal else 2000)
   bert_steps = args.steps or (0 if args.runlocal else args.bert_steps)
   specs = {
-      "gpt": f"{REPO / 'configs' / 'gpt.py'}:size={'tiny' if local else 'nano'}{local}{data}" +
+      "gpt": f"{REPO / 'configs' / 'gpt.py'}:size={'tiny' if local else 'nano'}{local}{extra}" +
              (f",num_train_steps={gpt_steps}" if gpt_steps else ""),
       "bert": f"{REPO / 'configs' / 'bert.py'}:mode=pretrain,size={'test' if local else 'tiny'}"
-              f"{local}{data}" + (f",num_train_steps={bert_steps}" if bert_steps else ""),
+              f"{local}{extra}" + (f",num_train_steps={bert_steps}" if bert_steps else ""),
   }
   max_windows = args.extrapolation_windows or (8 if args.runlocal else 0)
   families = [f for f in args.families.split(",") if f]
