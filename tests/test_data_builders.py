@@ -124,6 +124,18 @@ def test_prepared_once_and_reused(data_dir, shared_data):
   assert info["origin"].startswith(builders.DATA_DIR_ENV)
 
 
+def test_preparing_leaves_no_temporary_directory(monkeypatch, tmp_path, shared_data):
+  # TFDS's lookup of pre-computed metadata made an empty temporary directory per builder of an
+  # unprepared data dir and never removed it.
+  temp = tmp_path / "temp"
+  temp.mkdir()
+  monkeypatch.setattr("tempfile.tempdir", str(temp))
+  builders.prepare("tiny_shakespeare", data_dir=tmp_path / "tfds",
+                   manual_dir=shared_data / "tinyshakespeare", download=False)
+  assert list((tmp_path / "tfds").rglob("*.array_record*"))
+  assert not list(temp.iterdir())
+
+
 def test_tfds_data_dir_env(monkeypatch, tmp_path, shared_data):
   monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path))
   ds = data.get_dataset("tiny_shakespeare", "validation", manual_dir=shared_data, download=False)

@@ -265,6 +265,19 @@ def as_str(value: Any) -> str:
   return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
+class _LocalDatasetInfo(tfds.core.DatasetInfo):
+  """DatasetInfo of a dataset that TFDS's bucket of pre-computed metadata does not hold.
+
+  TFDS calls `initialize_from_bucket` whenever a builder is made for a data dir that is not yet
+  prepared; it creates a temporary directory for the bucket's files first and never removes it,
+  so every such builder left an empty `/tmp/tmp*tfds` behind. attnlab's datasets are not in that
+  bucket: there is nothing to fetch.
+  """
+
+  def initialize_from_bucket(self) -> None:
+    return None
+
+
 class RawFileBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   """Base of attnlab's builders: parse raw text files into array_record splits.
 
@@ -307,7 +320,7 @@ class RawFileBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         size=tfds.core.units.Size(src.size), checksum=src.sha256, filename=filename)}
 
   def _info(self) -> tfds.core.DatasetInfo:
-    return tfds.core.DatasetInfo(
+    return _LocalDatasetInfo(
         builder=self,
         description=self.DESCRIPTION,
         features=self._features(),
