@@ -359,11 +359,27 @@ def efficiency_markdown(results: dict[str, Any], batch: int) -> str:
 
 
 def plot(results: dict[str, Any], path: pathlib.Path) -> None:
+  """Panels for what the results hold: test accuracy per task (bars, LRA's figure as a black
+  tick), and steps/s and peak memory relative to softmax by length."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
   acc = results.get("accuracy") or {}
+  eff = results.get("efficiency") or {}
+  panels = (["accuracy"] if acc else []) + (["speed_ratio", "memory_ratio"] if eff else [])
+  panels = panels or ["accuracy"]  # nothing measured: one empty, titled panel
+  fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+  for ax, panel in zip(axes[0], panels):
+    if panel == "accuracy":
+      _plot_accuracy(ax, acc)
+    else:
+      _plot_ratio(ax, eff, panel)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def _plot_accuracy(ax, acc: dict[str, Any]) -> None:
   mechanisms = list(dict.fromkeys(m for per_task in acc.values() for m in per_task))
   width = 0.8 / max(len(mechanisms), 1)
   for i, m in enumerate(mechanisms):
@@ -374,33 +390,35 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
         xs.append(j + i * width)
         means.append(r["mean"])
         stds.append(r.get("std") or 0.0)
-    ax1.bar(xs, means, width, yerr=stds, label=m)
+    ax.bar(xs, means, width, yerr=stds, label=m)
     for j, task in enumerate(acc):
       if (lra := LRA_ACCURACY.get(m, {}).get(task)) is not None:
-        ax1.plot([j + i * width], [lra], "k_", markersize=12)
-  ax1.set_xticks([j + 0.4 - width / 2 for j in range(len(acc))],
-                 [TASK_TITLES[t] for t in acc])
-  ax1.set_ylabel("test accuracy (%); black: LRA")
-  ax1.set_title("accuracy (CPU scale)")
+        ax.plot([j + i * width], [lra], "k_", markersize=12)
+  ax.set_xticks([j + 0.4 - width / 2 for j in range(len(acc))], [TASK_TITLES[t] for t in acc])
+  ax.set_ylabel("test accuracy (%); black: LRA")
+  ax.set_title("accuracy (CPU scale)" if acc else "accuracy: not measured")
   if mechanisms:
-    ax1.legend(fontsize=8)
-  eff = results.get("efficiency") or {}
-  lengths = [int(l) for l in eff]
+    ax.legend(fontsize=8)
+
+
+def _plot_ratio(ax, eff: dict[str, Any], key: str) -> None:
+  lengths = [int(length) for length in eff]
   names = list(dict.fromkeys(n for cells in eff.values() for n in cells))
   for name in names:
-    pts = [(int(l), eff[l][name]["speed_ratio"]) for l in eff
-           if "speed_ratio" in eff[l].get(name, {})]
+    pts = [(int(length), eff[length][name][key]) for length in eff
+           if key in eff[length].get(name, {})]
     if pts:
-      ax2.plot(*zip(*pts), marker="o", label=name)
-  ax2.set_xlabel("tokens")
-  ax2.set_ylabel("steps/s relative to softmax")
-  ax2.set_title("training-step speed")
-  if lengths:
-    ax2.set_xticks(lengths)
-    ax2.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+      ax.plot(*zip(*pts), marker="o", label=name)
+  ax.set_xlabel("tokens")
+  if key == "speed_ratio":
+    ax.set_ylabel("steps/s relative to softmax")
+    ax.set_title("training-step speed (higher is faster)")
+  else:
+    ax.set_yscale("log")
+    ax.set_ylabel("peak memory relative to softmax (log)")
+    ax.set_title("training-step peak memory (lower is less)")
+  ax.set_xticks(lengths)
+  ax.legend(fontsize=8)
 
 
 def main(argv: list[str] | None = None) -> int:
