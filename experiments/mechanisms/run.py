@@ -45,6 +45,9 @@ NO_EXTRAPOLATION = {
 # The sliding window of the sliding_window arms, in tokens each side (the default, 64, would see
 # the whole 64-token block and equal full attention).
 WINDOW = 16
+# BERT's warmup is this fraction of its steps (configs/bert.py warms up for 600 of its 6000 steps;
+# at the study's 1000 steps those 600 would leave only 400 steps at a useful learning rate).
+BERT_WARMUP_DIVISOR = 10
 
 
 def gpt_arms() -> dict[str, dict[str, object]]:
@@ -258,7 +261,8 @@ def main(argv=None) -> int:
       "gpt": f"{REPO / 'configs' / 'gpt.py'}:size={'tiny' if local else 'nano'}{local}{extra}" +
              (f",num_train_steps={gpt_steps}" if gpt_steps else ""),
       "bert": f"{REPO / 'configs' / 'bert.py'}:mode=pretrain,size={'test' if local else 'tiny'}"
-              f"{local}{extra}" + (f",num_train_steps={bert_steps}" if bert_steps else ""),
+              f"{local}{extra}" + (f",num_train_steps={bert_steps},optimizer.warmup_steps="
+                                   f"{bert_steps // BERT_WARMUP_DIVISOR}" if bert_steps else ""),
   }
   max_windows = args.extrapolation_windows or (8 if args.runlocal else 0)
   families = [f for f in args.families.split(",") if f]
