@@ -33,6 +33,7 @@ import shutil
 import socket
 import sys
 import time
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -399,6 +400,8 @@ class Checkpointer:
     # Installed before any save starts: the callbacks can fire before the failure is raised.
     self._noise_filter = _FailedIoNoiseFilter()
     self._noise_filter.install()
+    # A Checkpointer dropped without `close` must not leave its filter on the loggers for good.
+    weakref.finalize(self, self._noise_filter.remove)
     self._failed = False
 
   def __enter__(self) -> Checkpointer:

@@ -576,3 +576,16 @@ def test_noise_filter_lives_while_a_checkpointer_is_open(tmp_path, capsys, monke
   assert sys.excepthook is later_hook
   sys.excepthook(RuntimeError, closed, None)
   assert capsys.readouterr().err == "later\nprevious: Event loop is closed\n"
+
+
+def test_a_checkpointer_dropped_without_close_takes_its_filter_with_it(tmp_path, monkeypatch):
+  # A Checkpointer nobody closes (e.g. `Checkpointer(d).steps()`) must not keep dropping asyncio's
+  # and absl's records, nor keep its exception hooks, once it is gone.
+  monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+  monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
+  loggers = [logging.getLogger(name) for name in ("asyncio", "absl")]
+  before = [list(logger.filters) for logger in loggers]
+  assert checkpoint.Checkpointer(tmp_path / "a").steps() == []
+  gc.collect()
+  assert [list(logger.filters) for logger in loggers] == before
+  assert sys.excepthook is sys.__excepthook__ and sys.unraisablehook is sys.__unraisablehook__

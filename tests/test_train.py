@@ -148,7 +148,8 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     train.train_and_evaluate(config, tmp_path)
   message = str(info.value)
   assert "loss is nan at step 7" in message and "last good checkpoint is step 5" in message
-  assert checkpoint.Checkpointer(tmp_path / "checkpoints").steps() == [5]
+  with checkpoint.Checkpointer(tmp_path / "checkpoints") as ckpt:
+    assert ckpt.steps() == [5]
 
   def no_nan(token):
     raise AssertionError(f"{token} in metrics.jsonl")
