@@ -170,6 +170,7 @@ def tiny_pretrain_model():
   return model, params
 
 
+@pytest.mark.slow
 def test_padding_never_receives_attention(tiny_pretrain_model):
   model, params = tiny_pretrain_model
   rng = np.random.default_rng(6)

@@ -293,6 +293,7 @@ def test_batch_composition_of_the_corpora():
 # ------------------------------------------------------------------------------ real SST-2
 
 
+@pytest.mark.slow
 def test_real_sst2_reconstruction(shared_data, tmp_path):
   start = time.time()
   phrases, split = sst2_corpus.train_phrases(data_dir=tmp_path / "tfds", manual_dir=shared_data)

@@ -55,6 +55,7 @@ def _raw_lines(path: pathlib.Path) -> list[str]:
 
 # The three datasets built from ../shared/data.
 
+@pytest.mark.slow
 def test_anki_split_sizes_and_content(data_dir, shared_data):
   raw = _raw_lines(shared_data / "anki-mar-eng" / "mar.txt")
   pairs = [tuple(line.split("\t")[:2]) for line in raw]
@@ -75,6 +76,7 @@ def test_anki_split_sizes_and_content(data_dir, shared_data):
   assert reverse[5] == {"source": forward["target"], "target": forward["source"]}
 
 
+@pytest.mark.slow
 def test_sst2_split_sizes_and_rows(data_dir, shared_data):
   train = data.get_dataset("sst2", "train", data_dir=data_dir, download=False)
   val = data.get_dataset("sst2", "validation", data_dir=data_dir, download=False)

@@ -110,6 +110,7 @@ def test_kv_cache_greedy_equals_uncached_greedy(model_and_params, forward):
   assert int(cached.tokens.max()) < VOCAB and int(cached.lengths.min()) == 30
 
 
+@pytest.mark.slow
 def test_ragged_prompts_are_continued_as_if_alone(model_and_params, forward):
   # Prompts of 1, 3 and 7 tokens in one batch. Greedy tokens must equal the independent loop
   # (full forward pass, argmax at each row's own end) while they fit in block_size 16, and
@@ -152,6 +153,7 @@ def test_sampling_options_and_bad_prompts(model_and_params):
     gpt.size_config("huge")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("score", ["scaled_dot", "dot", "cosine", "general", "additive",
                                    "location"])
 def test_each_score_trains(score):
@@ -288,6 +290,7 @@ def test_bad_config_values_raise_clear_errors(tmp_path):
     config_utils.validate(_load_config("runlocal=True,dataset=addition,score=fancy"))
 
 
+@pytest.mark.slow
 def test_rotary_gpt_is_causal_and_its_cache_matches_the_full_forward():
   model = gpt.GPT(vocab_size=VOCAB, position="rotary", **TINY)
   x = jnp.asarray(np.random.default_rng(4).integers(0, VOCAB, (2, 9)))

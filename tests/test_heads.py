@@ -114,6 +114,7 @@ def test_num_kv_heads_must_divide_num_heads():
     layer.init(jax.random.key(0), _x(1, 3, D))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_heads", [1, 2])
 def test_gqa_cache_holds_kv_heads_and_cached_decoding_equals_the_full_forward(kv_heads):
   layer = MultiHeadAttention(num_heads=H, num_kv_heads=kv_heads, causal=True)

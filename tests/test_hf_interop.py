@@ -132,6 +132,7 @@ def test_capture_of_imported_bert_uses_its_special_tokens(bert_run):
   assert cap.tokens["tokens"] == ["[CLS]", "the", "cat", "sat", "[SEP]", "the", "cat", "[SEP]"]
 
 
+@pytest.mark.slow
 def test_generate_cli_on_imported_gpt2(gpt2_run, capsys):
   status = generate.main(["attnlab generate", f"--workdir={gpt2_run.workdir}",
                           "--prompt=To be", "--num_tokens=6", "--temperature=0"])
@@ -163,6 +164,7 @@ def test_masked_lm_examples_use_the_checkpoint_special_ids(bert_run):
       {tok.mask_id} | set(np.flatnonzero(special["ordinary"]).tolist()))
 
 
+@pytest.mark.slow
 def test_finetuning_starts_from_the_imported_encoder(bert_run):
   config = config_utils.load_config_file(
       f"{CONFIGS / 'bert.py'}:mode=finetune,runlocal=True,pretrained={bert_run.workdir}")
@@ -307,6 +309,7 @@ def _spread(model, seed):
               (1.0 + 0.1 * noise if "weight" in name else 0.1 * noise))
 
 
+@pytest.mark.slow
 @needs_hf
 @pytest.mark.parametrize("weights", ["safetensors", "bin"])
 def test_fresh_gpt2_against_transformers(tmp_path, weights):
@@ -338,6 +341,7 @@ def test_fresh_gpt2_against_transformers(tmp_path, weights):
   np.testing.assert_array_equal(np.asarray(out.tokens[0]), ref)
 
 
+@pytest.mark.slow
 @needs_hf
 def test_fresh_bert_against_transformers(tmp_path):
   config = transformers.BertConfig(vocab_size=83, hidden_size=24, num_hidden_layers=2,

@@ -292,6 +292,7 @@ def test_encoding_of_each_data_set():
     long_range.encode("listops", [{"expression": "[ SM 1 9 ]", "label": 0}], 4, cls=False)
 
 
+@pytest.mark.slow
 def test_mean_pooling_ignores_padding():
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top

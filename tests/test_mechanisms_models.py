@@ -86,6 +86,7 @@ def test_t5_bias_table_per_layer_or_shared():
 # ------------------------------------------------------------------------------ extrapolation
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("position", ["alibi", "t5_bias"])
 def test_gpt_trained_at_block_64_evaluates_at_128(position):
   model = _gpt(position)
@@ -135,6 +136,7 @@ def test_learned_positions_refuse_lengths_past_the_table():
     dict(position="alibi", normalizer="softmax_sink", talking_heads=True),
     dict(position="rotary", mechanism="performer", num_features=16, num_kv_heads=1),
 ], ids=["alibi-mqa", "t5", "sliding-mqa", "sink-talking", "performer-mqa"])
+@pytest.mark.slow
 def test_gpt_cached_decoding_equals_the_full_forward(kw):
   position = kw.pop("position")
   model = _gpt(position, **kw)
@@ -157,6 +159,7 @@ def test_gpt_cached_decoding_equals_the_full_forward(kw):
   np.testing.assert_allclose(np.concatenate(outs, axis=1), full, atol=atol)
 
 
+@pytest.mark.slow
 def test_generation_without_a_kv_cache_where_the_mechanism_has_none():
   model = _gpt("rotary", mechanism="bigbird").clone(block_size=16)
   assert not registry.get_mechanism("bigbird").supports.cache
@@ -171,6 +174,7 @@ def test_generation_without_a_kv_cache_where_the_mechanism_has_none():
 # ------------------------------------------------------------------------------ weights for analysis
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mechanism", ["linear", "performer"])
 def test_implicit_weights_are_sown_for_analysis(mechanism):
   model = _gpt("rotary", mechanism=mechanism).clone(block_size=12)
@@ -185,6 +189,7 @@ def test_implicit_weights_are_sown_for_analysis(mechanism):
   assert np.all(np.triu(w, 1) == 0) and np.all(w >= 0)  # causal, positive features
 
 
+@pytest.mark.slow
 def test_fixed_random_draws_of_a_mechanism_are_not_parameters(monkeypatch):
   """A mechanism naming init outputs as `fixed` (Performer's random features) gets them drawn
   from the layer's seed on every call: not in the parameters, so never trained or decayed."""
@@ -214,6 +219,7 @@ def test_fixed_random_draws_of_a_mechanism_are_not_parameters(monkeypatch):
 # ------------------------------------------------------------------------------ BERT, Transformer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mechanism", list(registry.MECHANISMS))
 def test_bert_runs_every_mechanism_with_padding(mechanism):
   cfg = _config("bert", f"runlocal=True,model.mechanism={mechanism},model.window=4,"
@@ -234,6 +240,7 @@ def test_bert_runs_every_mechanism_with_padding(mechanism):
     "model.position=t5_bias,model.num_kv_heads=1,model.mechanism=sliding_window,model.window=3",
     "model.position=alibi,model.mechanism=bigbird",
 ])
+@pytest.mark.slow
 def test_transformer_greedy_decoding_equals_its_uncached_reference(arg):
   cfg = _config("transformer", f"runlocal=True,{arg}")
   config_utils.validate(cfg)

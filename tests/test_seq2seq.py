@@ -184,6 +184,7 @@ def _train_one_step(model):
   return _compile(run, rng)(rng)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: "-".join(str(v) for v in kw.values()))
 def test_every_variant_trains_with_finite_loss(kw):
   losses, weights, grads = _train_one_step(_model(dropout_rate=0.1, **kw))

@@ -89,6 +89,7 @@ def test_padded_source_positions_get_zero_weight(setup):
   np.testing.assert_allclose(aux["attention_weights"], cross.mean(axis=1), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_cached_decoding_equals_uncached(setup):
   model, params, src, src_len, _, _ = setup
   run = jax.jit(lambda p, s, n, use_cache, beam: _greedy_decode(
@@ -108,6 +109,7 @@ def test_cached_decoding_equals_uncached(setup):
     _greedy_decode(model, params, src, src_len, start_id=START, end_id=END, max_len=11)
 
 
+@pytest.mark.slow
 def test_rotary_transformer_cached_decoding_equals_uncached():
   model = tf.Transformer(src_vocab_size=SRC_VOCAB, tgt_vocab_size=TGT_VOCAB, num_layers=1,
                          num_heads=2, d_model=16, mlp_dim=32, max_len=10, position="rotary")
