@@ -611,9 +611,11 @@ def _mean_std(values: Sequence[float]) -> str:
 def results_table(results: dict, details: dict) -> str:
   """The markdown table of results.json and details.json."""
   arms = details["arms"]
+  imdb = (f" (the IMDB arms then `{details['imdb_pretrain']}` and the plateau rule)"
+          if any(arm in IMDB_ARMS for arm in results) and details.get("imdb_pretrain") else "")
   lines = [f"BERT size {details['size']}, score {details['score']}; pretraining "
-           f"`{details['study_pretrain']}` then `{details['pretrain_args'] or '-'}`; fine-tuning "
-           f"args `{details['finetune_args'] or '-'}`", "",
+           f"`{details['study_pretrain']}`{imdb} then `{details['pretrain_args'] or '-'}`; "
+           f"fine-tuning args `{details['finetune_args'] or '-'}`", "",
            "| arm | pretraining corpus | MLM acc % (held-out) | SOP acc % (held-out) | "
            "fine-tune lr (held-out acc % per lr) | SST-2 val % per seed | mean ± std | "
            "difference to scratch per seed | mean difference |",
