@@ -400,8 +400,9 @@ class Checkpointer:
     # Installed before any save starts: the callbacks can fire before the failure is raised.
     self._noise_filter = _FailedIoNoiseFilter()
     self._noise_filter.install()
-    # A Checkpointer dropped without `close` must not leave its filter on the loggers for good.
-    weakref.finalize(self, self._noise_filter.remove)
+    # Removed by `close`, or when the Checkpointer is collected unclosed (at most once either way):
+    # a dropped one must not leave its filter on the loggers for good.
+    self._remove_noise_filter = weakref.finalize(self, self._noise_filter.remove)
     self._failed = False
 
   def __enter__(self) -> Checkpointer:
@@ -536,7 +537,7 @@ class Checkpointer:
     finally:
       if self._failed:  # the failed read's or write's unread futures: logged now, under the filter
         gc.collect()
-      self._noise_filter.remove()
+      self._remove_noise_filter()
 
 
 # ---------------------------------------------------------------------------------------------------
