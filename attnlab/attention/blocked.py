@@ -23,7 +23,9 @@ attention costs time linear in the length.
 
 Everything is pure JAX (`lax.fori_loop`, `lax.map`, `dot_general`), so the same code compiles
 for CPU, GPU and TPU; the default tile sizes are tuned for XLA:CPU (see
-experiments/benchmarks/README.md).
+experiments/benchmarks/README.md). On one device the tiles are large (ONE_DEVICE_TILES): XLA:CPU
+splits each large tile op over its threads, so a single call uses every core; under a batch split
+over CPU devices each device's loops get the smaller PER_DEVICE_TILES.
 
 Row chunks (`parallel`): the flattened (batch * heads) rows can be cut into independent chunks,
 each with its own tile loops (forward and backward alike); XLA's thunk executor then runs the
@@ -63,15 +65,31 @@ Array = jax.Array
 # scores this implementation computes (others go through core.attend's reference path)
 SUPPORTED_SCORES: tuple[str, ...] = ("dot", "scaled_dot")
 
-# default query tile length (rows of each score tile)
-DEFAULT_BLOCK_Q = 128
-# default key tile length without a causal mask (one tile covers k_len <= 1024: plain softmax)
-DEFAULT_BLOCK_K = 1024
-# default query and key tile length under a causal mask (small enough to skip hidden tiles)
-DEFAULT_CAUSAL_BLOCK = 256
-# default score-tile budget in elements (head_group * block_q * block_k, 2 MiB in float32);
-# the head group is sized to fill it (measured on XLA:CPU, see experiments/benchmarks)
-DEFAULT_TILE_ELEMENTS = 1 << 19
+
+@dataclasses.dataclass(frozen=True)
+class TileDefaults:
+  """Default tile sizes of the kernel (each can be overridden per call)."""
+  # query tile length (rows of each score tile)
+  block_q: int
+  # key tile length without a causal mask (one tile covering k_len <= block_k: plain softmax)
+  block_k: int
+  # query and key tile length under a causal mask (small enough to skip hidden tiles)
+  causal_block: int
+  # score-tile budget in elements (head_group * block_q * block_k); the head group fills it
+  tile_elements: int
+
+
+# One device holding all the process's threads (a plain `attend()` call): XLA:CPU splits a tile
+# op over its threads only when the op is large, so the tiles are big (4 MiB of float32 scores):
+# 512 x 512 x 4 rows measured 1.3-1.6x faster in wall time than PER_DEVICE_TILES at S = 512/1024
+# on 2 cores (experiments/benchmarks/README.md, 2026-11-24 23:00 UTC).
+ONE_DEVICE_TILES = TileDefaults(block_q=512, block_k=1024, causal_block=512,
+                                tile_elements=1 << 20)
+# Under a mesh that splits the batch over CPU devices (`_batch_shards`: one device per core),
+# each device runs its own loops on one thread, so the tiles are the ones tuned in CPU time
+# (2 MiB of scores; 256 x 256 causal tiles skip more of the hidden half).
+PER_DEVICE_TILES = TileDefaults(block_q=128, block_k=1024, causal_block=256,
+                                tile_elements=1 << 19)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -594,7 +612,7 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
                       block_k: int | None = None, head_group: int | None = None,
                       skip_empty_tiles: bool = True, parallel: int | None = None,
                       bias: Any = None, block_sparse: bool = False,
-                      pattern: Any = None) -> Array:
+                      pattern: Any = None, tiles: TileDefaults | None = None) -> Array:
   """softmax(scale · q kᵀ, masked) v, computed tile by tile (flash-style).
 
   Args:
@@ -605,11 +623,11 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
     mask: bool broadcastable to `[..., q_len, k_len]`, True = may attend (a padding mask
       arrives as `[batch, 1, 1, k_len]`).
     causal: query i may see key j iff j <= i + max(k_len - q_len, 0).
-    block_q, block_k: query / key tile lengths; default 128 / 1024, or 256 / 256 when
-      causal. Lengths that are not a multiple are padded and masked internally; a length
-      shorter than its tile is one tile.
+    block_q, block_k: query / key tile lengths; default from `tiles` (one device: 512 / 1024,
+      or 512 / 512 when causal). Lengths that are not a multiple are padded and masked
+      internally; a length shorter than its tile is one tile.
     head_group: flattened (batch * heads) rows per tile step; default fills a score tile of
-      DEFAULT_TILE_ELEMENTS (head_group * block_q * block_k); rounded down to a divisor of
+      `tiles.tile_elements` (head_group * block_q * block_k); rounded down to a divisor of
       the number of rows.
     skip_empty_tiles: bound the tile loops by the first and last tile that the user mask
       leaves visible (False visits every tile; the result is the same).
@@ -627,6 +645,9 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
       tile indices (no [q_len, k_len] array): WindowPattern(window, offset) or
       BlockPattern(table, block) (then both tile lengths are `block`). Hidden tiles are
       skipped one by one, so a pattern with O(len) visible tiles costs O(len) time and memory.
+    tiles: the defaults of block_q, block_k and head_group; None = ONE_DEVICE_TILES, or
+      PER_DEVICE_TILES for each device's slice when a mesh splits the batch over CPU devices
+      and for `pattern` / `block_sparse` calls.
 
   Returns:
     context `[..., q_len, d_v]` in the inputs' dtype. A query with no visible key gets a zero
@@ -639,15 +660,19 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
     return per_shard(functools.partial(
         blocked_attention, scale=scale, causal=causal, block_q=block_q, block_k=block_k,
         head_group=head_group, skip_empty_tiles=skip_empty_tiles, parallel=parallel,
-        block_sparse=block_sparse, pattern=pattern))
+        block_sparse=block_sparse, pattern=pattern,
+        tiles=PER_DEVICE_TILES if tiles is None else tiles))
   if q.shape[-1] != k.shape[-1]:
     raise ValueError(f"q and k must share the feature dim d for a dot score; got q {q.shape}, "
                      f"k {k.shape}")
   lead = tuple(jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+  if tiles is None:  # sparsity patterns keep the tiles their efficiency was measured with
+    sparse = pattern is not None or block_sparse
+    tiles = PER_DEVICE_TILES if sparse else ONE_DEVICE_TILES
   if block_q is None:
-    block_q = DEFAULT_CAUSAL_BLOCK if causal else DEFAULT_BLOCK_Q
+    block_q = tiles.causal_block if causal else tiles.block_q
   if block_k is None:
-    block_k = DEFAULT_CAUSAL_BLOCK if causal else DEFAULT_BLOCK_K
+    block_k = tiles.causal_block if causal else tiles.block_k
   block_q = _check_positive("block_q", block_q)
   block_k = _check_positive("block_k", block_k)
   if head_group is not None:
@@ -672,7 +697,7 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
   else:
     block_q, block_k = _fit_block(q_len, block_q), _fit_block(k_len, block_k)
   if head_group is None:
-    head_group = max(1, DEFAULT_TILE_ELEMENTS // (block_q * block_k))
+    head_group = max(1, tiles.tile_elements // (block_q * block_k))
   chunks = _group_size(rows, DEFAULT_PARALLEL if parallel is None
                        else _check_positive("parallel", parallel, "row chunks"))
   t = _Tiling(

@@ -6,6 +6,9 @@ causal mask, for
   blocked     attnlab `attend(implementation="blocked")` (attnlab.attention.blocked)
   blocked-2chunks  the same kernel with `parallel=2`: the rows cut into two independent chunks
               whose tile loops XLA:CPU runs concurrently, to show what the chunking buys
+  blocked-small-tiles  the same kernel on one device with the tiles a device gets under a batch
+              split (blocked.PER_DEVICE_TILES; one device's default was these until 2026-11-24),
+              to show what the larger one-device tiles buy
   blocked-devices  blocked on one JAX CPU device per core (`jax_num_cpu_devices`, what
               `mesh.cpu_devices=0` gives a training run) with the batch split over them, traced
               under the mesh as the train step is: each device runs the kernel on its slice
@@ -58,7 +61,8 @@ try:  # torch is optional: the [torch] extra
 except ImportError:  # pragma: no cover - depends on the environment
   torch = None
 
-IMPLS = ("reference", "blocked", "blocked-2chunks", "blocked-devices", "jax.nn.dpa", "torch")
+IMPLS = ("reference", "blocked", "blocked-2chunks", "blocked-small-tiles", "blocked-devices",
+         "jax.nn.dpa", "torch")
 # GFLOP/s of a large float32 matmul on the 2-core development CPU (issue #14; FMA peak ~233)
 MATMUL_CEILING_GFLOPS = 215.0
 
@@ -148,6 +152,10 @@ def _attnlab_fn(impl: str, causal: bool) -> Callable:
   if impl == "blocked-2chunks":
     from attnlab.attention import blocked  # pylint: disable=g-import-not-at-top
     return lambda q, k, v: blocked.blocked_attention(q, k, v, causal=causal, parallel=2)
+  if impl == "blocked-small-tiles":
+    from attnlab.attention import blocked  # pylint: disable=g-import-not-at-top
+    return lambda q, k, v: blocked.blocked_attention(q, k, v, causal=causal,
+                                                     tiles=blocked.PER_DEVICE_TILES)
   if impl == "blocked-devices":
     # `attend(implementation="blocked")` traced under the mesh, as the train step traces the
     # model: the kernel then runs on each device's slice of the batch.
@@ -211,7 +219,8 @@ def make_inputs(b: int, h: int, s: int, d: int, seed: int = 0) -> dict[str, tupl
   q, k, v, do = (rng.standard_normal((b, h, s, d), dtype=np.float32) for _ in range(4))
   bhsd = tuple(jnp.asarray(x) for x in (q, k, v, do))  # [B, H, S, D]
   bshd = tuple(jnp.asarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v, do))  # [B, S, H, D]
-  out = {"reference": bhsd, "blocked": bhsd, "blocked-2chunks": bhsd, "jax.nn.dpa": bshd}
+  out = {"reference": bhsd, "blocked": bhsd, "blocked-2chunks": bhsd, "blocked-small-tiles": bhsd,
+         "jax.nn.dpa": bshd}
   if len(jax.devices()) > 1 and b % len(jax.devices()) == 0:  # blocked-devices: batch split
     split = NamedSharding(_batch_mesh(), P("batch"))
     out["blocked-devices"] = tuple(jax.device_put(x, split) for x in (q, k, v, do))
@@ -290,7 +299,7 @@ def speed_tables(args: argparse.Namespace) -> tuple[str, str]:
   cpu_header = ["S", "causal", "pass"] + [f"{i} CPU ms (GFLOP/CPU-s)" for i in args.impls]
   if "blocked" in args.impls:
     header += [f"blocked speed-up vs {i}" for i in args.impls
-               if i in ("blocked-2chunks", "jax.nn.dpa", "torch")]
+               if i in ("blocked-2chunks", "blocked-small-tiles", "jax.nn.dpa", "torch")]
     header += [f"blocked % of {args.ceiling:.0f} GFLOP/s"]
   devices_vs_torch = "blocked-devices" in args.impls and "torch" in args.impls
   if devices_vs_torch:
@@ -312,7 +321,7 @@ def speed_tables(args: argparse.Namespace) -> tuple[str, str]:
         row = row + [f"{best[i] * 1e3:.1f} ({flops / best[i] / 1e9:.0f})" for i in args.impls]
         if "blocked" in args.impls:
           row += [f"{best[i] / best['blocked']:.2f}x" for i in args.impls
-                  if i in ("blocked-2chunks", "jax.nn.dpa", "torch")]
+                  if i in ("blocked-2chunks", "blocked-small-tiles", "jax.nn.dpa", "torch")]
           row += [f"{100 * flops / best['blocked'] / 1e9 / args.ceiling:.0f}%"]
         if devices_vs_torch:
           row += [f"{best['torch'] / best['blocked-devices']:.2f}x",
