@@ -251,7 +251,7 @@ def test_mechanisms(tmp_path, shared_data):
   # The loss at twice the training length, seed 0, recomputed here: the first 8 non-overlapping
   # windows of 2 x block tokens of the validation text, cross-entropy from the logits in NumPy.
   from attnlab import analysis  # pylint: disable=g-import-not-at-top
-  run = analysis.load_run(alibi["run_dir"], replica=0)
+  run = analysis.load_run(workdir / alibi["run_dir"], replica=0)
   length, ids = 2 * run.task.block_size, np.asarray(run.task.validation_ids())
   x = np.stack([ids[i * length:(i + 1) * length] for i in range(8)])
   y = np.stack([ids[i * length + 1:(i + 1) * length + 1] for i in range(8)])

@@ -350,3 +350,7 @@ def test_study_runlocal_end_to_end(tmp_path):
   proc = subprocess.run(cmd + ["--skip_efficiency"], cwd=REPO, env=env, capture_output=True,
                         text=True, timeout=900)
   assert proc.returncode == 0 and "complete, skipped" in proc.stderr
+  # Each invocation leaves its own record (a study run in pieces keeps every piece's times).
+  pieces = json.loads((workdir / "results.json").read_text())["pieces"]
+  assert [p["skip_efficiency"] for p in pieces] == [False, True]
+  assert all(p["wall_seconds"] > 0 and len(p["load_average_start"]) == 3 for p in pieces)

@@ -26,7 +26,8 @@
    temporaries, minus donated buffers: attnlab's memory analysis, deterministic). Reported:
    steps/s and peak memory, and both relative to softmax.
 
-Writes WORKDIR/results.json (everything, with the wall time of each run and the load average),
+Writes WORKDIR/results.json (everything, with the wall time of each run, and under "pieces" one
+record per invocation: its settings, start time, wall time and load average at both ends),
 WORKDIR/results.md (both tables) and WORKDIR/results.png; with --publish_dir copies the three
 there. Progress: the sweep's log lines and a tqdm bar over the efficiency cells.
 
@@ -459,6 +460,12 @@ def main(argv: list[str] | None = None) -> int:
                     + efficiency_markdown(results["efficiency"], args.batch))
   results["wall_seconds"] = time.time() - start
   results["load_average_end"] = os.getloadavg()
+  # the top-level settings / wall / load are this invocation's; each piece keeps its own
+  piece = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(start)),
+           "skip_accuracy": args.skip_accuracy, "skip_efficiency": args.skip_efficiency}
+  piece.update({k: results[k] for k in ("settings", "wall_seconds", "load_average_start",
+                                        "load_average_end")})
+  results["pieces"] = previous.get("pieces", []) + [piece]
   path.write_text(json.dumps(results, indent=1) + "\n")
   text = "\n\n".join(sections)
   (workdir / "results.md").write_text(text + "\n")

@@ -12,7 +12,8 @@ For every arm this script then writes into WORKDIR:
   results.json  per arm: the config keys, final validation loss (GPT) or MLM accuracy (BERT) per
                 seed, their mean and std, median steps/s of the training log, the wall time of
                 the invocation that trained it, and (GPT) the validation loss at twice the
-                training length or the reason it has none;
+                training length or the reason it has none, and its run directory (relative to
+                WORKDIR);
   results.md    the same as tables (mean ± sample std over the seeds);
   results.png   validation loss (GPT) and MLM accuracy (BERT) per arm with ±1 std error bars.
 Extrapolation: each seed's reloaded params evaluate every non-overlapping window of 2 x block_size
@@ -160,7 +161,7 @@ def run_arm(family: str, arm: str, keys: dict[str, object], spec: str, workdir: 
   entry["metric"] = metric
   entry["per_seed"] = [m[metric] for m in per_seed]
   entry["mean"], entry["std"] = _mean_std(entry["per_seed"])
-  entry["run_dir"] = str(member.workdir)
+  entry["run_dir"] = str(member.workdir.relative_to(workdir))  # relative: the results travel
   if family == "gpt":
     position = member.config.model.position
     if position in EXTRAPOLATING:
