@@ -579,7 +579,7 @@ def _validate_mechanism(model: ConfigDict | None, task: str) -> None:
   position = model.get("position")
   if position is not None:
     check_choice("model.position", position, POSITIONS + positions.POSITION_BIASES, "positions")
-  for key in ("num_kv_heads", "window", "num_features", "linformer_k"):
+  for key in ("num_kv_heads", "window", "num_features", "linformer_k", "sparse_block"):
     if opt[key] < 0:
       raise ConfigError(f"model.{key} must be >= 0 (0: the default), got {opt[key]}")
   if opt["topk"] < 1:
@@ -751,7 +751,8 @@ def rename_old_keys(data: Mapping[str, Any]) -> dict[str, Any]:
 # `model.<name>`, with the value that means "as before they existed" (older runs lack the keys).
 ATTENTION_DEFAULTS: dict[str, Any] = {"num_kv_heads": 0, "talking_heads": False,
                                       "normalizer": "softmax", "topk": 8, "mechanism": "full",
-                                      "window": 0, "num_features": 0, "linformer_k": 0}
+                                      "window": 0, "num_features": 0, "linformer_k": 0,
+                                      "sparse_block": 0}
 
 def add_attention_options(model: ConfigDict) -> None:
   """Adds the attention options every Transformer family shares to `config.model` (their defaults
@@ -771,9 +772,11 @@ def add_attention_options(model: ConfigDict) -> None:
   # performer (Choromanski et al. 2021), linformer (Wang et al. 2020; not causal),
   # sliding_window, bigbird (Zaheer et al. 2020) (attnlab.attention.registry).
   model.mechanism = ATTENTION_DEFAULTS["mechanism"]
-  # sliding_window: keys each side of a query (0: its default, 64); bigbird keeps its 64-token
-  # blocks (its block size is not a config key yet).
+  # sliding_window: keys each side of a query (0: its default, 64).
   model.window = ATTENTION_DEFAULTS["window"]
+  # bigbird: its block size in tokens (window, global and random blocks; 0: its default, 64);
+  # sliding_window: its tile length (0: the window rounded up to a multiple of 8).
+  model.sparse_block = ATTENTION_DEFAULTS["sparse_block"]
   # performer: random features (0: its default).
   model.num_features = ATTENTION_DEFAULTS["num_features"]
   # linformer: projected length of keys and values (0: its default).

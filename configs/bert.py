@@ -47,7 +47,7 @@ PRETRAINED_FIELDS = ("model.num_layers", "model.d_model", "model.num_heads", "mo
                      "model.layer_norm_epsilon", "model.type_vocab_size", "model.position",
                      "model.num_kv_heads", "model.talking_heads", "model.normalizer",
                      "model.topk", "model.mechanism", "model.window", "model.num_features",
-                     "model.linformer_k", "data.corpus",
+                     "model.linformer_k", "model.sparse_block", "data.corpus",
                      "data.vocab_size", "data.max_documents", "data.max_extra_sentences",
                      "data.tokenizer_dir", "data.tokenizer", "data.tokenizer_path")
 

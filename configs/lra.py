@@ -128,8 +128,10 @@ def get_config(arg: str | None = None):
   # Attention mechanism (attnlab.attention.registry): full (softmax over all pairs), linear,
   # performer, linformer, sliding_window, bigbird.
   model.mechanism = "full"
-  # Keys each side of a query for sliding_window (bigbird keeps its 64-token blocks).
+  # Keys each side of a query for sliding_window.
   model.window = 64
+  # bigbird's block size in tokens (0: its default, 64); sliding_window's tile length.
+  model.sparse_block = 0
   # Random features of performer.
   model.num_features = 64
   # Projected length of linformer.

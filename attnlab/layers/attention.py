@@ -199,6 +199,9 @@ class MultiHeadAttention(nn.Module):
   num_features: int = 0
   # Projected length of Linformer's keys and values (0: its default).
   linformer_k: int = 0
+  # Block length of the block-sparse mechanisms (bigbird: its block size; sliding_window: its
+  # tile length; 0: the mechanism's default, 64 for bigbird).
+  sparse_block: int = 0
   # Seed of the mechanism's fixed random draws (Performer's features, BigBird's random blocks).
   mechanism_seed: int = 0
   # Initialiser of the query/key/value kernels.
@@ -235,7 +238,7 @@ class MultiHeadAttention(nn.Module):
   def _mechanism_options(self) -> dict[str, int]:
     """The mechanism's knobs from the fields (0 = the mechanism's default, left out)."""
     options = {"window": self.window, "num_features": self.num_features,
-               "linformer_k": self.linformer_k}
+               "linformer_k": self.linformer_k, "block": self.sparse_block}
     return {**{k: v for k, v in options.items() if v}, "rng_seed": self.mechanism_seed}
 
   def _position_bias(self, q_len: int, k_len: int, offset: Array | None,

@@ -125,6 +125,9 @@ class TransformerBlock(nn.Module):
   num_features: int = 0
   # Linformer's projected length (0: default).
   linformer_k: int = 0
+  # Block length of the block-sparse mechanisms (bigbird: its block size; sliding_window: its
+  # tile length; 0: the mechanism's default, 64 for bigbird).
+  sparse_block: int = 0
   # Seed of the mechanism's fixed random draws.
   mechanism_seed: int = 0
   # Initialiser of the input kernels (q/k/v, first MLP layer).
@@ -136,7 +139,7 @@ class TransformerBlock(nn.Module):
 
   def _attention(self, name: str, causal: bool, self_attention: bool) -> MultiHeadAttention:
     own = dict(position_bias=self.position_bias, mechanism=self.mechanism, window=self.window,
-               num_features=self.num_features, linformer_k=self.linformer_k,
+               num_features=self.num_features, linformer_k=self.linformer_k, sparse_block=self.sparse_block,
                mechanism_seed=self.mechanism_seed) if self_attention else {}
     return MultiHeadAttention(
         num_heads=self.num_heads, score=self.score, implementation=self.implementation,

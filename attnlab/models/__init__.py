@@ -106,9 +106,9 @@ def shared_fields(module: Any, base: type) -> dict[str, Any]:
 
 def attention_options(model_config: Any) -> dict[str, Any]:
   """The attention options of a `config.model` (config_utils.ATTENTION_DEFAULTS: num_kv_heads,
-  talking_heads, normalizer, topk, mechanism, window, num_features, linformer_k) as keyword
-  arguments of the models and TransformerBlock; keys an older run's config lacks take their
-  defaults."""
+  talking_heads, normalizer, topk, mechanism, window, num_features, linformer_k, sparse_block)
+  as keyword arguments of the models and TransformerBlock; keys an older run's config lacks take
+  their defaults."""
   from attnlab.config_utils import ATTENTION_DEFAULTS  # pylint: disable=g-import-not-at-top
   return {key: model_config.get(key, default) for key, default in ATTENTION_DEFAULTS.items()}
 

@@ -96,6 +96,9 @@ class BertHyperparameters(nn.Module):
   num_features: int = 0
   # Linformer's projected length (0: default).
   linformer_k: int = 0
+  # Block length of the block-sparse mechanisms (bigbird: its block size; sliding_window: its
+  # tile length; 0: the mechanism's default, 64 for bigbird).
+  sparse_block: int = 0
   # Compute dtype (None: float32).
   dtype: Any = None
 
@@ -128,7 +131,7 @@ class BertEncoder(BertHyperparameters):
             rotary=self.position == "rotary", position_bias=bias,
             num_kv_heads=self.num_kv_heads, talking_heads=self.talking_heads,
             normalizer=self.normalizer, topk=self.topk, mechanism=self.mechanism,
-            window=self.window, num_features=self.num_features, linformer_k=self.linformer_k,
+            window=self.window, num_features=self.num_features, linformer_k=self.linformer_k, sparse_block=self.sparse_block,
             mechanism_seed=i, dtype=self.dtype, name=f"block_{i}")
         for i in range(self.num_layers)]
     # A pre-LN stack needs a final LayerNorm; a post-LN one ends normalised already.

@@ -8,9 +8,9 @@ Attention options (config keys of the same names, checked by config_utils.valida
 `position` alibi / t5_bias add a bias to the scores instead of a position table (T5's table is one
 `t5_bias` parameter shared by the layers), so the model runs at lengths past block_size;
 `num_kv_heads` (grouped-query / multi-query), `talking_heads`, `normalizer` (+ `topk`) and
-`mechanism` (+ `window`, `num_features`, `linformer_k`) go to every block's attention
-(attnlab.layers.MultiHeadAttention), which asks attnlab.attention.registry what a mechanism
-supports.
+`mechanism` (+ `window`, `num_features`, `linformer_k`, `sparse_block`) go to every block's
+attention (attnlab.layers.MultiHeadAttention), which asks attnlab.attention.registry what a
+mechanism supports.
 
 Generation (`generate`) runs through `attnlab.decoding.sample` (temperature 0 = greedy) with a
 step function over one of two states:
@@ -108,6 +108,9 @@ class GPT(nn.Module):
   num_features: int = 0
   # Linformer's projected length (0: default).
   linformer_k: int = 0
+  # Block length of the block-sparse mechanisms (bigbird: its block size; sliding_window: its
+  # tile length; 0: the mechanism's default, 64 for bigbird).
+  sparse_block: int = 0
   # MLP activation: gelu_tanh, gelu, relu.
   activation: str = "gelu_tanh"
   # Biases in Dense layers and LayerNorms (nanoGPT's recipe: none).
@@ -138,7 +141,7 @@ class GPT(nn.Module):
             rotary=self.position == "rotary", position_bias=bias,
             num_kv_heads=self.num_kv_heads, talking_heads=self.talking_heads,
             normalizer=self.normalizer, topk=self.topk, mechanism=self.mechanism,
-            window=self.window, num_features=self.num_features, linformer_k=self.linformer_k,
+            window=self.window, num_features=self.num_features, linformer_k=self.linformer_k, sparse_block=self.sparse_block,
             mechanism_seed=i, kernel_init=init, out_kernel_init=out_init,
             dtype=self.dtype, name=f"block_{i}")
         for i in range(self.num_layers)]

@@ -126,6 +126,9 @@ class Transformer(nn.Module):
   num_features: int = 0
   # Linformer's projected length (0: default).
   linformer_k: int = 0
+  # Block length of the block-sparse mechanisms (bigbird: its block size; sliding_window: its
+  # tile length; 0: the mechanism's default, 64 for bigbird).
+  sparse_block: int = 0
 
   def setup(self):
     if self.position not in TRANSFORMER_POSITIONS:
@@ -160,7 +163,7 @@ class Transformer(nn.Module):
                  num_kv_heads=self.num_kv_heads, talking_heads=self.talking_heads,
                  normalizer=self.normalizer, topk=self.topk, mechanism=self.mechanism,
                  window=self.window, num_features=self.num_features,
-                 linformer_k=self.linformer_k, dtype=self.dtype)
+                 linformer_k=self.linformer_k, sparse_block=self.sparse_block, dtype=self.dtype)
     self.encoder_layers = [TransformerBlock(**block, mechanism_seed=i, name=f"encoder_layer_{i}")
                            for i in range(self.num_layers)]
     self.decoder_layers = [TransformerBlock(**block, causal=True, cross_attention=True,

@@ -18,7 +18,8 @@ examples (0 = all).
 
 Mechanism: `model.mechanism` ("full" = softmax attention over all pairs; the others from
 attnlab.attention.registry) goes to the encoder with its settings (`model.window`,
-`model.num_features`, `model.linformer_k`), as in every family (models.attention_options).
+`model.num_features`, `model.linformer_k`, `model.sparse_block`), as in every family
+(models.attention_options).
 """
 
 from __future__ import annotations
