@@ -124,6 +124,12 @@ def _random_case(seed):
 
 
 CASES["random"] = _random_case(20261121)
+# The default tiles (no tuning): one device's large tiles (ONE_DEVICE_TILES) and the per-device
+# ones, at lengths that take several ragged tiles of each.
+CASES["default_tiles_causal"] = ((1, 2), 1100, 1100, 8, 4, True, None, {})
+CASES["default_tiles_padding"] = ((2, 1), 1100, 1030, 8, 4, False, "padding", {})
+CASES["per_device_tiles_causal_padding"] = ((2,), 600, 600, 8, 4, True, "padding",
+                                            dict(tiles=blocked.PER_DEVICE_TILES))
 
 
 @pytest.mark.parametrize("name", list(CASES))
