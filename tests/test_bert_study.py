@@ -64,6 +64,19 @@ def test_label_subsets_are_nested_and_seeded(study):
 
 
 @pytest.mark.slow
+def test_an_arm_linked_from_another_study_shares_its_pretraining(study, tmp_path):
+  """An arm folder that links to another study's arm: its fine-tuning runs start from the
+  linked pretraining under its real path (the path the other study's runs recorded)."""
+  other = tmp_path / "other" / "imdb"
+  other.mkdir(parents=True)
+  (tmp_path / "new").mkdir()
+  (tmp_path / "new" / "imdb").symlink_to(other)
+  fv = study._define_flags()
+  fv(["run.py", f"--workdir={tmp_path / 'new'}", "--arms=imdb", "--seeds=0,1", "--size=test"])
+  inits = {r["config"].init_from for r in study.plan(fv) if r["kind"] != "pretrain"}
+  assert inits == {str(other.resolve() / "pretrain_s0"), str(other.resolve() / "pretrain_s1")}
+
+
 def test_two_arm_study_end_to_end(study, shared_data, tmp_path):
   """Scratch and in-domain arms, the lr chosen on held-out training sentences; results.json in
   the issue's format, figures published."""

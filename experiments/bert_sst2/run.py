@@ -21,7 +21,8 @@ Whole-word masking and dynamic masking everywhere; each arm's subword vocabulary
 its own pretraining text (the labels of SST-2 are never read by pretraining).
 
 Per arm: pretraining runs WORKDIR/<arm>/pretrain_s<p> (p = pretrain_seeds[i % len], default the
-fine-tuning seeds); the fine-tuning learning rate chosen among --lrs by fine-tuning (seed
+fine-tuning seeds; WORKDIR/<arm> may be a link to another study's arm folder, whose finished runs
+are then reused, e.g. to compare it with a scratch arm of another vocabulary); the fine-tuning learning rate chosen among --lrs by fine-tuning (seed
 --select_seed, from the first pretraining run) on SST-2 training phrases and measuring accuracy
 on the held-out sentences of the *training* split (attnlab.data.sst2_corpus: no phrase found only
 in a held-out sentence is trained on; the validation split is not read), runs
@@ -336,8 +337,9 @@ def plan(fv: flags.FlagValues) -> list[dict]:
                          IMDB_PRETRAIN if arm in IMDB_ARMS else "", fv.pretrain_args)
         runs.append({"arm": arm, "kind": "pretrain", "seed": p, "plateau": arm in IMDB_ARMS,
                      "workdir": folder / f"pretrain_s{p}", "config": config})
-    init = (lambda i: str(folder / f"pretrain_s{pretrain_seeds[i % len(pretrain_seeds)]}")
-            ) if corpus is not None else (lambda i: "")
+    # resolved: an arm folder may be a link to another study's arm (its pretraining shared)
+    init = (lambda i: str((folder / f"pretrain_s{pretrain_seeds[i % len(pretrain_seeds)]}")
+                          .resolve())) if corpus is not None else (lambda i: "")
     for lr in lrs:
       config = _config("finetune", fv, fv.select_seed, data_args, shared, fv.finetune_args,
                        f"optimizer.learning_rate={lr}")
@@ -373,7 +375,7 @@ def label_runs(fv: flags.FlagValues, label_arm: str, lrs: dict[str, float]) -> l
       config.num_seeds = fv.label_seeds
       config.num_train_steps = config.eval_every = config.checkpoint_every = steps
       config.data.train_fraction = fraction
-      config.init_from = (str(workdir / arm / f"pretrain_s{pretrain_first}")
+      config.init_from = (str((workdir / arm / f"pretrain_s{pretrain_first}").resolve())
                           if corpus is not None else "")
       runs.append({"arm": arm, "fraction": fraction, "config": config,
                    "workdir": workdir / "label" / f"{arm}_f{text}"})
