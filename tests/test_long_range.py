@@ -330,6 +330,31 @@ def test_configs_per_task_and_scale():
 # The study, end to end
 
 
+def test_publishing_never_drops_published_results(tmp_path):
+  """--publish_dir refuses (one line, exit 2) to replace a results.json holding rows the
+  workdir's lacks, and leaves it as it was; with nothing lost it publishes."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location(
+      "lra_run", REPO / "experiments" / "long_range" / "run.py")
+  run = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(run)
+  row = {"mean": 35.0, "std": 0.5, "per_seed": [35.0], "seconds": 1.0, "steps": 2}
+  published = {"accuracy": {"listops": {"full": row, "bigbird": row}},
+               "efficiency": {"1024": {}}}
+  work, dest = tmp_path / "work", tmp_path / "published"
+  work.mkdir()
+  dest.mkdir()
+  (work / "results.json").write_text(json.dumps({"accuracy": {"listops": {"full": row}}}))
+  (dest / "results.json").write_text(json.dumps(published))
+  argv = [f"--workdir={work}", "--skip_accuracy", "--skip_efficiency", f"--publish_dir={dest}"]
+  proc = subprocess.run([sys.executable, str(REPO / "experiments" / "long_range" / "run.py"),
+                         *argv], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "accuracy listops/bigbird, efficiency at 1024 tokens" in proc.stderr
+  assert json.loads((dest / "results.json").read_text()) == published
+  assert run.missing_from(published, {"accuracy": {"listops": {"full": row}}}) == []
+
+
 @pytest.mark.slow
 def test_study_runlocal_end_to_end(tmp_path):
   env = dict(os.environ, TFDS_DATA_DIR=str(tmp_path / "tfds"))

@@ -422,6 +422,15 @@ def _plot_ratio(ax, eff: dict[str, Any], key: str) -> None:
   ax.legend(fontsize=8)
 
 
+def missing_from(new: dict[str, Any], old: dict[str, Any]) -> list[str]:
+  """The results of `old` (a published results.json) that `new` lacks: accuracy rows by
+  task/mechanism and efficiency lengths."""
+  lost = [f"accuracy {task}/{m}" for task, rows in old.get("accuracy", {}).items() for m in rows
+          if m not in new.get("accuracy", {}).get(task, {})]
+  return lost + [f"efficiency at {n} tokens" for n in old.get("efficiency", {})
+                 if n not in new.get("efficiency", {})]
+
+
 def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
   from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
@@ -475,6 +484,14 @@ def main(argv: list[str] | None = None) -> int:
         f"at the start, {results['load_average_end']} at the end")
   if args.publish_dir:
     dest = pathlib.Path(args.publish_dir)
+    if (dest / "results.json").is_file():  # publishing must not drop what is published
+      lost = missing_from(results, json.loads((dest / "results.json").read_text()))
+      if lost:
+        from attnlab.errors import UserError  # pylint: disable=g-import-not-at-top
+        raise UserError(
+            f"--publish_dir: {dest / 'results.json'} holds results that {path} lacks "
+            f"({', '.join(lost[:6])}{', ...' if len(lost) > 6 else ''}); publish from the "
+            "workdir that measured them, or merge them into its results.json first")
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("results.json", "results.md", "results.png"):
       shutil.copy(workdir / name, dest / name)
