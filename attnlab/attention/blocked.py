@@ -81,8 +81,8 @@ class TileDefaults:
 
 # One device holding all the process's threads (a plain `attend()` call): XLA:CPU splits a tile
 # op over its threads only when the op is large, so the tiles are big (4 MiB of float32 scores):
-# 512 x 512 x 4 rows measured 1.3-1.6x faster in wall time than PER_DEVICE_TILES at S = 512/1024
-# on 2 cores (experiments/benchmarks/README.md, 2026-11-24 23:00 UTC).
+# measured 1.03-1.55x faster in wall time than PER_DEVICE_TILES in every S = 512/1024 cell on 2
+# cores (experiments/benchmarks/README.md, 2026-11-24 23:12 UTC).
 ONE_DEVICE_TILES = TileDefaults(block_q=512, block_k=1024, causal_block=512,
                                 tile_elements=1 << 20)
 # Under a mesh that splits the batch over CPU devices (`_batch_shards`: one device per core),
