@@ -656,19 +656,20 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   core.check_qkv(q, k, v)
   per_shard = _batch_shards(q, k, v, mask, bias)
+  # the smaller tiles for each device's slice (one thread per device) and for sparsity patterns
+  # (their efficiency was measured with them); the large ones for a whole device
+  if tiles is None:
+    small = per_shard is not None or pattern is not None or block_sparse
+    tiles = PER_DEVICE_TILES if small else ONE_DEVICE_TILES
   if per_shard is not None:
     return per_shard(functools.partial(
         blocked_attention, scale=scale, causal=causal, block_q=block_q, block_k=block_k,
         head_group=head_group, skip_empty_tiles=skip_empty_tiles, parallel=parallel,
-        block_sparse=block_sparse, pattern=pattern,
-        tiles=PER_DEVICE_TILES if tiles is None else tiles))
+        block_sparse=block_sparse, pattern=pattern, tiles=tiles))
   if q.shape[-1] != k.shape[-1]:
     raise ValueError(f"q and k must share the feature dim d for a dot score; got q {q.shape}, "
                      f"k {k.shape}")
   lead = tuple(jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
-  if tiles is None:  # sparsity patterns keep the tiles their efficiency was measured with
-    sparse = pattern is not None or block_sparse
-    tiles = PER_DEVICE_TILES if sparse else ONE_DEVICE_TILES
   if block_q is None:
     block_q = tiles.causal_block if causal else tiles.block_q
   if block_k is None:

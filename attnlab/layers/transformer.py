@@ -139,7 +139,8 @@ class TransformerBlock(nn.Module):
 
   def _attention(self, name: str, causal: bool, self_attention: bool) -> MultiHeadAttention:
     own = dict(position_bias=self.position_bias, mechanism=self.mechanism, window=self.window,
-               num_features=self.num_features, linformer_k=self.linformer_k, sparse_block=self.sparse_block,
+               num_features=self.num_features, linformer_k=self.linformer_k,
+               sparse_block=self.sparse_block,
                mechanism_seed=self.mechanism_seed) if self_attention else {}
     return MultiHeadAttention(
         num_heads=self.num_heads, score=self.score, implementation=self.implementation,

@@ -131,7 +131,8 @@ class BertEncoder(BertHyperparameters):
             rotary=self.position == "rotary", position_bias=bias,
             num_kv_heads=self.num_kv_heads, talking_heads=self.talking_heads,
             normalizer=self.normalizer, topk=self.topk, mechanism=self.mechanism,
-            window=self.window, num_features=self.num_features, linformer_k=self.linformer_k, sparse_block=self.sparse_block,
+            window=self.window, num_features=self.num_features, linformer_k=self.linformer_k,
+            sparse_block=self.sparse_block,
             mechanism_seed=i, dtype=self.dtype, name=f"block_{i}")
         for i in range(self.num_layers)]
     # A pre-LN stack needs a final LayerNorm; a post-LN one ends normalised already.

@@ -141,7 +141,8 @@ class GPT(nn.Module):
             rotary=self.position == "rotary", position_bias=bias,
             num_kv_heads=self.num_kv_heads, talking_heads=self.talking_heads,
             normalizer=self.normalizer, topk=self.topk, mechanism=self.mechanism,
-            window=self.window, num_features=self.num_features, linformer_k=self.linformer_k, sparse_block=self.sparse_block,
+            window=self.window, num_features=self.num_features, linformer_k=self.linformer_k,
+            sparse_block=self.sparse_block,
             mechanism_seed=i, kernel_init=init, out_kernel_init=out_init,
             dtype=self.dtype, name=f"block_{i}")
         for i in range(self.num_layers)]

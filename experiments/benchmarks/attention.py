@@ -63,6 +63,8 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 IMPLS = ("reference", "blocked", "blocked-2chunks", "blocked-small-tiles", "blocked-devices",
          "jax.nn.dpa", "torch")
+# contenders that the wall-clock table divides by blocked's time (the "blocked speed-up" columns)
+BLOCKED_VS = ("blocked-2chunks", "blocked-small-tiles", "jax.nn.dpa", "torch")
 # GFLOP/s of a large float32 matmul on the 2-core development CPU (issue #14; FMA peak ~233)
 MATMUL_CEILING_GFLOPS = 215.0
 
@@ -299,7 +301,7 @@ def speed_tables(args: argparse.Namespace) -> tuple[str, str]:
   cpu_header = ["S", "causal", "pass"] + [f"{i} CPU ms (GFLOP/CPU-s)" for i in args.impls]
   if "blocked" in args.impls:
     header += [f"blocked speed-up vs {i}" for i in args.impls
-               if i in ("blocked-2chunks", "blocked-small-tiles", "jax.nn.dpa", "torch")]
+               if i in BLOCKED_VS]
     header += [f"blocked % of {args.ceiling:.0f} GFLOP/s"]
   devices_vs_torch = "blocked-devices" in args.impls and "torch" in args.impls
   if devices_vs_torch:
@@ -321,7 +323,7 @@ def speed_tables(args: argparse.Namespace) -> tuple[str, str]:
         row = row + [f"{best[i] * 1e3:.1f} ({flops / best[i] / 1e9:.0f})" for i in args.impls]
         if "blocked" in args.impls:
           row += [f"{best[i] / best['blocked']:.2f}x" for i in args.impls
-                  if i in ("blocked-2chunks", "blocked-small-tiles", "jax.nn.dpa", "torch")]
+                  if i in BLOCKED_VS]
           row += [f"{100 * flops / best['blocked'] / 1e9 / args.ceiling:.0f}%"]
         if devices_vs_torch:
           row += [f"{best['torch'] / best['blocked-devices']:.2f}x",

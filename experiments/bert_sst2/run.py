@@ -22,8 +22,9 @@ its own pretraining text (the labels of SST-2 are never read by pretraining).
 
 Per arm: pretraining runs WORKDIR/<arm>/pretrain_s<p> (p = pretrain_seeds[i % len], default the
 fine-tuning seeds; WORKDIR/<arm> may be a link to another study's arm folder, whose finished runs
-are then reused, e.g. to compare it with a scratch arm of another vocabulary); the fine-tuning learning rate chosen among --lrs by fine-tuning (seed
---select_seed, from the first pretraining run) on SST-2 training phrases and measuring accuracy
+are then reused, e.g. to compare it with a scratch arm of another vocabulary); the fine-tuning
+learning rate chosen among --lrs by fine-tuning (seed --select_seed, from the first pretraining
+run) on SST-2 training phrases and measuring accuracy
 on the held-out sentences of the *training* split (attnlab.data.sst2_corpus: no phrase found only
 in a held-out sentence is trained on; the validation split is not read), runs
 WORKDIR/<arm>/select_lr<lr>; then one fine-tuning run per seed at that rate on the whole
