@@ -47,7 +47,7 @@ PRETRAINED_FIELDS = ("model.num_layers", "model.d_model", "model.num_heads", "mo
                      "model.layer_norm_epsilon", "model.type_vocab_size", "model.position",
                      "model.num_kv_heads", "model.talking_heads", "model.normalizer",
                      "model.topk", "model.mechanism", "model.window", "model.num_features",
-                     "model.linformer_k", "model.sparse_block", "data.corpus",
+                     "model.linformer_k", "model.sparse_block", "data.corpus", "data.vocab_corpus",
                      "data.vocab_size", "data.max_documents", "data.max_extra_sentences",
                      "data.tokenizer_dir", "data.tokenizer", "data.tokenizer_path")
 
@@ -170,6 +170,8 @@ def get_config(arg: str | None = None):
   data.corpus = "shakespeare+sst2"
   # Subword vocabulary size (sentencepiece unigram, trained on the corpus text).
   data.vocab_size = 8000
+  # Corpus whose text the vocabulary is learned on ("" = data.corpus; one of the same names).
+  data.vocab_corpus = ""
   # Use only the first N documents of each document corpus (Shakespeare, IMDB; 0 = all).
   data.max_documents = 0
   # Use only the first N SST-2 training sentences as extra text (0 = all).

@@ -12,6 +12,7 @@ from attnlab import config_utils
 from attnlab.data import mlm
 from attnlab.data import sst2_corpus
 from attnlab.data import tokenizers
+from attnlab.tasks import classification
 from attnlab.tasks import masked_lm
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -288,6 +289,33 @@ def test_batch_composition_of_the_corpora():
   data.corpus, data.sst2_fraction = "imdb+sst2_sentences", 0.0
   with pytest.raises(config_utils.ConfigError):
     masked_lm.batch_composition(data, 64)
+
+
+def test_vocab_corpus_learns_the_vocabulary_on_another_text(monkeypatch):
+  """data.vocab_corpus: the subword vocabulary is trained on that corpus's text (and cached
+  under its options, so it is the very vocabulary of a run whose corpus that is), while the
+  pretraining text stays data.corpus; a fine-tuning config without it is named as different."""
+  texts = {"imdb": ([["an imdb review .", "its second sentence ."]], []),
+           "sst2_sentences": ([], ["a sst-2 sentence", "another one"])}
+  monkeypatch.setattr(masked_lm, "corpus_texts", lambda data: texts[data.corpus])
+  seen = []
+  monkeypatch.setattr(tokenizers, "cached_subword",
+                      lambda kind, options, get_texts, folder: seen.append((options, get_texts())))
+  config = config_utils.load_config_file(f"{CONFIG}:mode=pretrain,data.corpus=imdb,"
+                                         "data.vocab_corpus=sst2_sentences")
+  plain = config_utils.load_config_file(f"{CONFIG}:mode=pretrain,data.corpus=sst2_sentences")
+  assert masked_lm.corpus_texts(config.data) == texts["imdb"]  # the pretraining text
+  masked_lm.bert_tokenizer(config.data)
+  masked_lm.bert_tokenizer(plain.data)
+  assert seen[0] == seen[1]  # same cache key, same text: the same vocabulary
+  assert seen[0][1] == ["a sst-2 sentence", "another one"]
+  assert seen[0][0]["corpus"] == "sst2_sentences"
+  finetune = config_utils.load_config_file(f"{CONFIG}:mode=finetune,data.corpus=imdb")
+  assert classification.pretraining_mismatch(config, finetune) == [
+      "data.corpus: 'sst2_sentences' in the pretraining run, 'imdb' here"]
+  config.data.vocab_corpus = "wikipedia"
+  with pytest.raises(config_utils.ConfigError, match="data.vocab_corpus"):
+    masked_lm.tokenizer_options(config.data)
 
 
 # ------------------------------------------------------------------------------ real SST-2

@@ -63,6 +63,19 @@ def test_label_subsets_are_nested_and_seeded(study):
   assert len(study.label_subset(50, 0.001)) == 1
 
 
+def test_the_sst2_vocabulary_arm_pretrains_on_imdb_in_scratch_vocabulary(study, tmp_path):
+  fv = study._define_flags()
+  fv(["run.py", f"--workdir={tmp_path}", "--arms=imdb_sst2vocab,scratch", "--size=test"])
+  runs = study.plan(fv)
+  data = {(r["arm"], r["kind"]): (r["config"].data.corpus, r["config"].data.vocab_corpus)
+          for r in runs}
+  assert {v for (arm, _), v in data.items() if arm == "imdb_sst2vocab"} == {
+      ("imdb", "sst2_sentences")}
+  assert {v for (arm, _), v in data.items() if arm == "scratch"} == {("sst2_sentences", "")}
+  assert ("imdb_sst2vocab", "pretrain") in data
+  assert all(r["plateau"] for r in runs if r["kind"] == "pretrain")
+
+
 @pytest.mark.slow
 def test_an_arm_linked_from_another_study_shares_its_pretraining(study, tmp_path):
   """An arm folder that links to another study's arm: its fine-tuning runs start from the

@@ -13,8 +13,10 @@ Corpus (`data.corpus`; SST-2's labels are never read):
 - "imdb+shakespeare": both document corpora; "imdb+sst2_sentences": IMDB's documents and SST-2's
   rebuilt sentences, `data.sst2_fraction` of each batch from SST-2.
 
-Tokenizer: a sentencepiece subword vocabulary (`data.vocab_size`) trained on the corpus text,
-cached under `data.tokenizer_dir` by a key of its options and kept in the run's assets folder;
+Tokenizer: a sentencepiece subword vocabulary (`data.vocab_size`) trained on the corpus text
+(or on the text of `data.vocab_corpus` when set: e.g. IMDB pretraining in the vocabulary that
+SST-2's own sentences give, the one a from-scratch SST-2 model uses), cached under
+`data.tokenizer_dir` by a key of its options and kept in the run's assets folder;
 fine-tuning takes the pretraining run's (or builds the same one, `bert_tokenizer`), so a
 pretrained encoder and its classifier share their vocabulary.
 
@@ -139,9 +141,17 @@ def batch_composition(data: ml_collections.ConfigDict, batch_size: int) -> int:
 TOKENIZER_KINDS = ("subword", "hf", "ids")
 
 
+def vocab_corpus(data: ml_collections.ConfigDict) -> str:
+  """The corpus whose text the subword vocabulary is learned on: `data.vocab_corpus`, else
+  `data.corpus` (checked against CORPORA)."""
+  name = data.get("vocab_corpus", "") or data.corpus
+  check_choice("data.vocab_corpus", name, CORPORA, "corpora")
+  return name
+
+
 def tokenizer_options(data: ml_collections.ConfigDict) -> dict[str, Any]:
   """The data options that determine the vocabulary (compared across pretraining/fine-tuning)."""
-  options = {"corpus": data.corpus, "vocab_size": int(data.vocab_size),
+  options = {"corpus": vocab_corpus(data), "vocab_size": int(data.vocab_size),
              "max_documents": int(data.max_documents),
              "max_extra_sentences": int(data.max_extra_sentences)}
   if data.get("tokenizer", "subword") != "subword":
@@ -167,7 +177,9 @@ def bert_tokenizer(data: ml_collections.ConfigDict) -> Any:
                         f"{len(tokenizer)} tokens; set it to the checkpoint's vocabulary size")
     return tokenizer
   def texts() -> list[str]:
-    documents, extra = corpus_texts(data)
+    vocab_data = ml_collections.ConfigDict(data.to_dict())
+    vocab_data.corpus = vocab_corpus(data)
+    documents, extra = corpus_texts(vocab_data)
     return [s for doc in documents for s in doc] + extra
   return tokenizers.cached_subword("bert", tokenizer_options(data), texts, data.tokenizer_dir)
 

@@ -1,4 +1,4 @@
-"""BERT on SST-2: does pretraining (on which text) help a tiny encoder? Seven arms, N seeds each.
+"""BERT on SST-2: does pretraining (on which text) help a tiny encoder? Eight arms, N seeds each.
 
   python experiments/bert_sst2/run.py [--workdir=runs/bert_sst2] [--size=tiny] [--seeds=0,1,2] \
       [--arms=scratch,shakespeare,sst2,both] [--lrs=1e-4,3e-4,1e-3] [--pretrain_seeds=...] \
@@ -17,6 +17,9 @@ Arms (configs/bert.py; every pretraining run with STUDY_PRETRAIN, then --pretrai
                consecutive sentences); IMDB_PRETRAIN's longer schedule with the plateau rule
   imdb+sst2    IMDB reviews and SST-2's rebuilt sentences, half of each batch from each
   imdb+shakespeare  IMDB reviews and Shakespeare's speeches (document pairs of both)
+  imdb_sst2vocab  the imdb arm's pretraining in the scratch arm's vocabulary (data.vocab_corpus:
+               learned on SST-2's rebuilt training sentences), so that the two differ only by
+               the pretraining
 Whole-word masking and dynamic masking everywhere; each arm's subword vocabulary is learned on
 its own pretraining text (the labels of SST-2 are never read by pretraining).
 
@@ -79,9 +82,12 @@ CONFIG_FILE = REPO / "configs" / "bert.py"
 # Arm -> pretraining corpus (None: no pretraining).
 ARMS = {"scratch": None, "shakespeare": "shakespeare", "sst2": "sst2_sentences",
         "both": "shakespeare+sst2_sentences", "imdb": "imdb", "imdb+sst2": "imdb+sst2_sentences",
-        "imdb+shakespeare": "imdb+shakespeare"}
+        "imdb+shakespeare": "imdb+shakespeare", "imdb_sst2vocab": "imdb"}
+# Arms whose vocabulary is learned on another corpus than their pretraining text
+# (data.vocab_corpus): IMDB reviews in the scratch arm's vocabulary, SST-2's own sentences.
+ARM_VOCAB = {"imdb_sst2vocab": "sst2_sentences"}
 # Arms pretrained on IMDB reviews: IMDB_PRETRAIN after STUDY_PRETRAIN, and the plateau rule.
-IMDB_ARMS = ("imdb", "imdb+sst2", "imdb+shakespeare")
+IMDB_ARMS = ("imdb", "imdb+sst2", "imdb+shakespeare", "imdb_sst2vocab")
 # Pretraining options of every arm (before --pretrain_args, which win): sentence-order pairs,
 # whole-word masking, and the longer schedule of the study (experiments/bert_sst2/README.md).
 STUDY_PRETRAIN = ("data.pair_task=sop,data.whole_word=True,num_train_steps=10000,batch_size=64,"
@@ -316,6 +322,12 @@ def lr_name(lr: float) -> str:
   return f"{lr:.0e}".replace("e-0", "e-")
 
 
+def _data_args(arm: str, fv: flags.FlagValues) -> str:
+  """The corpus (and vocabulary) options of an arm's configs, pretraining and fine-tuning."""
+  args = f"data.corpus={ARMS[arm] or fv.scratch_corpus}"
+  return args + (f",data.vocab_corpus={ARM_VOCAB[arm]}" if arm in ARM_VOCAB else "")
+
+
 def plan(fv: flags.FlagValues) -> list[dict]:
   """Every run of the study in order: {arm, kind, seed, workdir, config}. The configs of the
   fine-tuning runs (kind "finetune") have their learning rate set once the choice is made."""
@@ -331,7 +343,7 @@ def plan(fv: flags.FlagValues) -> list[dict]:
   for arm in fv.arms:
     corpus = ARMS[arm]
     folder = workdir / arm
-    data_args = f"data.corpus={corpus or fv.scratch_corpus}"
+    data_args = _data_args(arm, fv)
     if corpus is not None:
       for p in pretrain_seeds:
         config = _config("pretrain", fv, p, data_args, STUDY_PRETRAIN,
@@ -364,7 +376,7 @@ def label_runs(fv: flags.FlagValues, label_arm: str, lrs: dict[str, float]) -> l
   runs = []
   for arm in (label_arm, "scratch"):
     corpus = ARMS[arm]
-    data_args = f"data.corpus={corpus or fv.scratch_corpus}"
+    data_args = _data_args(arm, fv)
     for text in fv.label_fractions:
       fraction = float(text)
       if not 0.0 < fraction <= 1.0:
@@ -459,7 +471,8 @@ def run_study(fv: flags.FlagValues) -> dict:
   runs = plan(fv)
   for arm in fv.arms:
     arm_runs = [r for r in runs if r["arm"] == arm]
-    info = {"corpus": ARMS[arm] or f"none (vocabulary of {fv.scratch_corpus})", "pretrain": {},
+    info = {"corpus": (ARMS[arm] or f"none (vocabulary of {fv.scratch_corpus})")
+            + (f" (vocabulary of {ARM_VOCAB[arm]})" if arm in ARM_VOCAB else ""), "pretrain": {},
             "selection": {}}
     for run in (r for r in arm_runs if r["kind"] == "pretrain"):
       record = _run(run, timings, root)
@@ -669,8 +682,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         c = run["config"]
         lr = f", lr {run['lr']:g}" if "lr" in run else ""
         plateau = ", plateau rule" if run.get("plateau") else ""
-        print(f"{run['workdir']}: {c.task}, corpus {c.data.corpus}, {c.num_train_steps} steps "
-              f"of {c.batch_size}{lr}{plateau}")
+        vocab = f" (vocabulary of {c.data.vocab_corpus})" if c.data.vocab_corpus else ""
+        print(f"{run['workdir']}: {c.task}, corpus {c.data.corpus}{vocab}, "
+              f"{c.num_train_steps} steps of {c.batch_size}{lr}{plateau}")
       if fv.label_fractions:
         print(f"then label efficiency ({fv.label_arm} arm and scratch): fractions "
               f"{', '.join(fv.label_fractions)}, {fv.label_seeds} seeds each")
