@@ -197,7 +197,18 @@ def selection_examples(*, data_dir: Any = None, manual_dir: Any = None
   Both are rows of SST-2's *training* split ({"sentence", "label", "idx"}): the training phrases
   inside a pretraining sentence, and the held-out sentences. SST-2's validation split is not used.
   """
+  train, heldout = _selection(os.fspath(data_dir) if data_dir else None,
+                              os.fspath(manual_dir) if manual_dir else None)
+  return list(train), list(heldout)
+
+
+@functools.lru_cache(maxsize=4)
+def _selection(data_dir: str | None, manual_dir: str | None
+               ) -> tuple[tuple[dict[str, Any], ...], tuple[dict[str, Any], ...]]:
+  """selection_examples' rows, read once per process and data location (61,577 rows: reading
+  them through TFDS takes seconds, and every choice run asks twice, for training and held-out)."""
   from attnlab import data as data_lib  # pylint: disable=g-import-not-at-top
   _, split = train_phrases(data_dir=data_dir, manual_dir=manual_dir)
   examples = data_lib.get_dataset("sst2", "train", data_dir=data_dir, manual_dir=manual_dir)
-  return examples.__getitems__(split.selection_train), examples.__getitems__(split.heldout)
+  return (tuple(examples.__getitems__(split.selection_train)),
+          tuple(examples.__getitems__(split.heldout)))
