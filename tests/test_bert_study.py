@@ -159,6 +159,7 @@ def test_imdb_arm_plateau_and_label_efficiency_end_to_end(study, shared_data, tm
   pretrain = root / "imdb" / "pretrain_s0"
   marker = json.loads((pretrain / study.PLATEAU_FILE).read_text())
   assert marker["step"] == 8  # the second evaluation: the first with one before it
+  assert (pretrain / "head_view.png").is_file()  # written though the rule stopped the run
   details = json.loads((root / "details.json").read_text())
   info = details["arms"]["imdb"]["pretrain"]["0"]
   assert info["plateau_step"] == 8 and 8 <= info["step"] < 3000
