@@ -90,6 +90,7 @@ def test_an_arm_linked_from_another_study_shares_its_pretraining(study, tmp_path
   assert inits == {str(other.resolve() / "pretrain_s0"), str(other.resolve() / "pretrain_s1")}
 
 
+@pytest.mark.slow
 def test_two_arm_study_end_to_end(study, shared_data, tmp_path):
   """Scratch and in-domain arms, the lr chosen on held-out training sentences; results.json in
   the issue's format, figures published."""
