@@ -21,7 +21,8 @@ Arms (configs/bert.py; every pretraining run with STUDY_PRETRAIN, then --pretrai
                learned on SST-2's rebuilt training sentences), so that the two differ only by
                the pretraining
 Whole-word masking and dynamic masking everywhere; each arm's subword vocabulary is learned on
-its own pretraining text (the labels of SST-2 are never read by pretraining).
+its own pretraining text, but for the arms of ARM_VOCAB (the labels of SST-2 are never read by
+pretraining).
 
 Per arm: pretraining runs WORKDIR/<arm>/pretrain_s<p> (p = pretrain_seeds[i % len], default the
 fine-tuning seeds; WORKDIR/<arm> may be a link to another study's arm folder, whose finished runs
