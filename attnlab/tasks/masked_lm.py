@@ -177,7 +177,7 @@ def bert_tokenizer(data: ml_collections.ConfigDict) -> Any:
                         f"{len(tokenizer)} tokens; set it to the checkpoint's vocabulary size")
     return tokenizer
   def texts() -> list[str]:
-    vocab_data = ml_collections.ConfigDict(data.to_dict())
+    vocab_data = data.copy_and_resolve_references()
     vocab_data.corpus = vocab_corpus(data)
     documents, extra = corpus_texts(vocab_data)
     return [s for doc in documents for s in doc] + extra

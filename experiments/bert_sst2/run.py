@@ -401,8 +401,8 @@ def _timings_path(workdir: pathlib.Path) -> pathlib.Path:
 
 
 def _write_plots(workdir: pathlib.Path) -> None:
-  """The plots a finished run writes (head views), from the last checkpoint of a run the plateau
-  rule stopped (the trainer writes them only at the last step)."""
+  """The plots a finished run writes (head views), from its last checkpoint: for a run the
+  plateau rule stopped (the trainer writes them only at the last step)."""
   from attnlab.analysis import runs as runs_lib  # pylint: disable=g-import-not-at-top
   run = runs_lib.load_run(workdir)
   if run.config.write_plots:
@@ -419,8 +419,6 @@ def _run(run: dict, timings: dict[str, float], root: pathlib.Path) -> dict[str, 
   plateau = run.get("plateau", False)
   stopped = plateau and plateau_reached(run["workdir"], run["config"].num_train_steps)
   done = stopped or checkpoint.is_complete(run["workdir"], run["config"].num_train_steps)
-  if stopped and not (run["workdir"] / "head_view.png").is_file():
-    _write_plots(run["workdir"])  # stopped before this step wrote them
   start = time.time()
   if not stopped:
     if plateau:
@@ -432,9 +430,11 @@ def _run(run: dict, timings: dict[str, float], root: pathlib.Path) -> dict[str, 
             raise
           _LOG.info("%s: the held-out %s flattened at step %d (plateau rule); stopped",
                     run["workdir"], PLATEAU["metric"], watch.fired)
-          _write_plots(run["workdir"])
     else:
       train.train_and_evaluate(run["config"], run["workdir"])
+  if plateau and not (run["workdir"] / "head_view.png").is_file() and plateau_reached(
+      run["workdir"], run["config"].num_train_steps):
+    _write_plots(run["workdir"])  # stopped by the rule now or earlier: the trainer wrote none
   if not done:
     name = str(run["workdir"].relative_to(root))
     timings[name] = timings.get(name, 0.0) + time.time() - start
