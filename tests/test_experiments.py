@@ -172,6 +172,26 @@ def test_attention_benchmark():
   assert float(memory["512"][2].rstrip("x")) < 2.5 < float(memory["512"][5].rstrip("x"))
 
 
+def test_attention_benchmark_matmul_floor():
+  """The `matmuls` contender computes (q kᵀ / sqrt(d)) v over the key range each query tile of
+  the kernel visits: all keys without a mask, up to the end of the diagonal tile with one."""
+  spec = importlib.util.spec_from_file_location(
+      "attention_benchmark", REPO / "experiments" / "benchmarks" / "attention.py")
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  rng = np.random.default_rng(3)
+  s, d, tile = 768, 8, 512  # ONE_DEVICE_TILES: 512-row query tiles, 512 x 512 causal tiles
+  q, k, v = (rng.standard_normal((1, 2, s, d)).astype(np.float32) for _ in range(3))
+  scores = q @ np.swapaxes(k, -1, -2) / np.sqrt(d)
+  dense = np.asarray(bench._matmul_floor(False)(q, k, v))
+  np.testing.assert_allclose(dense, scores @ v, rtol=1e-4, atol=1e-3)
+  causal = np.asarray(bench._matmul_floor(True)(q, k, v))
+  first = scores[..., :tile, :tile] @ v[..., :tile, :]  # tile 0 sees keys [0, 512)
+  second = scores[..., tile:, :] @ v  # tile 1 (rows 512..767) sees keys [0, 1024) -> all 768
+  np.testing.assert_allclose(causal, np.concatenate([first, second], axis=-2), rtol=1e-4,
+                             atol=1e-3)
+
+
 def test_dp_step_benchmark(shared_data):
   out = _run("benchmarks/dp_step.py", "--positions=learned", "--rounds=3", "--chunk=1",
              f"--data_dir={shared_data}")

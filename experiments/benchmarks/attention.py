@@ -12,6 +12,12 @@ causal mask, for
   blocked-devices  blocked on one JAX CPU device per core (`jax_num_cpu_devices`, what
               `mesh.cpu_devices=0` gives a training run) with the batch split over them, traced
               under the mesh as the train step is: each device runs the kernel on its slice
+  matmuls     the one-device kernel's forward matmuls alone (no softmax): over the head groups
+              of blocked.ONE_DEVICE_TILES, q kᵀ then its product with v, on the key range each
+              query tile visits (under a causal mask, the tiles the kernel does not skip). Not
+              attention: its forward is a floor for the kernel's on this machine (its
+              "blocked speed-up" column = the share of the kernel's time that the matmuls
+              need); its fwd+bwd is the vjp of two plain products, not a floor
   jax.nn.dpa  `jax.nn.dot_product_attention` (its XLA implementation)
   torch       `torch.nn.functional.scaled_dot_product_attention` (CPU, when torch imports:
               `pip install -e '.[torch]'`)
@@ -62,9 +68,9 @@ except ImportError:  # pragma: no cover - depends on the environment
   torch = None
 
 IMPLS = ("reference", "blocked", "blocked-2chunks", "blocked-small-tiles", "blocked-devices",
-         "jax.nn.dpa", "torch")
+         "matmuls", "jax.nn.dpa", "torch")
 # contenders that the wall-clock table divides by blocked's time (the "blocked speed-up" columns)
-BLOCKED_VS = ("blocked-2chunks", "blocked-small-tiles", "jax.nn.dpa", "torch")
+BLOCKED_VS = ("blocked-2chunks", "blocked-small-tiles", "matmuls", "jax.nn.dpa", "torch")
 # GFLOP/s of a large float32 matmul on the 2-core development CPU (issue #14; FMA peak ~233)
 MATMUL_CEILING_GFLOPS = 215.0
 
@@ -174,6 +180,33 @@ def _attnlab_fn(impl: str, causal: bool) -> Callable:
   return f
 
 
+def _matmul_floor(causal: bool) -> Callable:
+  """The matmuls of the one-device kernel without its softmax (the `matmuls` contender)."""
+  from attnlab.attention import blocked  # pylint: disable=g-import-not-at-top
+  tiles = blocked.ONE_DEVICE_TILES
+
+  def f(q, k, v):  # [B, H, S, D] each
+    lead, s, d = q.shape[:-2], q.shape[-2], q.shape[-1]
+    rows = int(np.prod(lead))
+    bq = min(s, tiles.causal_block if causal else tiles.block_q)
+    bk = min(s, tiles.causal_block if causal else tiles.block_k)
+    group = max(g for g in range(1, max(1, tiles.tile_elements // (bq * bk)) + 1)
+                if rows % g == 0)
+    split = lambda x: x.reshape((rows // group, group) + x.shape[-2:])
+
+    def one(qkv):
+      qg, kg, vg = qkv  # [G, S, D]
+      outs = []
+      for start in range(0, s, bq):  # query tiles; causal: keys up to the tile's last row
+        stop = min(s, start + bq)
+        keys = -(-stop // bk) * bk if causal else s
+        scores = jnp.einsum("gqd,gkd->gqk", qg[:, start:stop] / np.sqrt(d), kg[:, :keys])
+        outs.append(jnp.einsum("gqk,gkd->gqd", scores, vg[:, :keys]))
+      return jnp.concatenate(outs, axis=1)
+    return jax.lax.map(one, (split(q), split(k), split(v))).reshape(q.shape)
+  return f
+
+
 def _batch_mesh() -> jax.sharding.Mesh:
   return jax.make_mesh((len(jax.devices()),), ("batch",),
                        axis_types=(jax.sharding.AxisType.Auto,))
@@ -186,7 +219,8 @@ def _dpa_fn(causal: bool) -> Callable:
 
 
 def jax_callables(impl: str, causal: bool) -> dict[str, Callable]:
-  f = _dpa_fn(causal) if impl == "jax.nn.dpa" else _attnlab_fn(impl, causal)
+  f = (_dpa_fn(causal) if impl == "jax.nn.dpa" else _matmul_floor(causal) if impl == "matmuls"
+       else _attnlab_fn(impl, causal))
 
   def fwd_bwd(q, k, v, do):
     out, vjp = jax.vjp(f, q, k, v)
@@ -222,7 +256,7 @@ def make_inputs(b: int, h: int, s: int, d: int, seed: int = 0) -> dict[str, tupl
   bhsd = tuple(jnp.asarray(x) for x in (q, k, v, do))  # [B, H, S, D]
   bshd = tuple(jnp.asarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v, do))  # [B, S, H, D]
   out = {"reference": bhsd, "blocked": bhsd, "blocked-2chunks": bhsd, "blocked-small-tiles": bhsd,
-         "jax.nn.dpa": bshd}
+         "matmuls": bhsd, "jax.nn.dpa": bshd}
   if len(jax.devices()) > 1 and b % len(jax.devices()) == 0:  # blocked-devices: batch split
     split = NamedSharding(_batch_mesh(), P("batch"))
     out["blocked-devices"] = tuple(jax.device_put(x, split) for x in (q, k, v, do))
