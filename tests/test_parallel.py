@@ -21,6 +21,7 @@ from attnlab import config_utils
 from attnlab import losses
 from attnlab import parallel
 from attnlab import tasks
+from attnlab.attention import cpu_fused
 from attnlab.config_utils import ConfigError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -306,7 +307,17 @@ def _blocked_on_mesh() -> dict[str, list]:
   spec = jax.sharding.PartitionSpec(parallel.MESH_AXES)
   device_grads, device_out = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=spec,
                                                    out_specs=spec))(q, k, v, do, mask)
+
+  def plain(q, k, v, do):  # no mask or tiles: the fused CPU kernel (where it runs) per slice
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      out = blocked.blocked_attention(q, k, v, causal=True)
+      return jnp.sum(out * do), out
+  plain_grad = jax.grad(plain, argnums=(0, 1, 2), has_aux=True)
+  fused_grads, fused_out = jax.jit(plain_grad)(*(jax.device_put(x, split) for x in (q, k, v, do)))
   return {"out": np.asarray(out).tolist(), "grads": [np.asarray(g).tolist() for g in grads],
+          "fused_out": np.asarray(fused_out).tolist(),
+          "fused_grads": [np.asarray(g).tolist() for g in fused_grads],
+          "fused_traced": cpu_fused.FORWARD in str(jax.make_jaxpr(plain_grad)(q, k, v, do)),
           "replicas": np.asarray(replicas).tolist(), "out_devices": len(out.sharding.device_set),
           "device_out": np.asarray(device_out).tolist(),
           "device_grads": [np.asarray(g).tolist() for g in device_grads]}
@@ -341,6 +352,15 @@ def test_cpu_devices_split_a_fresh_process_into_a_data_parallel_mesh(tmp_path):
     np.testing.assert_allclose(blocked[name + "out"], out, rtol=1e-4, atol=1e-5)
     for got, want in zip(blocked[name + "grads"], expected):
       np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  # Without the padding mask: the fused CPU kernel on each device's slice, where it runs.
+  assert blocked["fused_traced"] == (cpu_fused.unavailable_reason() is None)
+  p, out_plain = _numpy_attention(q, k, v, np.ones_like(mask))
+  d_p = do @ np.swapaxes(v, -1, -2)
+  d_s = p * (d_p - (d_p * p).sum(-1, keepdims=True)) / np.sqrt(q.shape[-1])
+  np.testing.assert_allclose(blocked["fused_out"], out_plain, rtol=1e-4, atol=1e-5)
+  for got, want in zip(blocked["fused_grads"],
+                       [d_s @ k, np.swapaxes(d_s, -1, -2) @ q, np.swapaxes(p, -1, -2) @ do]):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
   reversed_out = _numpy_attention(q[::-1], k[::-1], v[::-1], mask)[1]
   np.testing.assert_allclose(blocked["replicas"], np.stack([out, reversed_out]), rtol=1e-4,
                              atol=1e-5)

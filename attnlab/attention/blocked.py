@@ -21,7 +21,13 @@ list of visible tiles, computed from the static table (a global block makes the 
 first to the last visible tile as long as the sequence, the list stays short), so block-sparse
 attention costs time linear in the length.
 
-Everything is pure JAX (`lax.fori_loop`, `lax.map`, `dot_general`), so the same code compiles
+On a CPU with AVX-512, a float32 call on one device with no mask, bias, sparsity pattern or
+tile settings (what `attend(..., implementation="auto")` makes for plain or causal attention)
+runs the fused C++ kernel of `cpu_fused` instead: one pass per block of query rows with the
+scores in cache, on every core, 1.1-2.2x torch's fused kernel where the tile loops below were
+0.76-1.07x (experiments/benchmarks/README.md). Everything else takes the tile loops.
+
+Everything else is pure JAX (`lax.fori_loop`, `lax.map`, `dot_general`), so the same code compiles
 for CPU, GPU and TPU; the default tile sizes are tuned for XLA:CPU (see
 experiments/benchmarks/README.md). On one device the tiles are large (ONE_DEVICE_TILES): XLA:CPU
 splits each large tile op over its threads, so a single call uses every core; under a batch split
@@ -58,6 +64,7 @@ from jax.sharding import PartitionSpec as P
 
 from attnlab import parallel
 from attnlab.attention import core
+from attnlab.attention import cpu_fused
 from attnlab.attention import masks as masks_lib
 
 Array = jax.Array
@@ -607,6 +614,32 @@ def _batch_shards(q: Array, k: Array, v: Array, mask: Any, bias: Any = None):
   return run
 
 
+def _fused_ok(q: Array, k: Array, v: Array) -> bool:
+  """Whether the fused CPU kernel can compute this call: float32 math (inputs of at most 32
+  bits), matching feature dims, non-empty lengths, and the kernel available here."""
+  dt = jnp.result_type(q, k, v)
+  return (jnp.issubdtype(dt, jnp.floating) and jnp.dtype(dt).itemsize <= 4
+          and q.shape[-1] == k.shape[-1] and q.shape[-2] > 0 and k.shape[-2] > 0
+          and cpu_fused.usable(jnp.float32))
+
+
+def _fused(q: Array, k: Array, v: Array, scale: float | None, causal: bool,
+           threads: int | None = None) -> Array:
+  """blocked_attention's result through cpu_fused.attention (q, k, v `[..., len, feat]`)."""
+  out_dtype = jnp.result_type(q, k, v)
+  lead = tuple(jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+  rows = math.prod(lead)
+  if rows == 0:
+    return jnp.zeros(lead + (q.shape[-2], v.shape[-1]), out_dtype)
+  scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+  def rows_of(x: Array) -> Array:
+    x = jnp.broadcast_to(x.astype(jnp.float32), lead + x.shape[-2:])
+    return x.reshape((rows,) + x.shape[-2:])
+  out = cpu_fused.attention(rows_of(q) * scale, rows_of(k), rows_of(v), bool(causal), threads)
+  return out.reshape(lead + (q.shape[-2], v.shape[-1])).astype(out_dtype)
+
+
 def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = None,
                       mask: Any = None, causal: bool = False, block_q: int | None = None,
                       block_k: int | None = None, head_group: int | None = None,
@@ -656,6 +689,17 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   core.check_qkv(q, k, v)
   per_shard = _batch_shards(q, k, v, mask, bias)
+  # A call with no mask, bias, sparsity or tile settings may run the fused C++ kernel
+  # (cpu_fused: float32 math on an AVX-512 CPU), which keeps each block's scores in cache; under
+  # a batch split over CPU devices each device runs it on its slice with its share of the cores.
+  plain_call = (tiles is None and mask is None and bias is None and pattern is None
+                and not block_sparse and block_q is None and block_k is None
+                and head_group is None and parallel is None)
+  if plain_call and _fused_ok(q, k, v):
+    if per_shard is None:
+      return _fused(q, k, v, scale, causal)
+    threads = max(1, cpu_fused.default_threads() // jax.sharding.get_abstract_mesh().size)
+    return per_shard(lambda q, k, v, mask, bias: _fused(q, k, v, scale, causal, threads))
   # the smaller tiles for each device's slice (one thread per device) and for sparsity patterns
   # (their efficiency was measured with them); the large ones for a whole device
   if tiles is None:

@@ -3,7 +3,12 @@
 Times softmax attention (scaled_dot score) forward and forward+backward, with and without a
 causal mask, for
   reference   attnlab `attend(implementation="reference")` (einsum + masked softmax)
-  blocked     attnlab `attend(implementation="blocked")` (attnlab.attention.blocked)
+  blocked     attnlab `attend(implementation="blocked")` (attnlab.attention.blocked), what
+              `attend()` runs by default at these shapes: on an AVX-512 CPU, float32, the fused
+              C++ kernel of attnlab.attention.cpu_fused (since 2026-11-26)
+  blocked-loops  the pure-JAX tile loops of the same module on one device with their one-device
+              tiles (blocked.ONE_DEVICE_TILES), what `attend()` ran before the fused kernel and
+              still runs with a mask, a bias or on a CPU without AVX-512
   blocked-2chunks  the same kernel with `parallel=2`: the rows cut into two independent chunks
               whose tile loops XLA:CPU runs concurrently, to show what the chunking buys
   blocked-small-tiles  the same kernel on one device with the tiles a device gets under a batch
@@ -67,10 +72,10 @@ try:  # torch is optional: the [torch] extra
 except ImportError:  # pragma: no cover - depends on the environment
   torch = None
 
-IMPLS = ("reference", "blocked", "blocked-2chunks", "blocked-small-tiles", "blocked-devices",
+IMPLS = ("reference", "blocked", "blocked-loops", "blocked-2chunks", "blocked-small-tiles", "blocked-devices",
          "matmuls", "jax.nn.dpa", "torch")
 # contenders that the wall-clock table divides by blocked's time (the "blocked speed-up" columns)
-BLOCKED_VS = ("blocked-2chunks", "blocked-small-tiles", "matmuls", "jax.nn.dpa", "torch")
+BLOCKED_VS = ("blocked-loops", "blocked-2chunks", "blocked-small-tiles", "matmuls", "jax.nn.dpa", "torch")
 # GFLOP/s of a large float32 matmul on the 2-core development CPU (issue #14; FMA peak ~233)
 MATMUL_CEILING_GFLOPS = 215.0
 
@@ -160,6 +165,10 @@ def _attnlab_fn(impl: str, causal: bool) -> Callable:
   if impl == "blocked-2chunks":
     from attnlab.attention import blocked  # pylint: disable=g-import-not-at-top
     return lambda q, k, v: blocked.blocked_attention(q, k, v, causal=causal, parallel=2)
+  if impl == "blocked-loops":
+    from attnlab.attention import blocked  # pylint: disable=g-import-not-at-top
+    return lambda q, k, v: blocked.blocked_attention(q, k, v, causal=causal,
+                                                     tiles=blocked.ONE_DEVICE_TILES)
   if impl == "blocked-small-tiles":
     from attnlab.attention import blocked  # pylint: disable=g-import-not-at-top
     return lambda q, k, v: blocked.blocked_attention(q, k, v, causal=causal,
@@ -255,8 +264,8 @@ def make_inputs(b: int, h: int, s: int, d: int, seed: int = 0) -> dict[str, tupl
   q, k, v, do = (rng.standard_normal((b, h, s, d), dtype=np.float32) for _ in range(4))
   bhsd = tuple(jnp.asarray(x) for x in (q, k, v, do))  # [B, H, S, D]
   bshd = tuple(jnp.asarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v, do))  # [B, S, H, D]
-  out = {"reference": bhsd, "blocked": bhsd, "blocked-2chunks": bhsd, "blocked-small-tiles": bhsd,
-         "matmuls": bhsd, "jax.nn.dpa": bshd}
+  out = {"reference": bhsd, "blocked": bhsd, "blocked-loops": bhsd, "blocked-2chunks": bhsd,
+         "blocked-small-tiles": bhsd, "matmuls": bhsd, "jax.nn.dpa": bshd}
   if len(jax.devices()) > 1 and b % len(jax.devices()) == 0:  # blocked-devices: batch split
     split = NamedSharding(_batch_mesh(), P("batch"))
     out["blocked-devices"] = tuple(jax.device_put(x, split) for x in (q, k, v, do))
@@ -278,13 +287,17 @@ def _run_once(impl: str, fn: Callable, args: tuple, pass_: str) -> tuple[float, 
 
 def time_cell(fns: dict[str, Callable], inputs: dict[str, tuple], pass_: str,
               reps: int) -> dict[str, tuple[float, float]]:
-  """Best-of-reps (wall, CPU) seconds per implementation, taking turns every round."""
+  """Best-of-reps (wall, CPU) seconds per implementation, taking turns every round; the order
+  rotates from round to round, so that no implementation always runs right after the same one
+  (torch's OpenMP threads keep spinning for a while after its call and slow whatever follows)."""
   times: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
   for name, fn in fns.items():  # warm-up: compile and first touch
     _run_once(name, fn, inputs[name], pass_)
-  for _ in range(reps):
-    for name, fn in fns.items():
-      times[name].append(_run_once(name, fn, inputs[name], pass_))
+  names = list(fns)
+  for round_ in range(reps):
+    shift = round_ % len(names)
+    for name in names[shift:] + names[:shift]:
+      times[name].append(_run_once(name, fns[name], inputs[name], pass_))
   return {name: (min(t[0] for t in ts), min(t[1] for t in ts)) for name, ts in times.items()}
 
 
