@@ -24,8 +24,8 @@ attention costs time linear in the length.
 On a CPU with AVX-512, a float32 call on one device with no mask, bias, sparsity pattern or
 tile settings (what `attend(..., implementation="auto")` makes for plain or causal attention)
 runs the fused C++ kernel of `cpu_fused` instead: one pass per block of query rows with the
-scores in cache, on every core, 1.1-2.2x torch's fused kernel where the tile loops below were
-0.76-1.07x (experiments/benchmarks/README.md). Everything else takes the tile loops.
+scores in cache, on every core, 1.01-2.13x torch's fused kernel where the tile loops below were
+0.76-1.07x (experiments/benchmarks/README.md, 2026-11-26). Everything else takes the tile loops.
 
 Everything else is pure JAX (`lax.fori_loop`, `lax.map`, `dot_general`), so the same code compiles
 for CPU, GPU and TPU; the default tile sizes are tuned for XLA:CPU (see

@@ -159,15 +159,18 @@ float ExpRow(float* x, int64_t n, int64_t width, float shift) {
   return _mm512_reduce_add_ps(sum);
 }
 
-// dst[d * ld + j] = src[j * cols + d]: a [rows x cols] row-major matrix transposed.
+// dst[d * ld + j] = src[j * cols + d]: a [rows x cols] row-major matrix transposed, a row of
+// dst (16 elements of a column of src) per gather.
 void Transpose(const float* src, int64_t rows, int64_t cols, float* dst, int64_t ld) {
-  constexpr int64_t kB = 16;
-  for (int64_t j0 = 0; j0 < rows; j0 += kB) {
-    for (int64_t d0 = 0; d0 < cols; d0 += kB) {
-      const int64_t j1 = std::min(rows, j0 + kB), d1 = std::min(cols, d0 + kB);
-      for (int64_t j = j0; j < j1; ++j) {
-        for (int64_t d = d0; d < d1; ++d) dst[d * ld + j] = src[j * cols + d];
-      }
+  const __m512i stride = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int>(cols)));
+  for (int64_t j = 0; j < rows; j += kLanes) {
+    const __mmask16 m = Mask(rows - j);
+    const float* base = src + j * cols;
+    for (int64_t d = 0; d < cols; ++d) {
+      _mm512_mask_storeu_ps(dst + d * ld + j, m,
+                            _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, stride, base + d, 4));
     }
   }
 }
