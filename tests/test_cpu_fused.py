@@ -31,20 +31,25 @@ def _visible(q_len: int, k_len: int, causal: bool) -> np.ndarray:
   return np.arange(k_len)[None, :] <= np.arange(q_len)[:, None] + max(k_len - q_len, 0)
 
 
-def _reference(q, k, v, causal):
-  """(out, probabilities) in float64."""
+def _reference(q, k, v, causal, key_mask=None):
+  """(out, probabilities) in float64; key_mask: bool [rows, k_len] or None. A query with no
+  visible key gets zero probabilities."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   s = q @ np.swapaxes(k, -1, -2)
-  s = np.where(_visible(q.shape[1], k.shape[1], causal), s, -np.inf)
-  p = np.exp(s - s.max(-1, keepdims=True))
-  p /= p.sum(-1, keepdims=True)
+  visible = _visible(q.shape[1], k.shape[1], causal)[None]
+  if key_mask is not None:
+    visible = visible & key_mask[:, None, :]
+  s = np.where(visible, s, -np.inf)
+  top = s.max(-1, keepdims=True)
+  p = np.where(visible, np.exp(s - np.where(np.isfinite(top), top, 0)), 0.0)
+  p /= np.maximum(p.sum(-1, keepdims=True), 1e-300)
   return p @ v, p
 
 
-def _reference_grads(q, k, v, g, causal):
+def _reference_grads(q, k, v, g, causal, key_mask=None):
   """d(sum(out * g)) / d(q, k, v) from dV = Pᵀ G, dP = G Vᵀ, dS = P (dP - rowsum(P dP)),
   dQ = dS K, dK = dSᵀ Q."""
-  _, p = _reference(q, k, v, causal)
+  _, p = _reference(q, k, v, causal, key_mask)
   q, k, v, g = (np.asarray(x, np.float64) for x in (q, k, v, g))
   dv = np.swapaxes(p, -1, -2) @ g
   dp = g @ np.swapaxes(v, -1, -2)
@@ -71,6 +76,25 @@ def test_values_and_gradients_match_numpy(shape, causal):
                            argnums=(0, 1, 2)))(q, k, v)
   for got, want in zip(grads, _reference_grads(q, k, v, g, causal)):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_mask_values_and_gradients(causal):
+  """A padding mask per batch element shared by its heads (mask rows 2, rows 6), with one batch
+  element whose keys are all hidden: zero context and zero gradients there."""
+  q, k, v, g = _inputs((6, 37, 45, 16, 24), seed=5)
+  lengths = np.array([45, 20, 0])
+  mask = np.arange(45)[None, :] < lengths[:, None]  # [3 batch elements, k_len]
+  rows_mask = np.repeat(mask, 2, axis=0)  # each shared by 2 rows (heads)
+  out = jax.jit(lambda q, k, v, m: cpu_fused.attention(q, k, v, causal, None, m))(q, k, v, mask)
+  np.testing.assert_allclose(out, _reference(q, k, v, causal, rows_mask)[0], rtol=1e-4,
+                             atol=1e-5)
+  assert not np.asarray(out[4:]).any()
+  loss = lambda q, k, v: jnp.sum(cpu_fused.attention(q, k, v, causal, None, mask) * g)
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+  for got, want in zip(grads, _reference_grads(q, k, v, g, causal, rows_mask)):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert np.isfinite(np.asarray(got)).all()
 
 
 def test_large_scores_stay_finite():
@@ -108,21 +132,28 @@ def _targets(fn, *args) -> str:
 
 
 def test_attend_dispatches_plain_float32_calls_to_the_kernel():
-  """auto -> blocked -> the fused kernel for plain and causal attention; masks and explicit tiles
-  keep the pure-JAX tile loops (and both agree with NumPy)."""
+  """auto -> blocked -> the fused kernel for plain, causal and padded attention; other masks and
+  explicit tiles keep the pure-JAX tile loops (and both agree with NumPy)."""
   rng = np.random.default_rng(3)
   q, k, v = (rng.normal(size=(2, 3, 300, 32)).astype(np.float32) for _ in range(3))
   plain = lambda q, k, v: core.attend(q, k, v, causal=True, return_weights=False)[0]
   assert cpu_fused.FORWARD in _targets(plain, q, k, v)
-  mask = np.ones((2, 1, 1, 300), bool)
-  masked = lambda q, k, v: core.attend(q, k, v, mask=mask, return_weights=False)[0]
+  mask = np.arange(300)[None, None, None, :] < np.array([300, 170])[:, None, None, None]
+  padded = lambda q, k, v: core.attend(q, k, v, mask=mask, return_weights=False)[0]
+  assert cpu_fused.FORWARD in _targets(padded, q, k, v)  # a key (padding) mask
+  per_query = np.tril(np.ones((300, 300), bool))  # hides keys per query: the tile loops
+  masked = lambda q, k, v: core.attend(q, k, v, mask=per_query, return_weights=False)[0]
   assert cpu_fused.FORWARD not in _targets(masked, q, k, v)
+  per_head = np.ones((1, 3, 1, 300), bool)  # a mask row per head, shared over the batch
+  assert cpu_fused.FORWARD not in _targets(
+      lambda q, k, v: core.attend(q, k, v, mask=per_head, return_weights=False)[0], q, k, v)
   tiled = lambda q, k, v: blocked.blocked_attention(q, k, v, block_q=64, block_k=64)
   assert cpu_fused.FORWARD not in _targets(tiled, q, k, v)
   scale = 1 / np.sqrt(32)
   flat = lambda x: x.reshape(6, 300, -1)
   want = _reference(flat(q) * scale, flat(k), flat(v), True)[0].reshape(q.shape)
   np.testing.assert_allclose(jax.jit(plain)(q, k, v), want, rtol=1e-4, atol=1e-5)
-  np.testing.assert_allclose(jax.jit(masked)(q, k, v),
-                             _reference(flat(q) * scale, flat(k), flat(v), False)[0].reshape(
-                                 q.shape), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(jax.jit(masked)(q, k, v), want, rtol=1e-4, atol=1e-5)
+  rows_mask = np.repeat(mask[:, 0, 0, :], 3, axis=0)  # [batch * heads, k_len]
+  want = _reference(flat(q) * scale, flat(k), flat(v), False, rows_mask)[0].reshape(q.shape)
+  np.testing.assert_allclose(jax.jit(padded)(q, k, v), want, rtol=1e-4, atol=1e-5)

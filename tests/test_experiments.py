@@ -172,6 +172,14 @@ def test_attention_benchmark():
   assert float(memory["512"][2].rstrip("x")) < 2.5 < float(memory["512"][5].rstrip("x"))
 
 
+def test_padded_attention_benchmark():
+  out = _run("benchmarks/padded_attention.py", "--seq=96", "--batch=2", "--heads=2",
+             "--head-dim=8", "--reps=1")
+  rows = [r for r in _rows(out) if r[0] == "96"]
+  assert [r[1] for r in rows] == ["fwd", "fwd+bwd"]
+  assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
+
+
 def test_attention_benchmark_matmul_floor():
   """The `matmuls` contender computes (q kᵀ / sqrt(d)) v over the key range each query tile of
   the kernel visits: all keys without a mask, up to the end of the diagonal tile with one."""

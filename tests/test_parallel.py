@@ -308,6 +308,14 @@ def _blocked_on_mesh() -> dict[str, list]:
   device_grads, device_out = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=spec,
                                                    out_specs=spec))(q, k, v, do, mask)
 
+  def per_device_fused(q, k, v, do, mask):  # the padding mask alone: the fused CPU kernel
+    def attend_fused(q, k, v):
+      out = blocked.blocked_attention(q, k, v, mask=mask, causal=True)
+      return jnp.sum(out * do), out
+    return jax.grad(attend_fused, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+  fused_device_grads, fused_device_out = jax.jit(jax.shard_map(
+      per_device_fused, mesh=mesh, in_specs=spec, out_specs=spec))(q, k, v, do, mask)
+
   def plain(q, k, v, do):  # no mask or tiles: the fused CPU kernel (where it runs) per slice
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       out = blocked.blocked_attention(q, k, v, causal=True)
@@ -315,6 +323,8 @@ def _blocked_on_mesh() -> dict[str, list]:
   plain_grad = jax.grad(plain, argnums=(0, 1, 2), has_aux=True)
   fused_grads, fused_out = jax.jit(plain_grad)(*(jax.device_put(x, split) for x in (q, k, v, do)))
   return {"out": np.asarray(out).tolist(), "grads": [np.asarray(g).tolist() for g in grads],
+          "fused_device_out": np.asarray(fused_device_out).tolist(),
+          "fused_device_grads": [np.asarray(g).tolist() for g in fused_device_grads],
           "fused_out": np.asarray(fused_out).tolist(),
           "fused_grads": [np.asarray(g).tolist() for g in fused_grads],
           "fused_traced": cpu_fused.FORWARD in str(jax.make_jaxpr(plain_grad)(q, k, v, do)),
@@ -348,7 +358,8 @@ def test_cpu_devices_split_a_fresh_process_into_a_data_parallel_mesh(tmp_path):
   expected = [d_s @ k, np.swapaxes(d_s, -1, -2) @ q, np.swapaxes(p, -1, -2) @ do]
   blocked = result["blocked"]
   assert blocked["out_devices"] == 2
-  for name in ("", "device_"):  # traced under the mesh; inside shard_map, per device
+  # traced under the mesh; inside shard_map, per device; the same with the fused CPU kernel
+  for name in ("", "device_", "fused_device_"):
     np.testing.assert_allclose(blocked[name + "out"], out, rtol=1e-4, atol=1e-5)
     for got, want in zip(blocked[name + "grads"], expected):
       np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

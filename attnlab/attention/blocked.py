@@ -21,13 +21,14 @@ list of visible tiles, computed from the static table (a global block makes the 
 first to the last visible tile as long as the sequence, the list stays short), so block-sparse
 attention costs time linear in the length.
 
-On a CPU with AVX-512, a float32 call on one device with no mask, bias, sparsity pattern or
-tile settings (what `attend(..., implementation="auto")` makes for plain or causal attention)
-runs the fused C++ kernel of `cpu_fused` instead: one pass per block of query rows with the
-scores in cache, on every core, 1.01-2.13x torch's fused kernel where the tile loops below were
-0.76-1.07x (experiments/benchmarks/README.md, 2026-11-26). Everything else takes the tile loops.
+On a CPU with AVX-512, a float32 call with no bias, sparsity pattern or tile setting, and with
+no mask or only a key (padding) mask, runs the fused C++ kernel of `cpu_fused` instead: what
+`attend(..., implementation="auto")` makes for plain, causal and padded attention, on one device
+or on each device's slice under a batch split. It makes one pass per block of query rows with the
+scores in cache, on every core: 1.01-2.13x torch's fused kernel, where the tile loops below were
+0.76-1.07x (experiments/benchmarks/README.md, 2026-11-26). Other calls take the tile loops.
 
-Everything else is pure JAX (`lax.fori_loop`, `lax.map`, `dot_general`), so the same code compiles
+The tile loops are pure JAX (`lax.fori_loop`, `lax.map`, `dot_general`), so the same code compiles
 for CPU, GPU and TPU; the default tile sizes are tuned for XLA:CPU (see
 experiments/benchmarks/README.md). On one device the tiles are large (ONE_DEVICE_TILES): XLA:CPU
 splits each large tile op over its threads, so a single call uses every core; under a batch split
@@ -623,20 +624,44 @@ def _fused_ok(q: Array, k: Array, v: Array) -> bool:
           and cpu_fused.usable(jnp.float32))
 
 
-def _fused(q: Array, k: Array, v: Array, scale: float | None, causal: bool,
+def _key_mask_rows(q: Array, k: Array, v: Array, mask: Any) -> Array | None:
+  """A mask that hides keys alike for every query (shape `[..., 1, k_len]`) and whose leading
+  dims are those of the rows up to some axis, then ones (`[batch, 1, 1, k_len]` against
+  `[batch, heads]` rows): as `[mask_rows, k_len]` bool, each row shared by consecutive rows (what
+  cpu_fused.attention takes). None for any other mask (the tile loops take those)."""
+  lead = tuple(jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+  q_len, k_len = q.shape[-2], k.shape[-2]
+  if jnp.issubdtype(jnp.asarray(mask).dtype, jnp.inexact):
+    return None  # refused with its message by the tile loops' check
+  mask = masks_lib.check_mask(mask, lead + (q_len, k_len))
+  if mask.shape[-2] != 1 or mask.shape[-1] != k_len:
+    return None
+  mask_lead = (1,) * (len(lead) + 2 - mask.ndim) + tuple(mask.shape[:-2])
+  shared = len(lead)
+  while shared > 0 and mask_lead[shared - 1] == 1:
+    shared -= 1
+  if mask_lead[:shared] != lead[:shared]:
+    return None
+  return mask.reshape((math.prod(lead[:shared]), k_len))
+
+
+def _fused(q: Array, k: Array, v: Array, mask: Any, scale: float | None, causal: bool,
            threads: int | None = None) -> Array:
-  """blocked_attention's result through cpu_fused.attention (q, k, v `[..., len, feat]`)."""
+  """blocked_attention's result through cpu_fused.attention (q, k, v `[..., len, feat]`; mask
+  None or a key mask that _key_mask_rows takes)."""
   out_dtype = jnp.result_type(q, k, v)
   lead = tuple(jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
   rows = math.prod(lead)
   if rows == 0:
     return jnp.zeros(lead + (q.shape[-2], v.shape[-1]), out_dtype)
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+  key_mask = None if mask is None else _key_mask_rows(q, k, v, mask)
 
   def rows_of(x: Array) -> Array:
     x = jnp.broadcast_to(x.astype(jnp.float32), lead + x.shape[-2:])
     return x.reshape((rows,) + x.shape[-2:])
-  out = cpu_fused.attention(rows_of(q) * scale, rows_of(k), rows_of(v), bool(causal), threads)
+  out = cpu_fused.attention(rows_of(q) * scale, rows_of(k), rows_of(v), bool(causal), threads,
+                            key_mask)
   return out.reshape(lead + (q.shape[-2], v.shape[-1])).astype(out_dtype)
 
 
@@ -692,14 +717,19 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
   # A call with no mask, bias, sparsity or tile settings may run the fused C++ kernel
   # (cpu_fused: float32 math on an AVX-512 CPU), which keeps each block's scores in cache; under
   # a batch split over CPU devices each device runs it on its slice with its share of the cores.
-  plain_call = (tiles is None and mask is None and bias is None and pattern is None
+  # A key (padding) mask `[batch, 1, 1, k_len]` is one row of bytes per batch element there.
+  plain_call = (tiles is None and bias is None and pattern is None
                 and not block_sparse and block_q is None and block_k is None
-                and head_group is None and parallel is None)
+                and head_group is None and parallel is None
+                and (mask is None or _key_mask_rows(q, k, v, mask) is not None))
   if plain_call and _fused_ok(q, k, v):
+    # on a mesh of CPU devices (split here, or inside the data-parallel step's shard_map) each
+    # device's call gets its share of the cores
+    mesh = jax.sharding.get_abstract_mesh()
+    threads = None if mesh.empty else max(1, cpu_fused.default_threads() // mesh.size)
     if per_shard is None:
-      return _fused(q, k, v, scale, causal)
-    threads = max(1, cpu_fused.default_threads() // jax.sharding.get_abstract_mesh().size)
-    return per_shard(lambda q, k, v, mask, bias: _fused(q, k, v, scale, causal, threads))
+      return _fused(q, k, v, mask, scale, causal, threads)
+    return per_shard(lambda q, k, v, mask, bias: _fused(q, k, v, mask, scale, causal, threads))
   # the smaller tiles for each device's slice (one thread per device) and for sparsity patterns
   # (their efficiency was measured with them); the large ones for a whole device
   if tiles is None:

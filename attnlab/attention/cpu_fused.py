@@ -10,9 +10,10 @@ The kernel is compiled on first use with the machine's C++ compiler (`$CXX`, els
 `-O3 -march=native`) into `$XDG_CACHE_HOME/attnlab/kernels` (default `~/.cache`), once per source,
 jax version and compiler. It is used only where it applies: float32, an x86-64 CPU with AVX-512,
 a compiler present (else `blocked_attention` keeps its pure-JAX path, with one logged line saying
-why). `ATTNLAB_CPU_KERNEL=0` turns it off.
+why), no mask or a key (padding) mask. `ATTNLAB_CPU_KERNEL=0` turns it off.
 
   out = attention(q, k, v, causal=False)   # q (already scaled), k, v: [rows, len, d] float32
+  out = attention(q, k, v, False, None, key_mask)   # key_mask: bool [mask_rows, k_len]
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ def unavailable_reason() -> str | None:
       reason = f"{ENV_SWITCH}=0"
     elif platform.machine() not in ("x86_64", "AMD64"):
       reason = f"not an x86-64 CPU ({platform.machine()})"
-    elif "avx512f" not in _cpu_flags():
-      reason = "the CPU has no AVX-512"
+    elif not {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags():
+      reason = "the CPU lacks AVX-512 (F, BW and VL)"
     elif (compiler := _compiler()) is None:
       reason = "no C++ compiler (set CXX, or install g++)"
     else:
@@ -142,41 +143,66 @@ def _require() -> None:
     raise RuntimeError(f"the fused CPU attention kernel cannot run here: {reason}")
 
 
-def _forward_call(q, k, v, causal: bool, threads: int | None):
+def _mask_operand(key_mask) -> tuple[jax.Array, int]:
+  if key_mask is None:
+    return jnp.zeros((1,), jnp.uint8), 0
+  return jnp.asarray(key_mask).astype(jnp.uint8), 1
+
+
+def _forward_call(q, k, v, key_mask, causal: bool, threads: int | None):
   _require()
   rows, q_len, _ = q.shape
+  mask, masked = _mask_operand(key_mask)
   return jax.ffi.ffi_call(
       FORWARD, (jax.ShapeDtypeStruct((rows, q_len, v.shape[-1]), jnp.float32),
                 jax.ShapeDtypeStruct((rows, q_len), jnp.float32)),
-      vmap_method="broadcast_all")(q, k, v, causal=np.int64(causal),
-                                threads=np.int64(threads or default_threads()))
+      vmap_method="broadcast_all")(q, k, v, mask, causal=np.int64(causal),
+                                   masked=np.int64(masked),
+                                   threads=np.int64(threads or default_threads()))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool = False,
-              threads: int | None = None) -> jax.Array:
+              threads: int | None = None, key_mask: jax.Array | None = None) -> jax.Array:
   """softmax(q kᵀ) v for q `[rows, q_len, d]` (scaled already), k `[rows, k_len, d]`, v
   `[rows, k_len, d_v]`, float32, q_len and k_len >= 1; causal: query i sees key j iff
   j <= i + max(k_len - q_len, 0). `threads`: of each call (None: one per core; a slice of a
-  batch split over CPU devices gets its share). Check `usable` first."""
-  return _forward_call(q, k, v, causal, threads)[0]
+  batch split over CPU devices gets its share). `key_mask`: None, or bool `[mask_rows, k_len]`
+  (True = visible) with mask_rows dividing rows, row m shared by rows m * g .. (m + 1) * g - 1
+  (g = rows / mask_rows: a `[batch, 1, 1, k_len]` padding mask against `[batch * heads]` rows);
+  a query with no visible key gets a zero context. Check `usable` first."""
+  return _varying_like(_forward_call(q, k, v, key_mask, causal, threads)[0], q)
 
 
-def _attention_fwd(q, k, v, causal, threads):
-  out, lse = _forward_call(q, k, v, causal, threads)
-  return out, (q, k, v, out, lse)
+def _varying_like(x: jax.Array, ref: jax.Array) -> jax.Array:
+  """x marked as varying over the manual mesh axes that `ref` varies over (inside shard_map the
+  FFI's results carry no such axes, and a custom VJP's cotangents must match its inputs')."""
+  def varying(y):
+    aval = jax.typeof(y)
+    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+  missing = tuple(sorted(varying(ref) - varying(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _attention_fwd(q, k, v, causal, threads, key_mask):
+  out, lse = _forward_call(q, k, v, key_mask, causal, threads)
+  out = _varying_like(out, q)
+  return out, (q, k, v, key_mask, out, _varying_like(lse, q))
 
 
 def _attention_bwd(causal, threads, residuals, dout):
-  q, k, v, out, lse = residuals
+  q, k, v, key_mask, out, lse = residuals
   _require()
-  return tuple(jax.ffi.ffi_call(
+  mask, masked = _mask_operand(key_mask)
+  dq, dk, dv = jax.ffi.ffi_call(
       BACKWARD, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
                  jax.ShapeDtypeStruct(k.shape, jnp.float32),
                  jax.ShapeDtypeStruct(v.shape, jnp.float32)),
-      vmap_method="broadcast_all")(q, k, v, out, lse, dout.astype(jnp.float32),
-                                causal=np.int64(causal),
-                                threads=np.int64(threads or default_threads())))
+      vmap_method="broadcast_all")(q, k, v, mask, out, lse, dout.astype(jnp.float32),
+                                   causal=np.int64(causal), masked=np.int64(masked),
+                                   threads=np.int64(threads or default_threads()))
+  return _varying_like(dq, q), _varying_like(dk, k), _varying_like(dv, v), None
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)

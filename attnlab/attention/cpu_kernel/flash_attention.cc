@@ -9,7 +9,9 @@
 // `threads` threads by rows (and, in the forward, by query blocks when rows are few).
 //
 // Causal: query i sees key j iff j <= i + offset, offset = max(k_len - q_len, 0) (as
-// attnlab.attention.core.attend aligns the queries to the end of the keys).
+// attnlab.attention.core.attend aligns the queries to the end of the keys). An optional key mask
+// (a padding mask: one row of k_len bytes per group of rows) hides keys for every query; a
+// query with no visible key gets a zero context and zero gradients.
 
 #include <immintrin.h>
 
@@ -135,22 +137,35 @@ inline __mmask16 Mask(int64_t count) {
   return count >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
 }
 
-// Row maximum of x[0:n].
-float RowMax(const float* x, int64_t n) {
+// Lanes j..j+15 of a key mask (bytes, nonzero = visible) that are set, among `lanes`.
+inline __mmask16 KeyLanes(const uint8_t* key_mask, int64_t j, __mmask16 lanes) {
+  if (key_mask == nullptr) return lanes;
+  const __m128i bytes = _mm_maskz_loadu_epi8(lanes, key_mask + j);
+  return _mm_mask_cmpneq_epi8_mask(lanes, bytes, _mm_setzero_si128());
+}
+
+// Maximum of x[j] over j < n that the key mask (if any) leaves visible; -inf if none.
+float RowMax(const float* x, int64_t n, const uint8_t* key_mask) {
   __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < n; j += kLanes) {
-    m = _mm512_mask_max_ps(m, Mask(n - j), m, _mm512_maskz_loadu_ps(Mask(n - j), x + j));
+    const __mmask16 k = KeyLanes(key_mask, j, Mask(n - j));
+    m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, x + j));
   }
   return _mm512_reduce_max_ps(m);
 }
 
-// x[j] = exp(x[j] - shift) for j < n, 0 for n <= j < width; returns the sum.
-float ExpRow(float* x, int64_t n, int64_t width, float shift) {
+// x[j] = exp(x[j] - shift) for the visible j < n (key mask), 0 for the others up to `width`;
+// returns the sum. A row with nothing visible (shift infinite) becomes zeros.
+float ExpRow(float* x, int64_t n, int64_t width, float shift, const uint8_t* key_mask) {
+  if (!std::isfinite(shift)) {
+    std::memset(x, 0, width * sizeof(float));
+    return 0.0f;
+  }
   const __m512 s = _mm512_set1_ps(shift);
   __m512 sum = _mm512_setzero_ps();
   int64_t j = 0;
   for (; j < n; j += kLanes) {
-    const __mmask16 m = Mask(n - j);
+    const __mmask16 m = KeyLanes(key_mask, j, Mask(n - j));
     const __m512 e = _mm512_maskz_mov_ps(m, Exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + j), s)));
     _mm512_storeu_ps(x + j, e);  // lanes past n are zeroed (they are inside the row's width)
     sum = _mm512_add_ps(sum, e);
@@ -220,6 +235,36 @@ struct Shape {
   int64_t rows, q_len, k_len, d, dv;
 };
 
+// The key mask of row r: key_mask holds mask_rows rows of k_len bytes, each shared by
+// rows / mask_rows consecutive rows (a [batch, 1, 1, k_len] padding mask against [batch, heads]
+// rows); nullptr when the call has none.
+struct KeyMask {
+  const uint8_t* data = nullptr;
+  int64_t group = 1, k_len = 0;
+  const uint8_t* Row(int64_t r) const { return data ? data + (r / group) * k_len : nullptr; }
+  // Keys past the last visible one of row r are skipped altogether (the padding at the end).
+  int64_t End(int64_t r, int64_t k_end) const {
+    const uint8_t* row = Row(r);
+    if (row == nullptr) return k_end;
+    while (k_end > 0 && row[k_end - 1] == 0) --k_end;
+    return k_end;
+  }
+};
+
+ffi::Error KeyMaskOf(ffi::Buffer<ffi::U8>& mask, int64_t masked, int64_t rows, int64_t k_len,
+                     KeyMask* out) {
+  if (!masked) return ffi::Error::Success();
+  const int64_t count = static_cast<int64_t>(mask.element_count());
+  if (count == 0 || count % k_len != 0 || rows % (count / k_len) != 0) {
+    return ffi::Error::InvalidArgument(
+        "the key mask must be [mask_rows, k_len] with mask_rows dividing the rows");
+  }
+  out->data = mask.typed_data();
+  out->group = rows / (count / k_len);
+  out->k_len = k_len;
+  return ffi::Error::Success();
+}
+
 ffi::Error ShapeOf(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v,
                    Shape* s) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
@@ -244,10 +289,13 @@ ffi::Error ShapeOf(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buff
 }
 
 ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                   ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse,
-                   int64_t causal, int64_t threads) {
+                   ffi::Buffer<ffi::U8> mask, ffi::ResultBuffer<ffi::F32> out,
+                   ffi::ResultBuffer<ffi::F32> lse, int64_t causal, int64_t masked,
+                   int64_t threads) {
   Shape s;
   if (auto err = ShapeOf(q, k, v, &s); !err.success()) return err;
+  KeyMask key_mask;
+  if (auto err = KeyMaskOf(mask, masked, s.rows, s.k_len, &key_mask); !err.success()) return err;
   if (out->element_count() != static_cast<size_t>(s.rows * s.q_len * s.dv) ||
       lse->element_count() != static_cast<size_t>(s.rows * s.q_len)) {
     return ffi::Error::InvalidArgument("fused attention: result sizes disagree with q, k, v");
@@ -275,7 +323,8 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
     const int64_t b0 = chunk * q_blocks / chunks, b1 = (chunk + 1) * q_blocks / chunks;
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t i0 = b * block, n = std::min(block, s.q_len - i0);
-      const int64_t k_end = causal ? std::min(s.k_len, i0 + n + offset) : s.k_len;
+      const int64_t k_end =
+          key_mask.End(r, causal ? std::min(s.k_len, i0 + n + offset) : s.k_len);
       float* o = op + (r * s.q_len + i0) * s.dv;
       float* l = lp + r * s.q_len + i0;
       Gemm(n, k_end, s.d, qr + i0 * s.d, s.d, 1, kt.data(), k_pad, scores.data(), k_pad, false);
@@ -284,10 +333,12 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
       for (int64_t i = 0; i < n; ++i) {
         const int64_t visible = causal ? std::min(k_end, i0 + i + offset + 1) : k_end;
         float* row = scores.data() + i * k_pad;
-        const float m = RowMax(row, visible);
-        const float sum = ExpRow(row, visible, width, m);
-        l[i] = m + std::log(sum);
-        inv[i] = 1.0f / sum;
+        const float m = RowMax(row, visible, key_mask.Row(r));
+        const float sum = ExpRow(row, visible, width, m, key_mask.Row(r));
+        // a query with no visible key: zero context, and an infinite logsumexp that makes the
+        // backward pass's probabilities zero
+        l[i] = sum > 0.0f ? m + std::log(sum) : std::numeric_limits<float>::infinity();
+        inv[i] = sum > 0.0f ? 1.0f / sum : 0.0f;
       }
       Gemm(n, s.dv, k_end, scores.data(), k_pad, 1, vr, s.dv, o, s.dv, false);
       for (int64_t i = 0; i < n; ++i) {
@@ -305,12 +356,15 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
 }
 
 ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                    ffi::Buffer<ffi::F32> out, ffi::Buffer<ffi::F32> lse,
-                    ffi::Buffer<ffi::F32> dout, ffi::ResultBuffer<ffi::F32> dq,
-                    ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv,
-                    int64_t causal, int64_t threads) {
+                    ffi::Buffer<ffi::U8> mask, ffi::Buffer<ffi::F32> out,
+                    ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout,
+                    ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
+                    ffi::ResultBuffer<ffi::F32> dv, int64_t causal, int64_t masked,
+                    int64_t threads) {
   Shape s;
   if (auto err = ShapeOf(q, k, v, &s); !err.success()) return err;
+  KeyMask key_mask;
+  if (auto err = KeyMaskOf(mask, masked, s.rows, s.k_len, &key_mask); !err.success()) return err;
   const size_t outs = static_cast<size_t>(s.rows * s.q_len * s.dv);
   if (out.element_count() != outs || dout.element_count() != outs ||
       lse.element_count() != static_cast<size_t>(s.rows * s.q_len) ||
@@ -349,7 +403,8 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
     std::memset(dvr, 0, s.k_len * s.dv * sizeof(float));
     for (int64_t i0 = 0; i0 < s.q_len; i0 += block) {
       const int64_t n = std::min(block, s.q_len - i0);
-      const int64_t k_end = causal ? std::min(s.k_len, i0 + n + offset) : s.k_len;
+      const int64_t k_end =
+          key_mask.End(r, causal ? std::min(s.k_len, i0 + n + offset) : s.k_len);
       const int64_t width = RoundUp(k_end, kLanes);
       const float* qb = qr + i0 * s.d;
       const float* gb = gr + i0 * s.dv;
@@ -357,7 +412,8 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
       Gemm(n, k_end, s.d, qb, s.d, 1, kt.data(), k_pad, probs.data(), k_pad, false);
       for (int64_t i = 0; i < n; ++i) {
         const int64_t visible = causal ? std::min(k_end, i0 + i + offset + 1) : k_end;
-        ExpRow(probs.data() + i * k_pad, visible, width, lp[r * s.q_len + i0 + i]);
+        ExpRow(probs.data() + i * k_pad, visible, width, lp[r * s.q_len + i0 + i],
+               key_mask.Row(r));
       }
       // dV += Pᵀ dO
       Gemm(k_end, s.dv, n, probs.data(), 1, k_pad, gb, s.dv, dvr, s.dv, true);
@@ -394,9 +450,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnlabFusedAttentionFwd, Forward,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("causal")
+                                  .Attr<int64_t>("masked")
                                   .Attr<int64_t>("threads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnlabFusedAttentionBwd, Backward,
@@ -404,6 +462,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnlabFusedAttentionBwd, Backward,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -411,4 +470,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttnlabFusedAttentionBwd, Backward,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("causal")
+                                  .Attr<int64_t>("masked")
                                   .Attr<int64_t>("threads"));
