@@ -714,10 +714,10 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   core.check_qkv(q, k, v)
   per_shard = _batch_shards(q, k, v, mask, bias)
-  # A call with no mask, bias, sparsity or tile settings may run the fused C++ kernel
-  # (cpu_fused: float32 math on an AVX-512 CPU), which keeps each block's scores in cache; under
-  # a batch split over CPU devices each device runs it on its slice with its share of the cores.
-  # A key (padding) mask `[batch, 1, 1, k_len]` is one row of bytes per batch element there.
+  # A call with no bias, sparsity or tile settings, and no mask or only a key (padding) mask
+  # `[batch, 1, 1, k_len]`, may run the fused C++ kernel (cpu_fused: float32 math on an AVX-512
+  # CPU), which keeps each block's scores in cache; under a batch split over CPU devices each
+  # device runs it on its slice with its share of the cores.
   plain_call = (tiles is None and bias is None and pattern is None
                 and not block_sparse and block_q is None and block_k is None
                 and head_group is None and parallel is None
