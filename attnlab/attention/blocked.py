@@ -621,7 +621,7 @@ def _fused_ok(q: Array, k: Array, v: Array) -> bool:
   dt = jnp.result_type(q, k, v)
   return (jnp.issubdtype(dt, jnp.floating) and jnp.dtype(dt).itemsize <= 4
           and q.shape[-1] == k.shape[-1] and q.shape[-2] > 0 and k.shape[-2] > 0
-          and cpu_fused.usable(jnp.float32))
+          and cpu_fused.usable())
 
 
 def _key_mask_rows(q: Array, k: Array, v: Array, mask: Any) -> Array | None:
@@ -645,17 +645,16 @@ def _key_mask_rows(q: Array, k: Array, v: Array, mask: Any) -> Array | None:
   return mask.reshape((math.prod(lead[:shared]), k_len))
 
 
-def _fused(q: Array, k: Array, v: Array, mask: Any, scale: float | None, causal: bool,
-           threads: int | None = None) -> Array:
-  """blocked_attention's result through cpu_fused.attention (q, k, v `[..., len, feat]`; mask
-  None or a key mask that _key_mask_rows takes)."""
+def _fused(q: Array, k: Array, v: Array, key_mask: Array | None, scale: float | None,
+           causal: bool, threads: int | None = None) -> Array:
+  """blocked_attention's result through cpu_fused.attention (q, k, v `[..., len, feat]`;
+  key_mask None or what _key_mask_rows made of the call's mask)."""
   out_dtype = jnp.result_type(q, k, v)
   lead = tuple(jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
   rows = math.prod(lead)
   if rows == 0:
     return jnp.zeros(lead + (q.shape[-2], v.shape[-1]), out_dtype)
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-  key_mask = None if mask is None else _key_mask_rows(q, k, v, mask)
 
   def rows_of(x: Array) -> Array:
     x = jnp.broadcast_to(x.astype(jnp.float32), lead + x.shape[-2:])
@@ -720,16 +719,20 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
   # device runs it on its slice with its share of the cores.
   plain_call = (tiles is None and bias is None and pattern is None
                 and not block_sparse and block_q is None and block_k is None
-                and head_group is None and parallel is None
-                and (mask is None or _key_mask_rows(q, k, v, mask) is not None))
-  if plain_call and _fused_ok(q, k, v):
+                and head_group is None and parallel is None)
+  key_rows = None if mask is None or not plain_call else _key_mask_rows(q, k, v, mask)
+  if plain_call and (mask is None or key_rows is not None) and _fused_ok(q, k, v):
     # on a mesh of CPU devices (split here, or inside the data-parallel step's shard_map) each
     # device's call gets its share of the cores
     mesh = jax.sharding.get_abstract_mesh()
     threads = None if mesh.empty else max(1, cpu_fused.default_threads() // mesh.size)
     if per_shard is None:
-      return _fused(q, k, v, mask, scale, causal, threads)
-    return per_shard(lambda q, k, v, mask, bias: _fused(q, k, v, mask, scale, causal, threads))
+      return _fused(q, k, v, key_rows, scale, causal, threads)
+
+    def on_slice(q, k, v, mask, bias):  # the mask as each device's slice of it
+      rows = None if mask is None else _key_mask_rows(q, k, v, mask)
+      return _fused(q, k, v, rows, scale, causal, threads)
+    return per_shard(on_slice)
   # the smaller tiles for each device's slice (one thread per device) and for sparsity patterns
   # (their efficiency was measured with them); the large ones for a whole device
   if tiles is None:

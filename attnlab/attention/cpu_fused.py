@@ -123,10 +123,9 @@ def unavailable_reason() -> str | None:
     return reason
 
 
-def usable(dtype) -> bool:
-  """Whether `attention` can run for inputs of `dtype` on the default backend."""
-  return (jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu"
-          and unavailable_reason() is None)
+def usable() -> bool:
+  """Whether `attention` (float32) can run on the default backend."""
+  return jax.default_backend() == "cpu" and unavailable_reason() is None
 
 
 def default_threads() -> int:
@@ -143,22 +142,22 @@ def _require() -> None:
     raise RuntimeError(f"the fused CPU attention kernel cannot run here: {reason}")
 
 
-def _mask_operand(key_mask) -> tuple[jax.Array, int]:
-  if key_mask is None:
-    return jnp.zeros((1,), jnp.uint8), 0
-  return jnp.asarray(key_mask).astype(jnp.uint8), 1
+def _call(target: str, results, operands, key_mask, causal: bool, threads: int | None):
+  """The FFI call of `target` (building the kernel first if need be): operands, then the key
+  mask's bytes (a 1-byte placeholder without one), then the attributes."""
+  _require()
+  mask = (jnp.zeros((1,), jnp.uint8) if key_mask is None
+          else jnp.asarray(key_mask).astype(jnp.uint8))
+  return jax.ffi.ffi_call(target, results, vmap_method="broadcast_all")(
+      *operands[:3], mask, *operands[3:], causal=np.int64(causal),
+      masked=np.int64(key_mask is not None), threads=np.int64(threads or default_threads()))
 
 
 def _forward_call(q, k, v, key_mask, causal: bool, threads: int | None):
-  _require()
   rows, q_len, _ = q.shape
-  mask, masked = _mask_operand(key_mask)
-  return jax.ffi.ffi_call(
-      FORWARD, (jax.ShapeDtypeStruct((rows, q_len, v.shape[-1]), jnp.float32),
-                jax.ShapeDtypeStruct((rows, q_len), jnp.float32)),
-      vmap_method="broadcast_all")(q, k, v, mask, causal=np.int64(causal),
-                                   masked=np.int64(masked),
-                                   threads=np.int64(threads or default_threads()))
+  results = (jax.ShapeDtypeStruct((rows, q_len, v.shape[-1]), jnp.float32),
+             jax.ShapeDtypeStruct((rows, q_len), jnp.float32))
+  return _call(FORWARD, results, (q, k, v), key_mask, causal, threads)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -193,15 +192,9 @@ def _attention_fwd(q, k, v, causal, threads, key_mask):
 
 def _attention_bwd(causal, threads, residuals, dout):
   q, k, v, key_mask, out, lse = residuals
-  _require()
-  mask, masked = _mask_operand(key_mask)
-  dq, dk, dv = jax.ffi.ffi_call(
-      BACKWARD, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                 jax.ShapeDtypeStruct(k.shape, jnp.float32),
-                 jax.ShapeDtypeStruct(v.shape, jnp.float32)),
-      vmap_method="broadcast_all")(q, k, v, mask, out, lse, dout.astype(jnp.float32),
-                                   causal=np.int64(causal), masked=np.int64(masked),
-                                   threads=np.int64(threads or default_threads()))
+  results = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
+  dq, dk, dv = _call(BACKWARD, results, (q, k, v, out, lse, dout.astype(jnp.float32)), key_mask,
+                     causal, threads)
   return _varying_like(dq, q), _varying_like(dk, k), _varying_like(dv, v), None
 
 

@@ -288,21 +288,51 @@ ffi::Error ShapeOf(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buff
   return ffi::Error::Success();
 }
 
+// One call's geometry: shapes, the key mask, the buffers' row stride and query block, and which
+// keys a query block and a query row see (causal limit, then the padding at the end skipped).
+struct Problem {
+  Shape s;
+  KeyMask key_mask;
+  bool causal = false;
+  int64_t k_pad = 0, block = 0, offset = 0;
+
+  // Keys [0, BlockEnd) are visited by query rows [i0, i0 + n) of row r.
+  int64_t BlockEnd(int64_t r, int64_t i0, int64_t n) const {
+    return key_mask.End(r, causal ? std::min(s.k_len, i0 + n + offset) : s.k_len);
+  }
+  // Keys [0, RowEnd) are visible to query i of a block visiting [0, block_end).
+  int64_t RowEnd(int64_t i, int64_t block_end) const {
+    return causal ? std::min(block_end, i + offset + 1) : block_end;
+  }
+};
+
+ffi::Error Prepare(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v,
+                   ffi::Buffer<ffi::U8>& mask, int64_t causal, int64_t masked, Problem* p) {
+  if (auto err = ShapeOf(q, k, v, &p->s); !err.success()) return err;
+  if (auto err = KeyMaskOf(mask, masked, p->s.rows, p->s.k_len, &p->key_mask); !err.success()) {
+    return err;
+  }
+  p->causal = causal != 0;
+  p->k_pad = LeadingDim(p->s.k_len);
+  p->block = QueryBlock(p->k_pad);
+  p->offset = std::max<int64_t>(p->s.k_len - p->s.q_len, 0);
+  return ffi::Error::Success();
+}
+
+const ffi::Error kOutOfMemory(ffi::ErrorCode::kResourceExhausted, "fused attention: out of memory");
+
 ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                    ffi::Buffer<ffi::U8> mask, ffi::ResultBuffer<ffi::F32> out,
                    ffi::ResultBuffer<ffi::F32> lse, int64_t causal, int64_t masked,
                    int64_t threads) {
-  Shape s;
-  if (auto err = ShapeOf(q, k, v, &s); !err.success()) return err;
-  KeyMask key_mask;
-  if (auto err = KeyMaskOf(mask, masked, s.rows, s.k_len, &key_mask); !err.success()) return err;
+  Problem pr;
+  if (auto err = Prepare(q, k, v, mask, causal, masked, &pr); !err.success()) return err;
+  const Shape& s = pr.s;
+  const int64_t k_pad = pr.k_pad, block = pr.block;
   if (out->element_count() != static_cast<size_t>(s.rows * s.q_len * s.dv) ||
       lse->element_count() != static_cast<size_t>(s.rows * s.q_len)) {
     return ffi::Error::InvalidArgument("fused attention: result sizes disagree with q, k, v");
   }
-  const int64_t k_pad = LeadingDim(s.k_len);
-  const int64_t block = QueryBlock(k_pad);
-  const int64_t offset = std::max<int64_t>(s.k_len - s.q_len, 0);
   const int64_t q_blocks = (s.q_len + block - 1) / block;
   // Tasks: (row, chunk of query blocks); several chunks per row only when rows are few.
   const int64_t chunks = std::min<int64_t>(q_blocks, std::max<int64_t>(1, 2 * threads / s.rows));
@@ -323,18 +353,17 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
     const int64_t b0 = chunk * q_blocks / chunks, b1 = (chunk + 1) * q_blocks / chunks;
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t i0 = b * block, n = std::min(block, s.q_len - i0);
-      const int64_t k_end =
-          key_mask.End(r, causal ? std::min(s.k_len, i0 + n + offset) : s.k_len);
+      const int64_t k_end = pr.BlockEnd(r, i0, n);
       float* o = op + (r * s.q_len + i0) * s.dv;
       float* l = lp + r * s.q_len + i0;
       Gemm(n, k_end, s.d, qr + i0 * s.d, s.d, 1, kt.data(), k_pad, scores.data(), k_pad, false);
       const int64_t width = RoundUp(k_end, kLanes);
       float inv[kMaxBlock];
       for (int64_t i = 0; i < n; ++i) {
-        const int64_t visible = causal ? std::min(k_end, i0 + i + offset + 1) : k_end;
+        const int64_t visible = pr.RowEnd(i0 + i, k_end);
         float* row = scores.data() + i * k_pad;
-        const float m = RowMax(row, visible, key_mask.Row(r));
-        const float sum = ExpRow(row, visible, width, m, key_mask.Row(r));
+        const float m = RowMax(row, visible, pr.key_mask.Row(r));
+        const float sum = ExpRow(row, visible, width, m, pr.key_mask.Row(r));
         // a query with no visible key: zero context, and an infinite logsumexp that makes the
         // backward pass's probabilities zero
         l[i] = sum > 0.0f ? m + std::log(sum) : std::numeric_limits<float>::infinity();
@@ -351,8 +380,7 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer
       }
     }
   });
-  return ok ? ffi::Error::Success()
-            : ffi::Error(ffi::ErrorCode::kResourceExhausted, "fused attention: out of memory");
+  return ok ? ffi::Error::Success() : kOutOfMemory;
 }
 
 ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
@@ -361,10 +389,10 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
                     ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
                     ffi::ResultBuffer<ffi::F32> dv, int64_t causal, int64_t masked,
                     int64_t threads) {
-  Shape s;
-  if (auto err = ShapeOf(q, k, v, &s); !err.success()) return err;
-  KeyMask key_mask;
-  if (auto err = KeyMaskOf(mask, masked, s.rows, s.k_len, &key_mask); !err.success()) return err;
+  Problem pr;
+  if (auto err = Prepare(q, k, v, mask, causal, masked, &pr); !err.success()) return err;
+  const Shape& s = pr.s;
+  const int64_t k_pad = pr.k_pad, block = pr.block;
   const size_t outs = static_cast<size_t>(s.rows * s.q_len * s.dv);
   if (out.element_count() != outs || dout.element_count() != outs ||
       lse.element_count() != static_cast<size_t>(s.rows * s.q_len) ||
@@ -372,9 +400,6 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
       dv->element_count() != v.element_count()) {
     return ffi::Error::InvalidArgument("fused attention backward: operand sizes disagree");
   }
-  const int64_t k_pad = LeadingDim(s.k_len);
-  const int64_t block = QueryBlock(k_pad);
-  const int64_t offset = std::max<int64_t>(s.k_len - s.q_len, 0);
   const float* qp = q.typed_data();
   const float* kp = k.typed_data();
   const float* vp = v.typed_data();
@@ -403,17 +428,15 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
     std::memset(dvr, 0, s.k_len * s.dv * sizeof(float));
     for (int64_t i0 = 0; i0 < s.q_len; i0 += block) {
       const int64_t n = std::min(block, s.q_len - i0);
-      const int64_t k_end =
-          key_mask.End(r, causal ? std::min(s.k_len, i0 + n + offset) : s.k_len);
+      const int64_t k_end = pr.BlockEnd(r, i0, n);
       const int64_t width = RoundUp(k_end, kLanes);
       const float* qb = qr + i0 * s.d;
       const float* gb = gr + i0 * s.dv;
       // P: the probabilities, recomputed from the saved logsumexp
       Gemm(n, k_end, s.d, qb, s.d, 1, kt.data(), k_pad, probs.data(), k_pad, false);
       for (int64_t i = 0; i < n; ++i) {
-        const int64_t visible = causal ? std::min(k_end, i0 + i + offset + 1) : k_end;
-        ExpRow(probs.data() + i * k_pad, visible, width, lp[r * s.q_len + i0 + i],
-               key_mask.Row(r));
+        ExpRow(probs.data() + i * k_pad, pr.RowEnd(i0 + i, k_end), width,
+               lp[r * s.q_len + i0 + i], pr.key_mask.Row(r));
       }
       // dV += Pᵀ dO
       Gemm(k_end, s.dv, n, probs.data(), 1, k_pad, gb, s.dv, dvr, s.dv, true);
@@ -439,8 +462,7 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffe
       Gemm(k_end, s.d, n, grads.data(), 1, k_pad, qb, s.d, dkr, s.d, true);
     }
   });
-  return ok ? ffi::Error::Success()
-            : ffi::Error(ffi::ErrorCode::kResourceExhausted, "fused attention: out of memory");
+  return ok ? ffi::Error::Success() : kOutOfMemory;
 }
 
 }  // namespace
