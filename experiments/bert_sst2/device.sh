@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Arms of the BERT study on a lent GPU machine (the device tool), whose image has jax with CUDA,
+# flax, optax and orbax but not the rest of attnlab's dependencies, and no network.
+#
+# Here, once: the wheels of the missing packages (experiments/long_range/device.sh lists them and
+# how to fetch them) and SST-2's files, in the ignored folder .whl/ (carried with the call):
+#   mkdir -p .whl/data && cp -r ../shared/data/sst2 .whl/data/
+#   attnlab data prepare sst2 --data_dir=.whl/tfds --manual_dir=../shared/data
+# and the vocabularies the jobs need, learned here into .whl/cache (XDG_CACHE_HOME=.whl/cache, any
+# run or `--plan`-free start of the study that builds the task, e.g. one pretraining step).
+# There (device run, carry [".whl"]):
+#   bash experiments/bert_sst2/device.sh DEADLINE_S FINAL_END_S 'FINAL ARGS' \
+#       'NAME|RUN.PY ARGS' 'NAME|RUN.PY ARGS' ...
+# Each job runs experiments/bert_sst2/run.py --workdir=ROOT/NAME ARGS, all jobs at once; a job still running after DEADLINE_S gets SIGTERM (the trainer saves
+# a checkpoint and stops). Then one more run.py call, in ROOT/all, whose arm folders are links to
+# the jobs' arms (their finished runs are skipped), runs with FINAL ARGS for at most
+# the script's FINAL_END_S-th second (e.g. the label-efficiency runs). Every run's evaluation records are printed
+# and the run folders (metrics, configs, results, timings; no checkpoints) are packed into
+# $OUT/bert_device.tgz.
+set -uo pipefail
+deadline=$1; final_end=$2; final_args=$3; shift 3
+# (LOCAL_CHECK=1: skip the install, to check the script on a machine that has the packages)
+[ -n "${LOCAL_CHECK:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+# The carried cache (.whl/cache/attnlab/tokenizers): vocabularies learned here, so that jobs that
+# share one do not learn it at the same time.
+export XDG_CACHE_HOME=${XDG_CACHE_HOME:-$PWD/.whl/cache}
+root=${ROOT:-/tmp/bert_device}
+out=${OUT:-/tmp/bert_device_out}
+manual=$PWD/.whl/data
+tfds=$PWD/.whl/tfds  # SST-2 prepared here (attnlab data prepare sst2 --data_dir=.whl/tfds)
+command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+mkdir -p $root/all $out
+uptime
+for job in "$@"; do
+  IFS='|' read -r name args <<< "$job"
+  ( timeout -s TERM "$deadline" python3 experiments/bert_sst2/run.py --workdir=$root/$name \
+      --manual_dir=$manual --data_dir=$tfds $args > $root/$name.log 2>&1
+    echo "job $name exit $? at $(date -u +%T)" ) &
+done
+wait
+uptime
+for job in "$@"; do
+  IFS='|' read -r name args <<< "$job"
+  for arm in $root/$name/*/; do
+    [ -e "$root/all/$(basename $arm)" ] || ln -s "${arm%/}" "$root/all/$(basename $arm)"
+  done
+done
+if [ -n "$final_args" ]; then
+  timeout -s TERM "$(( final_end > SECONDS + 10 ? final_end - SECONDS : 10 ))" python3 experiments/bert_sst2/run.py --workdir=$root/all \
+      --manual_dir=$manual --data_dir=$tfds $final_args > $root/all.log 2>&1
+  echo "final exit $? at $(date -u +%T)"
+fi
+python3 - $root <<'EOF'
+import json, pathlib, sys
+root = pathlib.Path(sys.argv[1])
+import os
+found = sorted(pathlib.Path(d) / "metrics.jsonl" for d, _, files in os.walk(root)
+               if "metrics.jsonl" in files)  # links (ROOT/all's arms) not followed
+for metrics in found:
+  records = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
+  train = [r for r in records if r.get("split") == "train"]
+  print(f"== {metrics.parent.relative_to(root)} last_train_step="
+        f"{train[-1]['step'] if train else 0} steps/s="
+        f"{train[-1].get('steps_per_sec', 0) if train else 0:.1f}")
+  for r in records:
+    if r.get("split") == "eval":
+      print("   step {:>6} eval {}".format(r["step"], {k: round(v, 4) for k, v in r.items()
+            if isinstance(v, float)}))
+for name in ("results.md", "label_efficiency.md"):
+  for path in sorted(root.glob(f"*/{name}")):
+    print(f"== {path.relative_to(root)}\n{path.read_text()}")
+EOF
+for f in $root/*.log; do echo "== tail $f"; grep -v "it/s\]" $f | tail -4; done
+cd $root && tar czf $out/bert_device.tgz --exclude=checkpoints --exclude=tensorboard \
+    . && ls -la $out
