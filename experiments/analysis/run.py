@@ -1,10 +1,10 @@
 """Attention analysis of the project's own trained runs: entropy, rollout, alignment, ablation.
 
-  python experiments/analysis/run.py [--workdir=runs/analysis] [--only=gpt,bert,...]
+  python experiments/analysis/run.py [--workdir=runs/analysis] [--only=gpt_shakespeare,...]
       [--data_dir=../shared/data] [--train_only] [--arg=key=value,...] [--out=DIR]
 
-Trains (or resumes; finished runs are skipped) one run per entry of RUNS, each an ordinary run
-directory WORKDIR/<name>, then analyses them with attnlab.analysis and writes into
+Trains (or resumes; finished runs are skipped) one run per entry of RUNS (or of --only; each
+analysis below then covers the runs selected), each an ordinary run directory WORKDIR/<name>, then analyses them with attnlab.analysis and writes into
 experiments/analysis/ or --out (figures/ and results.json; the README quotes them):
   - entropy per layer and head of the GPT (Tiny Shakespeare) and BERT (MLM+NSP, then SST-2)
     runs on held-out text, and attention rollout through their layers;
@@ -108,12 +108,22 @@ def mean_table(captures: list, keys=("entropy", "normalized_entropy", "mean_abs_
   return rows
 
 
+def _selected(args: argparse.Namespace, names) -> list[str]:
+  """The runs of `names` that --only selects (each analysis covers the runs it was given)."""
+  only = set(args.only.split(","))
+  return [n for n in names if n in only]
+
+
 def entropy_and_rollout(workdir: pathlib.Path, args: argparse.Namespace, results: dict) -> None:
   """Per-head entropy of GPT and BERT on held-out text; rollout after each layer of one input."""
   sentences = sst2_sentences(os.environ["ATTNLAB_DATA_DIR"], 16)
   texts = {"gpt_shakespeare": None, "bert_pretrain": sentences, "bert_sst2": sentences}
-  fig, axes = plt.subplots(1, 3, figsize=(12, 3.4), gridspec_kw={"wspace": 0.35})
-  for ax, name in zip(axes, texts):
+  texts = {n: texts[n] for n in _selected(args, texts)}
+  if not texts:
+    return
+  fig, axes = plt.subplots(1, len(texts), figsize=(4 * len(texts), 3.4),
+                           gridspec_kw={"wspace": 0.35})
+  for ax, name in zip(np.atleast_1d(axes), texts):
     run = analysis.load_run(workdir / name)
     if name == "gpt_shakespeare":  # 16 windows of held-out characters
       ids, block = run.task.validation_ids(), run.task.block_size
@@ -146,7 +156,8 @@ def entropy_and_rollout(workdir: pathlib.Path, args: argparse.Namespace, results
   # Rollout after layers 1..L of one input per model.
   inputs = {"gpt_shakespeare": GPT_TEXT,
             "bert_sst2": "the movie is a charming , funny and moving story ."}
-  for name, text in inputs.items():
+  for name in _selected(args, inputs):
+    text = inputs[name]
     run = analysis.load_run(workdir / name)
     cap = analysis.capture_text(run, text)
     paths = [p for p in cap.weights if cap.kind[p] != "cross"]
@@ -184,10 +195,14 @@ def alignment_study(workdir: pathlib.Path, args: argparse.Namespace, results: di
   (attnlab.analysis.alignment: RNN decoders over a unidirectional encoder may align one late);
   the plot shows each model's cross-attention layer and shift with the higher accuracy.
   """
-  fig, axes = plt.subplots(1, len(SEQ2SEQ_TASKS), figsize=(11, 3.8))
-  for ax, task in zip(np.atleast_1d(axes), SEQ2SEQ_TASKS):
-    for model in SEQ2SEQ_MODELS:
-      name = f"{task}_{model}"
+  tasks = [t for t in SEQ2SEQ_TASKS
+           if _selected(args, [f"{t}_{m}" for m in SEQ2SEQ_MODELS])]
+  if not tasks:
+    return
+  fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 3.8))
+  for ax, task in zip(np.atleast_1d(axes), tasks):
+    for name in _selected(args, [f"{task}_{m}" for m in SEQ2SEQ_MODELS]):
+      model = name[len(task) + 1:]
       run = analysis.load_run(workdir / name)
       reports = {shift: analysis.evaluate_alignment(run, num_examples=args.num_examples,
                                                     bins=ALIGNMENT_BINS[task], shift=shift)
@@ -222,8 +237,10 @@ def alignment_study(workdir: pathlib.Path, args: argparse.Namespace, results: di
 
 def ablation_study(workdir: pathlib.Path, args: argparse.Namespace, results: dict) -> None:
   """Head-ablation heatmaps: the change of each run's metric with one head zeroed."""
-  for name, metric in (("gpt_shakespeare", "loss"), ("bert_sst2", "accuracy"),
-                       ("reverse_transformer", "loss"), ("dates_transformer", "loss")):
+  metrics = {"gpt_shakespeare": "loss", "bert_sst2": "accuracy", "reverse_transformer": "loss",
+             "dates_transformer": "loss"}
+  for name in _selected(args, metrics):
+    metric = metrics[name]
     run = analysis.load_run(workdir / name)
     res = analysis.head_ablation(run, metric=metric, mode="zero")
     analysis.plot_head_ablation(res, path=_figures(args) / f"ablation_{name}.png",
@@ -240,7 +257,8 @@ def views(workdir: pathlib.Path, args: argparse.Namespace, results: dict) -> Non
             "bert_sst2": "the movie is a charming , funny and moving story .",
             "dates_transformer": VIEW_INPUTS["dates"], "dates_bahdanau": VIEW_INPUTS["dates"],
             "reverse_transformer": VIEW_INPUTS["reverse"]}
-  for name, text in inputs.items():
+  for name in _selected(args, inputs):
+    text = inputs[name]
     run = analysis.load_run(workdir / name)
     cap = analysis.capture_text(run, text)
     path = view_lib.write_html(_figures(args) / f"view_{name}.html", cap,
