@@ -63,10 +63,11 @@ def test_nadaraya_watson(tmp_path):
 
 def test_shakespeare(tmp_path, shared_data):
   _run("shakespeare/run.py", f"--workdir={tmp_path}", "--config_arg=runlocal=True",
-       f"--data_dir={shared_data}")
+       f"--data_dir={shared_data}", "--draws=10")
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["final_step"] == 20
   # nanoGPT's sampled estimate and the full-set loss estimate one number.
+  assert summary["nanogpt_style_estimates"]["draws"] == 10
   assert abs(summary["nanogpt_style_estimates"]["mean"] - summary["val_loss"]) < 0.1
   assert summary["sample"].startswith("ROMEO:") and len(summary["sample"]) > len("ROMEO:")
   _pngs(tmp_path / "loss_curve.png", tmp_path / "attention.png")

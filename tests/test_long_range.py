@@ -359,16 +359,16 @@ def test_publishing_never_drops_published_results(tmp_path):
 def test_study_runlocal_end_to_end(tmp_path):
   env = dict(os.environ, TFDS_DATA_DIR=str(tmp_path / "tfds"))
   workdir = tmp_path / "study"
-  # two mechanisms (softmax and a block-sparse one) keep it short; each is one sweep member
+  # softmax alone keeps it short (test_mechanisms_models.py trains the classifier with every
+  # mechanism); one sweep member per task
   cmd = [sys.executable, str(REPO / "experiments" / "long_range" / "run.py"), "--runlocal",
-         f"--workdir={workdir}", "--lengths=64", "--reps=1", "--mechanisms=full,bigbird"]
+         f"--workdir={workdir}", "--lengths=64", "--reps=1", "--mechanisms=full"]
   proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   results = json.loads((workdir / "results.json").read_text())
   for task in ("listops", "imdb_bytes", "pathfinder"):
-    for mechanism in ("full", "bigbird"):
-      row = results["accuracy"][task][mechanism]
-      assert len(row["per_seed"]) == 2 and all(0 <= a <= 100 for a in row["per_seed"])
+    row = results["accuracy"][task]["full"]
+    assert len(row["per_seed"]) == 2 and all(0 <= a <= 100 for a in row["per_seed"])
   cell = results["efficiency"]["64"]
   assert cell["softmax"]["speed_ratio"] == 1.0 and cell["softmax_blocked"]["peak_bytes"] > 0
   assert (workdir / "results.png").read_bytes()[:4] == b"\x89PNG"

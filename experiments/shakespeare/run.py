@@ -10,7 +10,8 @@ tokens after "ROMEO:", temperature 0.8, KV cache), attention.png (every head on 
 characters), and summary.json (final validation loss, wall time, steps/s, the sample). The
 validation loss is the token-weighted mean over every non-overlapping 64-character window of
 the last 10% of the text; summary.json also gives the spread of nanoGPT's own estimate (20
-random batches of 12 windows) over 50 draws, for comparison with nanoGPT's reported numbers.
+random batches of 12 windows) over 50 draws (`--draws`), for comparison with nanoGPT's reported
+numbers.
 """
 
 from __future__ import annotations
@@ -80,7 +81,11 @@ def main(argv=None) -> int:
   parser.add_argument("--data_dir", default=str(REPO.parent / "shared" / "data"),
                       help="folder with tinyshakespeare/input.txt ('' = $ATTNLAB_DATA_DIR or "
                       "download)")
+  parser.add_argument("--draws", type=int, default=50,
+                      help="nanoGPT-style loss estimates drawn (each 20 batches of 12 windows)")
   args = parser.parse_args(argv)
+  if args.draws < 1:
+    parser.error(f"--draws={args.draws}: at least 1 estimate is needed")
 
   # pylint: disable=g-import-not-at-top  (JAX is imported only once the flags are parsed)
   from attnlab import analysis, checkpoint, config_utils, train
@@ -111,7 +116,7 @@ def main(argv=None) -> int:
   run = analysis.load_run(workdir)
   sample = run.task.sample_text(run.params, "ROMEO:", num_tokens=300, temperature=0.8,
                                 seed=config.seed)
-  estimates = nanogpt_estimates(run.task, run.params)
+  estimates = nanogpt_estimates(run.task, run.params, draws=args.draws)
   summary = {
       "final_step": eval_rows[-1]["step"],
       "val_loss": eval_rows[-1]["loss"],
