@@ -154,8 +154,10 @@ def test_imdb_arm_plateau_and_label_efficiency_end_to_end(study, shared_data, tm
           "--pretrain_args=num_train_steps=3000,eval_every=4,checkpoint_every=4,log_every=4,"
           "batch_size=8,data.vocab_size=300,data.max_documents=50,data.max_len=32,"
           f"data.num_eval=16,data.tokenizer_dir={tmp_path / 'tok'},model.max_len=32",
+          # no plots of the SST-2 runs (the two-arm test checks those), the pretraining's stay
           "--finetune_args=num_train_steps=3,eval_every=3,checkpoint_every=3,batch_size=8,"
-          "data.max_len=32,model.max_len=32,data.num_train=200,data.num_eval=40"]
+          "data.max_len=32,model.max_len=32,data.num_train=200,data.num_eval=40,"
+          "write_plots=False"]
   assert study.main(argv) == 0
   pretrain = root / "imdb" / "pretrain_s0"
   marker = json.loads((pretrain / study.PLATEAU_FILE).read_text())
