@@ -4,8 +4,9 @@
       [--data_dir=../shared/data] [--train_only] [--arg=key=value,...] [--out=DIR]
 
 Trains (or resumes; finished runs are skipped) one run per entry of RUNS (or of --only; each
-analysis below then covers the runs selected), each an ordinary run directory WORKDIR/<name>, then analyses them with attnlab.analysis and writes into
-experiments/analysis/ or --out (figures/ and results.json; the README quotes them):
+analysis below then covers the runs selected), each an ordinary run directory WORKDIR/<name>,
+then analyses them with attnlab.analysis and writes into experiments/analysis/ or --out
+(figures/ and results.json; the README quotes them):
   - entropy per layer and head of the GPT (Tiny Shakespeare) and BERT (MLM+NSP, then SST-2)
     runs on held-out text, and attention rollout through their layers;
   - argmax alignment accuracy by source length of Bahdanau (GRU, additive score), Luong (GRU,
@@ -195,14 +196,16 @@ def alignment_study(workdir: pathlib.Path, args: argparse.Namespace, results: di
   (attnlab.analysis.alignment: RNN decoders over a unidirectional encoder may align one late);
   the plot shows each model's cross-attention layer and shift with the higher accuracy.
   """
-  tasks = [t for t in SEQ2SEQ_TASKS
-           if _selected(args, [f"{t}_{m}" for m in SEQ2SEQ_MODELS])]
+  chosen = set(_selected(args, [f"{t}_{m}" for t in SEQ2SEQ_TASKS for m in SEQ2SEQ_MODELS]))
+  tasks = [t for t in SEQ2SEQ_TASKS if any(f"{t}_{m}" in chosen for m in SEQ2SEQ_MODELS)]
   if not tasks:
     return
   fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 3.8))
   for ax, task in zip(np.atleast_1d(axes), tasks):
-    for name in _selected(args, [f"{task}_{m}" for m in SEQ2SEQ_MODELS]):
-      model = name[len(task) + 1:]
+    for model in SEQ2SEQ_MODELS:
+      name = f"{task}_{model}"
+      if name not in chosen:
+        continue
       run = analysis.load_run(workdir / name)
       reports = {shift: analysis.evaluate_alignment(run, num_examples=args.num_examples,
                                                     bins=ALIGNMENT_BINS[task], shift=shift)

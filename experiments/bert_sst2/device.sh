@@ -53,26 +53,7 @@ if [ -n "$final_args" ]; then
       --manual_dir=$manual --data_dir=$tfds $final_args > $root/all.log 2>&1
   echo "final exit $? at $(date -u +%T)"
 fi
-python3 - $root <<'EOF'
-import json, pathlib, sys
-root = pathlib.Path(sys.argv[1])
-import os
-found = sorted(pathlib.Path(d) / "metrics.jsonl" for d, _, files in os.walk(root)
-               if "metrics.jsonl" in files)  # links (ROOT/all's arms) not followed
-for metrics in found:
-  records = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
-  train = [r for r in records if r.get("split") == "train"]
-  print(f"== {metrics.parent.relative_to(root)} last_train_step="
-        f"{train[-1]['step'] if train else 0} steps/s="
-        f"{train[-1].get('steps_per_sec', 0) if train else 0:.1f}")
-  for r in records:
-    if r.get("split") == "eval":
-      print("   step {:>6} eval {}".format(r["step"], {k: round(v, 4) for k, v in r.items()
-            if isinstance(v, float)}))
-for name in ("results.md", "label_efficiency.md"):
-  for path in sorted(root.glob(f"*/{name}")):
-    print(f"== {path.relative_to(root)}\n{path.read_text()}")
-EOF
+python3 experiments/device_report.py $root
 for f in $root/*.log; do echo "== tail $f"; grep -v "it/s\]" $f | tail -4; done
 cd $root && tar czf $out/bert_device.tgz --exclude=checkpoints --exclude=tensorboard \
     . && ls -la $out

@@ -45,36 +45,7 @@ for job in "$@"; do
 done
 wait
 uptime
-python3 - $root <<'EOF'
-import json, pathlib, sys
-root = pathlib.Path(sys.argv[1])
-for metrics in sorted(root.rglob("metrics.jsonl")):
-  records = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
-  config = json.loads((metrics.parent / "config.json").read_text())
-  train = [r for r in records if r.get("split") == "train"]
-  print(f"== {metrics.parent.relative_to(root)}  split={config['data']['eval_split']} "
-        f"steps={config['num_train_steps']} last_train_step={train[-1]['step'] if train else 0} "
-        f"steps/s={train[-1].get('steps_per_sec', 0) if train else 0:.1f}")
-  for r in records:
-    if r.get("split") == "eval":
-      seeds = r.get("per_seed", {}).get("accuracy", [r["accuracy"]])
-      print(f"   step {r['step']:>6} eval acc {100 * r['accuracy']:.2f} loss {r['loss']:.4f} "
-            f"per seed {[round(100 * a, 2) for a in seeds]}")
-    elif r.get("split") == "train" and r["step"] % 1000 == 0:
-      print(f"   step {r['step']:>6} train loss {r['loss']:.4f} acc {100 * r['accuracy']:.1f}")
-  if config["data"]["eval_split"] == "validation" and (metrics.parent / "checkpoints").is_dir():
-    # A pilot chosen on the validation split is reported on the test split: its last checkpoint.
-    from attnlab import state as state_lib, tasks
-    from attnlab.analysis.runs import load_run
-    run = load_run(metrics.parent, replica=None)
-    test_config = run.config.copy_and_resolve_references()
-    test_config.data.eval_split = "test"
-    n = state_lib.num_seeds_of(test_config)
-    mean, per_seed = state_lib.evaluate(tasks.build_task(test_config), run.params, n)
-    seeds = per_seed["accuracy"] if per_seed else [mean["accuracy"]]
-    print(f"   step {run.step:>6} TEST acc {100 * mean['accuracy']:.2f} "
-          f"per seed {[round(100 * a, 2) for a in seeds]}")
-EOF
+python3 experiments/device_report.py $root --test_pilots
 for f in $root/*.log; do echo "== tail $f"; grep -v "it/s\]" $f | tail -4; done
 cd $root && tar czf $OUT/lra_device.tgz --exclude=checkpoints --exclude=tensorboard --exclude=assets . \
     && ls -la $OUT
