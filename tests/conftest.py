@@ -20,6 +20,11 @@ def pytest_configure(config):
   del config
   import jax  # pylint: disable=g-import-not-at-top
   jax.devices()
+  # The tests' own compiles go to the persistent compilation cache too, as the trainer's runs do
+  # (the user's cache folder; ATTNLAB_COMPILATION_CACHE=0 turns it off): a second suite run loads
+  # the programs that took 0.1 s or more to compile instead of compiling them again.
+  from attnlab import parallel  # pylint: disable=g-import-not-at-top
+  parallel.enable_compilation_cache()
 
 
 # ../shared/data beside the repository (see its README); tests read real data from here.
