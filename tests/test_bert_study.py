@@ -28,7 +28,8 @@ def test_results_table_mean_std_and_per_seed_differences(study):
              "sst2": {"seeds": [0, 1, 2], "sst2_val": [0.83, 0.82, 0.80]}}
   arms = {"scratch": {"corpus": "none", "pretrain": {}, "selection": {"0.0003": 0.78}, "lr": 3e-4},
           "sst2": {"corpus": "sst2_sentences", "lr": 1e-4,
-                   "pretrain": {"0": {"mlm_accuracy": 0.30, "sop_accuracy": 0.70}},
+                   "pretrain": {"0": {"mlm_accuracy": 0.30, "sop_accuracy": 0.70,
+                                      "pair_task": "nsp"}},
                    "selection": {"0.0001": 0.81, "0.0003": 0.80}}}
   details = {"size": "tiny", "score": "scaled_dot", "study_pretrain": "x", "pretrain_args": "",
              "finetune_args": "", "arms": arms, "seconds": {"sst2/pretrain_s0": 12.0}}
@@ -38,6 +39,7 @@ def test_results_table_mean_std_and_per_seed_differences(study):
   assert "81.7 ± 1.5" in rows["sst2"] and "+3.0, +3.0, -1.0" in rows["sst2"]
   assert "+1.7" in rows["sst2"] and "**0.0001** (0.0001: 81.0, 0.0003: 80.0)" in rows["sst2"]
   assert "30.0 (one run)" in rows["sst2"] and "sst2/pretrain_s0 12" in table
+  assert "| 70.0 (one run), NSP |" in rows["sst2"]  # the pair task the arm pretrained with
 
 
 def test_plateau_step_on_hand_made_curves(study):

@@ -645,7 +645,7 @@ def results_table(results: dict, details: dict) -> str:
   lines = [f"BERT size {details['size']}, score {details['score']}; pretraining "
            f"`{details['study_pretrain']}`{imdb} then `{details['pretrain_args'] or '-'}`; "
            f"fine-tuning args `{details['finetune_args'] or '-'}`", "",
-           "| arm | pretraining corpus | MLM acc % (held-out) | SOP acc % (held-out) | "
+           "| arm | pretraining corpus | MLM acc % (held-out) | NSP or SOP acc % (held-out) | "
            "fine-tune lr (held-out acc % per lr) | SST-2 val % per seed | mean ± std | "
            "difference to scratch per seed | mean difference |",
            "|---|---|---|---|---|---|---|---|---|"]
@@ -654,7 +654,9 @@ def results_table(results: dict, details: dict) -> str:
     info = arms[arm]
     pre = list(info["pretrain"].values())
     mlm = _mean_std([p["mlm_accuracy"] for p in pre]) if pre else "-"
-    sop = _mean_std([p["sop_accuracy"] for p in pre]) if pre else "-"
+    # details.json keeps the key "sop_accuracy" for either pair task; the cell names the task
+    tasks_used = sorted({p.get("pair_task", "sop").upper() for p in pre})
+    sop = f"{_mean_std([p['sop_accuracy'] for p in pre])}, {'/'.join(tasks_used)}" if pre else "-"
     choice = ", ".join(f"{float(lr):g}: {100 * acc:.1f}" for lr, acc in info["selection"].items())
     diff, mean_diff = "-", "-"
     if scratch is not None and arm != "scratch":
@@ -667,7 +669,7 @@ def results_table(results: dict, details: dict) -> str:
     lines.append(f"| {arm} | {info['corpus']} | {mlm} | {sop} | **{info['lr']:g}** ({choice}) | "
                  f"{_pct(result['sst2_val'])} | {_mean_std(result['sst2_val'])} | {diff} | "
                  f"{mean_diff} |")
-  lines += ["", "MLM and SOP accuracy: held-out sentences of SST-2's training split (arms with "
+  lines += ["", "MLM and NSP/SOP accuracy: held-out sentences of SST-2's training split (arms with "
             "SST-2 text), Tiny Shakespeare's validation split (shakespeare), held-out IMDB "
             "reviews (imdb arms). Seeds: "
             + ", ".join(f"{arm} {r['seeds']}" for arm, r in results.items()) + ".",
