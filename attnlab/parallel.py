@@ -215,8 +215,9 @@ def enable_compilation_cache(environ: dict[str, str] | None = None) -> str | Non
   """Turns on JAX's persistent compilation cache in the user's cache folder, so that a run of a
   config compiled before (a resume, the same command again, generate after train) loads its
   programs from disk instead of compiling them. Programs that took under CACHE_MIN_COMPILE_S to
-  compile are not stored. Left alone when JAX's own setting (JAX_COMPILATION_CACHE_DIR) names a folder;
-  ATTNLAB_COMPILATION_CACHE=DIR picks another folder, =0 turns it off. Returns the folder or None.
+  compile are not stored. Left alone when JAX's own setting (JAX_COMPILATION_CACHE_DIR) names a
+  folder; ATTNLAB_COMPILATION_CACHE=DIR picks another folder, =0 turns it off. Returns the folder
+  or None.
   """
   env = os.environ if environ is None else environ
   if jax.config.jax_compilation_cache_dir:

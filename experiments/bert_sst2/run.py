@@ -655,8 +655,11 @@ def results_table(results: dict, details: dict) -> str:
     pre = list(info["pretrain"].values())
     mlm = _mean_std([p["mlm_accuracy"] for p in pre]) if pre else "-"
     # details.json keeps the key "sop_accuracy" for either pair task; the cell names the task
-    tasks_used = sorted({p.get("pair_task", "sop").upper() for p in pre})
-    sop = f"{_mean_std([p['sop_accuracy'] for p in pre])}, {'/'.join(tasks_used)}" if pre else "-"
+    # where details.json records it (_pretrain_info)
+    sop = "-"
+    if pre:
+      task = "/".join(sorted({p["pair_task"].upper() for p in pre if p.get("pair_task")}))
+      sop = _mean_std([p["sop_accuracy"] for p in pre]) + (f", {task}" if task else "")
     choice = ", ".join(f"{float(lr):g}: {100 * acc:.1f}" for lr, acc in info["selection"].items())
     diff, mean_diff = "-", "-"
     if scratch is not None and arm != "scratch":
