@@ -3,8 +3,10 @@
 Shortcuts in the arg (besides any field, e.g. `optimizer.learning_rate=1e-4`; score and size are
 the names every config file uses):
   mode=pretrain|finetune   which task: task=masked_lm or classification (default pretrain)
-  size=tiny|mini|test|base encoder size (attnlab.models.SIZES["bert"]; tiny = BERT-Tiny 2x128,
-                           mini = BERT-Mini 4x256; test = seconds on a CPU, the runlocal default;
+  size=tiny|mini|small|test|base
+                           encoder size (attnlab.models.SIZES["bert"]; tiny = BERT-Tiny 2x128,
+                           mini = BERT-Mini 4x256, small = BERT-Small 4x512, 8 heads; test =
+                           seconds on a CPU, the runlocal default;
                            base = BERT-base 12x768, 12 heads, mlp 3072, model.max_len 512, for a
                            GPU): sets model.num_layers, d_model, num_heads, mlp_dim (and max_len)
   score=NAME               = model.score (dot, scaled_dot, cosine, general, additive, location)

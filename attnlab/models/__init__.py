@@ -34,6 +34,8 @@ SIZES: dict[str, dict[str, dict[str, int]]] = {
         "tiny": dict(num_layers=2, d_model=128, num_heads=2, mlp_dim=512),
         # BERT-Mini: 4 layers, 256 dims, 4 heads.
         "mini": dict(num_layers=4, d_model=256, num_heads=4, mlp_dim=1024),
+        # BERT-Small: 4 layers, 512 dims, 8 heads.
+        "small": dict(num_layers=4, d_model=512, num_heads=8, mlp_dim=2048),
         # For tests and runlocal: seconds on a CPU.
         "test": dict(num_layers=2, d_model=32, num_heads=2, mlp_dim=64),
         # BERT-base (Devlin et al. 2019): 12 layers, 768 dims, 12 heads, 512 positions (GPU).

@@ -125,7 +125,7 @@ def _define_flags() -> flags.FlagValues:
   fv = flags.FlagValues()
   flags.DEFINE_string("workdir", "runs/bert_sst2", "Output folder (one sub-folder per run).",
                       flag_values=fv)
-  flags.DEFINE_string("size", "tiny", "Encoder size: tiny (BERT-Tiny), mini or test.",
+  flags.DEFINE_string("size", "tiny", "Encoder size: tiny (BERT-Tiny), mini, small or test.",
                       flag_values=fv)
   flags.DEFINE_string("score", "scaled_dot", "Attention score name.", flag_values=fv)
   flags.DEFINE_list("arms", list(ARMS), f"Arms to run, of {', '.join(ARMS)}.", flag_values=fv)
