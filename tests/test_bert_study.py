@@ -92,6 +92,39 @@ def test_an_arm_linked_from_another_study_shares_its_pretraining(study, tmp_path
   assert inits == {str(other.resolve() / "pretrain_s0"), str(other.resolve() / "pretrain_s1")}
 
 
+
+def test_linked_arms_bring_their_runs_seconds(study, tmp_path):
+  """device.sh links each job's arms into one folder: the seconds of the runs trained in the
+  jobs' folders are read from their timings.json (an arm linked under another name keeps only
+  its own runs; a real folder adds nothing)."""
+  (tmp_path / "job" / "imdb").mkdir(parents=True)
+  (tmp_path / "job" / "timings.json").write_text(json.dumps(
+      {"imdb/pretrain_s0": 373.5, "imdb/select_lr1e-4": 26.0, "scratch/finetune_s0": 9.0}))
+  root = tmp_path / "all"
+  (root / "scratch").mkdir(parents=True)
+  (root / "imdb").symlink_to(tmp_path / "job" / "imdb")
+  (root / "renamed").symlink_to(tmp_path / "job" / "imdb")
+  found = study.linked_timings(root, ["imdb", "scratch", "renamed"])
+  assert found == {"imdb/pretrain_s0": 373.5, "imdb/select_lr1e-4": 26.0,
+                   "renamed/pretrain_s0": 373.5, "renamed/select_lr1e-4": 26.0}
+
+def test_pretraining_curve_figure_only_for_pretrained_arms(study, tmp_path):
+  """pretraining_curves.png is drawn from details.json's held-out curves; a study of scratch
+  arms alone has no curve and writes none."""
+  curve = {"mlm_accuracy": [[1000, 0.2], [2000, 0.3], [3000, 0.31]],
+           "nsp_accuracy": [[1000, 0.52], [2000, 0.55], [3000, 0.56]]}
+  details = {"size": "test", "arms": {
+      "imdb": {"pretrain": {"0": {"curve": curve, "pair_task": "nsp", "plateau_step": 3000}}},
+      "scratch": {"pretrain": {}}}}
+  study.write_curve_figure(tmp_path, details)
+  png = (tmp_path / "pretraining_curves.png").read_bytes()
+  assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+  alone = tmp_path / "scratch_only"
+  alone.mkdir()
+  study.write_curve_figure(alone, {"size": "test", "arms": {"scratch": {"pretrain": {}}}})
+  assert not (alone / "pretraining_curves.png").exists()
+
+
 @pytest.mark.slow
 def test_two_arm_study_end_to_end(study, shared_data, tmp_path):
   """Scratch and in-domain arms, the lr chosen on held-out training sentences; results.json in

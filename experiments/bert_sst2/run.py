@@ -400,6 +400,24 @@ def _timings_path(workdir: pathlib.Path) -> pathlib.Path:
   return workdir / "timings.json"
 
 
+def linked_timings(root: pathlib.Path, arms: Sequence[str]) -> dict[str, float]:
+  """The seconds of the runs of arms whose folder in `root` links to another study's arm (the
+  runs trained there; device.sh links each job's arms into one folder): {"ARM/RUN": s}."""
+  found = {}
+  for arm in arms:
+    folder = root / arm
+    if not folder.is_symlink():
+      continue
+    source = folder.resolve()
+    path = _timings_path(source.parent)
+    if not path.is_file():
+      continue
+    for name, seconds in json.loads(path.read_text()).items():
+      if name.startswith(f"{source.name}/"):
+        found[f"{arm}/{name.split('/', 1)[1]}"] = seconds
+  return found
+
+
 def _write_plots(workdir: pathlib.Path) -> None:
   """The plots a finished run writes (head views), from its last checkpoint: for a run the
   plateau rule stopped (the trainer writes them only at the last step)."""
@@ -480,6 +498,7 @@ def run_study(fv: flags.FlagValues) -> dict:
   root.mkdir(parents=True, exist_ok=True)
   path = _timings_path(root)
   timings = json.loads(path.read_text()) if path.is_file() else {}
+  timings = {**linked_timings(root, fv.arms), **timings}
   results, details = {}, {}
   runs = plan(fv)
   for arm in fv.arms:
@@ -595,6 +614,40 @@ def write_outputs(root: pathlib.Path, results: dict, details: dict) -> None:
   (root / "results.json").write_text(json.dumps(results, indent=2) + "\n")
   (root / "details.json").write_text(json.dumps(details, indent=2) + "\n")
   (root / "results.md").write_text(results_table(results, details))
+  write_curve_figure(root, details)
+
+
+def write_curve_figure(root: pathlib.Path, details: dict) -> None:
+  """pretraining_curves.png: the held-out MLM and sentence-task accuracy of every pretraining
+  run against its step (a dot where the plateau rule stopped it); none without pretraining."""
+  runs = [(f"{arm} s{seed}", info) for arm, arm_info in details["arms"].items()
+          for seed, info in arm_info["pretrain"].items() if info.get("curve")]
+  if not runs:
+    return
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+  for name, info in runs:
+    task = info.get("pair_task", "nsp").upper()
+    for ax, metric in zip(axes, ("mlm_accuracy", "nsp_accuracy")):
+      steps, values = zip(*info["curve"][metric]) if info["curve"][metric] else ((), ())
+      line, = ax.plot(steps, [100 * v for v in values], marker=".",
+                      label=name if metric == "mlm_accuracy" else f"{name} ({task})")
+      if info.get("plateau_step") in steps:
+        i = steps.index(info["plateau_step"])
+        ax.plot(steps[i], 100 * values[i], "o", color=line.get_color(), markersize=8)
+  axes[0].set_ylabel("held-out MLM accuracy %")
+  axes[1].set_ylabel("held-out NSP / SOP accuracy %")
+  for ax in axes:
+    ax.set_xlabel("pretraining step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.suptitle(f"BERT-{details['size']} pretraining, held-out curves (large dot: plateau stop)",
+               fontsize=10)
+  fig.tight_layout()
+  fig.savefig(root / "pretraining_curves.png", dpi=120)
+  plt.close(fig)
 
 
 def publish(root: pathlib.Path, target: pathlib.Path, fv: flags.FlagValues) -> None:
@@ -607,8 +660,9 @@ def publish(root: pathlib.Path, target: pathlib.Path, fv: flags.FlagValues) -> N
       shutil.copyfile(root / name, target / name)
   figures = target / "figures"
   figures.mkdir(exist_ok=True)
-  if (root / "label_efficiency.png").is_file():
-    shutil.copyfile(root / "label_efficiency.png", figures / "label_efficiency.png")
+  for name in ("label_efficiency.png", "pretraining_curves.png"):
+    if (root / name).is_file():
+      shutil.copyfile(root / name, figures / name)
   first = int(fv.seeds[0])
   pretrain_first = int((fv.pretrain_seeds or fv.seeds)[0])
   for arm in fv.arms:
