@@ -11,6 +11,11 @@
 # There (device run, carry [".whl"]):
 #   bash experiments/bert_sst2/device.sh DEADLINE_S FINAL_END_S 'FINAL ARGS' \
 #       'NAME|RUN.PY ARGS' 'NAME|RUN.PY ARGS' ...
+# Every call must carry .whl: a call without it removes the folder there, SST-2's files with it.
+# To finish a study in a second call on the same warm machine, set ROOT to a folder the
+# repository ignores (ROOT=$PWD/runs/NAME: it stays between calls) and call the script again
+# with the same FINAL ARGS and no jobs (LOCAL_CHECK=1 skips the install: only where the first
+# call's /tmp/site is still there).
 # Each job runs experiments/bert_sst2/run.py --workdir=ROOT/NAME ARGS, all jobs at once; a job still running after DEADLINE_S gets SIGTERM (the trainer saves
 # a checkpoint and stops). Then one more run.py call, in ROOT/all, whose arm folders are links to
 # the jobs' arms (their finished runs are skipped), runs with FINAL ARGS for at most
