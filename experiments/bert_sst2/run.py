@@ -644,8 +644,9 @@ def write_curve_figure(root: pathlib.Path, details: dict) -> None:
     ax.set_xlabel("pretraining step")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-  fig.suptitle(f"BERT-{details['size']} pretraining, held-out curves (large dot: plateau stop)",
-               fontsize=10)
+  stopped = any("plateau_step" in info for _, info in runs)
+  fig.suptitle(f"BERT-{details['size']} pretraining, held-out curves"
+               + (" (large dot: the plateau rule's stop)" if stopped else ""), fontsize=10)
   fig.tight_layout()
   fig.savefig(root / "pretraining_curves.png", dpi=120)
   plt.close(fig)
