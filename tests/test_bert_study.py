@@ -92,7 +92,6 @@ def test_an_arm_linked_from_another_study_shares_its_pretraining(study, tmp_path
   assert inits == {str(other.resolve() / "pretrain_s0"), str(other.resolve() / "pretrain_s1")}
 
 
-
 def test_linked_arms_bring_their_runs_seconds(study, tmp_path):
   """device.sh links each job's arms into one folder: the seconds of the runs trained in the
   jobs' folders are read from their timings.json (an arm linked under another name keeps only
@@ -107,6 +106,7 @@ def test_linked_arms_bring_their_runs_seconds(study, tmp_path):
   found = study.linked_timings(root, ["imdb", "scratch", "renamed"])
   assert found == {"imdb/pretrain_s0": 373.5, "imdb/select_lr1e-4": 26.0,
                    "renamed/pretrain_s0": 373.5, "renamed/select_lr1e-4": 26.0}
+
 
 def test_pretraining_curve_figure_only_for_pretrained_arms(study, tmp_path):
   """pretraining_curves.png is drawn from details.json's held-out curves; a study of scratch

@@ -527,6 +527,7 @@ def run_study(fv: flags.FlagValues) -> dict:
              "pretrain_args": fv.pretrain_args, "finetune_args": fv.finetune_args,
              "arms": details, "seconds": timings}
   write_outputs(root, results, details)
+  write_curve_figure(root, details)
   if fv.label_fractions:
     label = run_label_efficiency(fv, results, details, timings, root)
     details["seconds"] = timings
@@ -564,11 +565,17 @@ def run_label_efficiency(fv: flags.FlagValues, results: dict, details: dict,
   return out
 
 
-def write_label_outputs(root: pathlib.Path, label: dict) -> None:
-  """label_efficiency.json, .md (table) and .png (accuracy against the fraction of labels)."""
+def _pyplot():
+  """matplotlib.pyplot on the Agg backend (imported only when a study draws a figure)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  return plt
+
+
+def write_label_outputs(root: pathlib.Path, label: dict) -> None:
+  """label_efficiency.json, .md (table) and .png (accuracy against the fraction of labels)."""
+  plt = _pyplot()
   (root / "label_efficiency.json").write_text(json.dumps(label, indent=2) + "\n")
   (root / "label_efficiency.md").write_text(label_table(label))
   fig, ax = plt.subplots(figsize=(5, 3.5))
@@ -615,7 +622,6 @@ def write_outputs(root: pathlib.Path, results: dict, details: dict) -> None:
   (root / "results.json").write_text(json.dumps(results, indent=2) + "\n")
   (root / "details.json").write_text(json.dumps(details, indent=2) + "\n")
   (root / "results.md").write_text(results_table(results, details))
-  write_curve_figure(root, details)
 
 
 def write_curve_figure(root: pathlib.Path, details: dict) -> None:
@@ -625,9 +631,7 @@ def write_curve_figure(root: pathlib.Path, details: dict) -> None:
           for seed, info in arm_info["pretrain"].items() if info.get("curve")]
   if not runs:
     return
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = _pyplot()
   fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
   for name, info in runs:
     task = info.get("pair_task", "nsp").upper()
