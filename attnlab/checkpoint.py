@@ -105,7 +105,8 @@ def finished_steps(workdir: str | os.PathLike) -> list[int]:
   directory = pathlib.Path(workdir) / CHECKPOINT_DIR
   if not directory.is_dir():
     return []
-  return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+  return sorted(int(p.name) for p in directory.iterdir()
+                if p.is_dir() and p.name.isascii() and p.name.isdigit())  # not "²" (no int)
 
 
 def last_good_checkpoint(workdir: str | os.PathLike) -> str:
@@ -485,8 +486,9 @@ class Checkpointer:
                                     f"{type(e).__name__}: {_short(str(e))}")
     try:
       meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-      if not isinstance(meta, dict) or "tree" not in meta:
-        raise ValueError("item 'meta' lacks the state signature")
+      if not (isinstance(meta, dict) and isinstance(meta.get("tree"), dict)
+              and isinstance(meta.get("data_iterator"), dict)):
+        raise ValueError("item 'meta' lacks the state signature or the data-iterator state")
     except Exception as e:  # orbax raises many types for a damaged file
       raise unreadable(step_dir / "meta" / "metadata", e) from e
     diffs = signature_diffs(meta["tree"], tree_signature(abstract_state), "stored")
@@ -563,9 +565,10 @@ def check_files(step_dir: str | os.PathLike) -> str | None:
   for name in _JSON_FILES:
     try:
       data = json.loads((step_dir / name).read_bytes())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
       return f"file {step_dir / name} is not readable JSON ({type(e).__name__}: {_short(str(e))})"
-    if not isinstance(data, dict) or (name == "meta/metadata" and "tree" not in data):
+    if not isinstance(data, dict) or (name == "meta/metadata" and not (
+        isinstance(data.get("tree"), dict) and isinstance(data.get("data_iterator"), dict))):
       return f"file {step_dir / name} lacks the fields of a checkpoint"
   import tensorstore as ts  # pylint: disable=g-import-not-at-top
   state_dir = str((step_dir / "state").absolute()) + os.sep

@@ -621,3 +621,175 @@ def test_sweep_summary_names_members_without_their_final_record(nw_run, tmp_path
   row = [l for l in table.splitlines() if l.startswith("| 1 | 0 | 1 |")]
   assert row and f"{final['test_mse']:.4g}" in row[0].split("|")[4], table
   assert "`seed=1` (its last evaluation is at step 10 of 20)" in table
+
+
+# --------------------------------------------------------------------------------------------------
+# 10. Values of the wrong type or size in a stranger's files: one line, no traceback, no gigabytes
+
+
+def _torch_case(tmp_path: pathlib.Path, case: str) -> pathlib.Path:
+  storage = {"0": STORAGE.tobytes()}
+  if case == "int_name":
+    return _torch_file(tmp_path / "t.bin", b"\x80\x02" + _global("collections", "OrderedDict")
+                       + b")R(" + _int(7) + _rebuild("0", 4, 0, (4,), (1,)) + b"u.", storage)
+  if case in ("65_dims", "empty_2**63", "empty_too_big"):
+    size = {"65_dims": (1,) * 65, "empty_2**63": (0, 2**63),
+            "empty_too_big": (2**62, 2**62, 0)}[case]
+    data = _state_dict_pickle({"w": _rebuild("0", 4, 0, size, (1,) * len(size))})
+    return _torch_file(tmp_path / "t.bin", data, storage)
+  # A storage member compressed with lzma or bzip2, its compressed bytes damaged.
+  compression = {"lzma": zipfile.ZIP_LZMA, "bzip2": zipfile.ZIP_BZIP2}[case]
+  path = tmp_path / "t.bin"
+  with zipfile.ZipFile(path, "w") as z:
+    z.writestr("archive/data.pkl", _state_dict_pickle({"w": _rebuild("0", 256, 0, (256,), (1,))}))
+    z.writestr("archive/data/0", np.arange(256, dtype=np.float32).tobytes(),
+               compress_type=compression)
+    info = z.getinfo("archive/data/0")
+  data = bytearray(path.read_bytes())
+  start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+  for i in range(start + 8, start + 20):
+    data[i] ^= 0xFF
+  path.write_bytes(bytes(data))
+  return path
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("int_name", "tensor names that are not strings: 7"),
+    ("65_dims", "65 dimensions, more than the 64"),
+    ("empty_2**63", "is larger than an array can be"),
+    ("empty_too_big", "is larger than an array can be"),
+    ("lzma", "not a readable state dict"),
+    ("bzip2", "not a readable state dict"),
+])
+def test_torch_reader_refuses_what_numpy_cannot_hold(tmp_path, case, expected):
+  from attnlab.interop import torch_pickle  # pylint: disable=g-import-not-at-top
+  path = _torch_case(tmp_path, case)
+  with pytest.raises(errors.TorchFileError) as info:
+    torch_pickle.load_state_dict(path)
+  assert expected in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def _safetensors_file(path: pathlib.Path, dtype: str, itemsize: int) -> None:
+  header = json.dumps({"x": {"dtype": dtype, "shape": [4], "data_offsets": [0, 4 * itemsize]}})
+  path.write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(4 * itemsize))
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({"model_type": ["gpt2"]}, "unsupported model_type ['gpt2']"),
+    ({"activation_function": ["gelu"]}, "activation ['gelu'] of config.json is not supported"),
+    ({"layer_norm_epsilon": "abc"}, "layer_norm_epsilon='abc'; it must be a number >= 0"),
+    ({"resid_pdrop": True}, "resid_pdrop=True; it must be a number >= 0"),
+    ({"attn_pdrop": float("nan")}, "attn_pdrop=nan; it must be a number >= 0"),
+])
+def test_imported_config_values_of_the_wrong_type_get_one_line(tmp_path, changes, expected):
+  from attnlab.interop import hf  # pylint: disable=g-import-not-at-top
+  with pytest.raises(errors.HFError, match=None) as info:
+    hf.load_checkpoint(_gpt2_folder(tmp_path, **changes))
+  assert expected in str(info.value), str(info.value)
+
+
+def test_imported_config_nulls_read_as_the_defaults(tmp_path):
+  from attnlab.interop import hf  # pylint: disable=g-import-not-at-top
+  _, config, _ = hf.load_checkpoint(_gpt2_folder(tmp_path, layer_norm_epsilon=None,
+                                                 resid_pdrop=None))
+  assert config.model.layer_norm_epsilon == 1e-5 and config.model.dropout_rate == 0.0
+
+
+def test_damaged_import_files_get_one_line(tmp_path):
+  from attnlab.interop import hf  # pylint: disable=g-import-not-at-top
+  folder = _gpt2_folder(tmp_path)
+  (folder / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+  with pytest.raises(errors.HFError, match="config.json is not valid JSON"):
+    hf.read_hf_config(folder)
+  (folder / "model.safetensors").rename(folder / "shard.safetensors")
+  for text in (b'{"weight_map": {"a": "\xff"}}', b"[" * 100_000):
+    (folder / "model.safetensors.index.json").write_bytes(text)
+    with pytest.raises(errors.HFError, match="not a weight index"):
+      hf.read_weights(folder)
+  (folder / "model.safetensors.index.json").unlink()
+  for dtype in ("F8_E4M3", "F8_E5M2"):  # in the header's dtypes, but NumPy has no float8
+    _safetensors_file(folder / "model.safetensors", dtype, 1)
+    with pytest.raises(errors.HFError, match="not a readable safetensors file"):
+      hf.read_weights(folder)
+
+
+def test_layer_indices_too_long_for_int_get_one_line(tmp_path):
+  from safetensors.numpy import load_file, save_file  # pylint: disable=g-import-not-at-top
+  from attnlab.interop import hf  # pylint: disable=g-import-not-at-top
+  folder = _gpt2_folder(tmp_path)
+  tensors = load_file(str(folder / "model.safetensors"))
+  tensors["transformer.h." + "9" * 5000 + ".x"] = tensors["transformer.wpe.weight"][:1]
+  save_file(tensors, str(folder / "model.safetensors"))
+  with pytest.raises(errors.HFError, match="n_layer=2 but the weights in .* hold 3 layers"):
+    hf.load_checkpoint(folder)
+
+
+def test_a_forged_layer_count_is_refused_without_counting_to_it(tmp_path):
+  """n_layer = 4e8 with n_embd = 1 implies 1e10 parameters, which the size check lets through;
+  comparing the layers the weights hold with 0..n_layer-1 must not build that range (37 GB)."""
+  import tracemalloc  # pylint: disable=g-import-not-at-top
+  from attnlab.interop import hf  # pylint: disable=g-import-not-at-top
+  folder = _gpt2_folder(tmp_path, n_embd=1, n_head=1, vocab_size=1, n_positions=1, n_inner=None,
+                        n_layer=1_000_000)  # 94 MB before the fix: measurable, yet harmless
+  tracemalloc.start()
+  try:
+    with pytest.raises(errors.HFError, match="n_layer=1000000 but the weights"):
+      hf.load_checkpoint(folder)
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert peak < 20 * 2**20, peak
+
+
+def _word_level_tokenizer(folder: pathlib.Path, vocab: dict[str, int]) -> pathlib.Path:
+  folder.mkdir()
+  (folder / "tokenizer.json").write_text(json.dumps({
+      "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+      "normalizer": None, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None,
+      "decoder": None, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}}))
+  return folder
+
+
+def test_tokenizer_files_with_forged_ids_or_nesting_get_one_line(tmp_path):
+  from attnlab.data import hf_tokenizer  # pylint: disable=g-import-not-at-top
+  # One id of 2**32 - 1 in a 270-byte file would make a 34 GB table; 10**7 (80 MB) stands for it.
+  folder = _word_level_tokenizer(tmp_path / "sparse", {"[UNK]": 0, "a": 10**7})
+  with pytest.raises(errors.DataError, match="give 2 tokens with ids up to 10000000"):
+    hf_tokenizer.HFTokenizer(folder)
+  folder = _word_level_tokenizer(tmp_path / "nested", {"[UNK]": 0, "a": 1})
+  assert len(hf_tokenizer.HFTokenizer(folder)) == 2
+  (folder / "tokenizer_config.json").write_text("[" * 100_000 + "]" * 100_000)
+  with pytest.raises(errors.DataError, match="tokenizer_config.json is not valid JSON"):
+    hf_tokenizer.HFTokenizer(folder)
+
+
+@pytest.mark.parametrize("text", [b"[1, 2]", b'{"a": "x"}', b'{"a": null}', b'{"a": "\xff"}',
+                                  b"[" * 100_000],
+                         ids=["list", "str", "null", "not_utf8", "nested"])
+def test_damaged_sizes_file_gets_one_line(tmp_path, text):
+  from attnlab.data import assets  # pylint: disable=g-import-not-at-top
+  (tmp_path / assets.SIZES_FILE).write_bytes(text)
+  with pytest.raises(errors.DataError, match="is damaged"):
+    assets.load_sizes(tmp_path)
+
+
+def test_checkpoint_meta_of_the_wrong_shape_is_a_damaged_checkpoint(tmp_path):
+  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  directory = tmp_path / checkpoint.CHECKPOINT_DIR
+  (directory / "\u00b2").mkdir(parents=True)  # "²".isdigit(), but int("²") fails
+  (directory / "\u0661").mkdir()  # Arabic-Indic one: int() reads it as 1, no checkpoint 1 is there
+  assert checkpoint.finished_steps(tmp_path) == []
+  with checkpoint.Checkpointer(directory) as ckpt:
+    ckpt.save(1, {"w": np.arange(4, dtype=np.float32)}, {"index": 0})
+  assert checkpoint.finished_steps(tmp_path) == [1]
+  meta_file = directory / "1" / "meta" / "metadata"
+  meta = json.loads(meta_file.read_text())
+  abstract = {"w": jax.ShapeDtypeStruct((4,), np.float32)}
+  for forged in ({**meta, "tree": ["x"]}, {k: v for k, v in meta.items() if k != "data_iterator"}):
+    meta_file.write_text(json.dumps(forged))
+    assert "lacks the fields of a checkpoint" in checkpoint.check_files(directory / "1")
+    with checkpoint.Checkpointer(directory, read_only=True) as ckpt:
+      with pytest.raises(errors.CorruptCheckpointError, match="checkpoint step 1 is unreadable"):
+        ckpt.restore(1, abstract)
+  meta_file.write_text("[" * 100_000 + "]" * 100_000)
+  assert "is not readable JSON (RecursionError" in checkpoint.check_files(directory / "1")

@@ -66,8 +66,12 @@ def load_sizes(directory: str | os.PathLike) -> dict[str, int]:
   if not path.is_file():
     return {}
   try:
-    sizes = json.loads(path.read_text())
-  except json.JSONDecodeError as e:
-    raise DataError(f"{path} is damaged ({e}); delete {path.parent} to rebuild it from the "
-                    f"data") from None
-  return {str(k): int(v) for k, v in sizes.items()}
+    sizes = json.loads(path.read_text(encoding="utf-8"))
+    problem = None if isinstance(sizes, dict) and all(type(v) is int for v in sizes.values()) \
+        else "not a JSON object of integers"
+  except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nesting
+    problem = " ".join(str(e).split())[:200]
+  if problem is not None:
+    raise DataError(f"{path} is damaged ({problem}); delete {path.parent} to rebuild it from the "
+                    f"data")
+  return dict(sizes)

@@ -44,6 +44,9 @@ _SPECIAL_NAMES = {
     "mask": ("[MASK]", "<mask>"),
 }
 
+# The largest id a vocabulary of N tokens may have: MAX_ID_SPREAD * N (+ 1024) (its ids run 0..N-1,
+# with room for gaps), since HFTokenizer keeps a table of all ids up to the largest.
+MAX_ID_SPREAD = 2
 # Roles whose tokenizer_config.json key differs from the role name ("bos_token", "eos_token").
 _CONFIG_KEYS = {"start": "bos", "end": "eos"}
 
@@ -80,8 +83,9 @@ def _read_json(path: pathlib.Path) -> dict[str, Any]:
     return {}
   try:
     data = json.loads(path.read_text(encoding="utf-8"))
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise DataError(f"{path} is not valid JSON ({e}); restore it from the checkpoint") from None
+  except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+    raise DataError(f"{path} is not valid JSON ({' '.join(str(e).split())[:200]}); restore it "
+                    f"from the checkpoint") from None
   return data if isinstance(data, dict) else {}
 
 
@@ -122,7 +126,11 @@ class HFTokenizer:
       raise DataError(f"cannot read the tokenizer files in {d}: {e}") from None
     self._tok = tok
     vocab = tok.get_vocab(with_added_tokens=True)
-    self._tokens = [""] * (max(vocab.values()) + 1 if vocab else 0)
+    size = max(vocab.values()) + 1 if vocab else 0
+    if size > MAX_ID_SPREAD * len(vocab) + 1024:  # a forged id (up to 2**32 - 1): gigabytes
+      raise DataError(f"the tokenizer files in {d} give {len(vocab)} tokens with ids up to {size - 1}; "
+                      f"a vocabulary's ids run 0..N-1 (the files are damaged or forged)")
+    self._tokens = [""] * size
     for token, i in vocab.items():
       self._tokens[i] = token
     special = {}

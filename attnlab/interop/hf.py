@@ -85,8 +85,8 @@ def read_hf_config(folder: PathLike) -> dict[str, Any]:
                   f"writes both)")
   try:
     config = json.loads(path.read_text(encoding="utf-8"))
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise HFError(f"{path} is not valid JSON ({e})") from None
+  except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+    raise HFError(f"{path} is not valid JSON ({' '.join(str(e).split())[:200]})") from None
   if not isinstance(config, dict):
     raise HFError(f"{path} holds no JSON object")
   return config
@@ -153,7 +153,8 @@ def _read_weight_file(path: pathlib.Path) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
     try:
       return load_file(str(path))
-    except (SafetensorError, OSError, ValueError, TypeError) as e:
+    # AttributeError: a dtype the header allows but NumPy lacks (F8_E4M3, F8_E5M2).
+    except (SafetensorError, OSError, ValueError, TypeError, AttributeError) as e:
       message = " ".join(str(e).split())[:200]
       raise HFError(f"{path}: not a readable safetensors file ({message})") from None
   try:
@@ -172,8 +173,8 @@ def read_weights(folder: PathLike) -> dict[str, np.ndarray]:
       return _read_weight_file(folder / name)
     if index.is_file():
       try:
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-      except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+      except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise HFError(f"{index}: not a weight index (a 'weight_map' object expected; "
                       f"{e})") from None
       tensors: dict[str, np.ndarray] = {}
@@ -248,6 +249,16 @@ def _positive(hf: dict[str, Any], key: str, default: Any = None) -> int:
   return value
 
 
+def _real(hf: dict[str, Any], key: str, default: float) -> float:
+  """config.json's `key` (or `default` when it is absent or null), a finite number >= 0."""
+  value = hf.get(key)
+  if value is None:
+    value = default
+  if type(value) not in (int, float) or not 0 <= value < math.inf:  # bool and str are refused
+    raise HFError(f"config.json has {key}={value!r:.40}; it must be a number >= 0")
+  return float(value)
+
+
 def _check_sizes(dims: dict[str, Any], names: dict[str, str], params: int) -> None:
   """Heads that divide the width, and at most MAX_IMPORT_PARAMS parameters (`params`, as the
   sizes imply them); `names`: attnlab name -> config.json key."""
@@ -266,8 +277,11 @@ def _check_layer_count(tensors: dict[str, np.ndarray], pattern: str, key: str,
                        num_layers: int, folder: PathLike) -> None:
   """The layers the weights hold (tensor names matching `pattern`, a layer index group) are
   exactly 0..num_layers-1, checked before the layout of num_layers layers is built."""
-  indices = {int(m[1]) for name in tensors if (m := re.match(pattern, name))}
-  if indices != set(range(num_layers)):
+  # An index too long for int() (4300 digits) stands as one past any layer count.
+  indices = {int(m[1]) if len(m[1]) <= 18 else 10**18
+             for name in tensors if isinstance(name, str) and (m := re.match(pattern, name))}
+  # The length first: set(range(num_layers)) of a forged n_layer would take gigabytes.
+  if len(indices) != num_layers or indices != set(range(num_layers)):
     held = f"layers 0..{max(indices)}" if indices == set(range(len(indices))) and indices \
         else f"{len(indices)} layers"
     raise HFError(f"config.json has {key}={num_layers} but the weights in {folder} hold "
@@ -276,8 +290,8 @@ def _check_layer_count(tensors: dict[str, np.ndarray], pattern: str, key: str,
 
 
 def _activation(name: str) -> str:
-  if name not in ACTIVATIONS:
-    raise HFError(f"activation {name!r} of config.json is not supported; valid: "
+  if not isinstance(name, str) or name not in ACTIVATIONS:
+    raise HFError(f"activation {name!r:.40} of config.json is not supported; valid: "
                   f"{', '.join(ACTIVATIONS)}")
   return ACTIVATIONS[name]
 
@@ -349,9 +363,9 @@ def _gpt2_dims(hf: dict[str, Any]) -> dict[str, Any]:
               num_heads=_positive(hf, "n_head"), d_model=d, block_size=_positive(hf, "n_positions"),
               mlp_ratio=inner // d,
               activation=_activation(hf.get("activation_function", "gelu_new")),
-              layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
-              dropout_rate=float(hf.get("resid_pdrop", 0.0)),
-              attention_dropout_rate=float(hf.get("attn_pdrop", 0.0)))
+              layer_norm_epsilon=_real(hf, "layer_norm_epsilon", 1e-5),
+              dropout_rate=_real(hf, "resid_pdrop", 0.0),
+              attention_dropout_rate=_real(hf, "attn_pdrop", 0.0))
   v, n, layers = dims["vocab_size"], dims["block_size"], dims["num_layers"]
   _check_sizes(dims, _GPT2_NAMES,
                (v + n) * d + layers * (4 * d * d + 2 * d * inner + 9 * d + inner))
@@ -468,9 +482,9 @@ def _bert_dims(hf: dict[str, Any]) -> dict[str, Any]:
               max_len=_positive(hf, "max_position_embeddings"),
               type_vocab_size=_positive(hf, "type_vocab_size", 2),
               activation=_activation(hf.get("hidden_act", "gelu")),
-              layer_norm_epsilon=float(hf.get("layer_norm_eps", 1e-12)),
-              dropout_rate=float(hf.get("hidden_dropout_prob", 0.1)),
-              attention_dropout_rate=float(hf.get("attention_probs_dropout_prob", 0.1)))
+              layer_norm_epsilon=_real(hf, "layer_norm_eps", 1e-12),
+              dropout_rate=_real(hf, "hidden_dropout_prob", 0.1),
+              attention_dropout_rate=_real(hf, "attention_probs_dropout_prob", 0.1))
   d, f, v = dims["d_model"], dims["mlp_dim"], dims["vocab_size"]
   _check_sizes(dims, _BERT_NAMES,
                (v + dims["max_len"] + dims["type_vocab_size"]) * d + 2 * d * d + v
@@ -616,8 +630,8 @@ def load_checkpoint(folder: PathLike) -> tuple[str, dict[str, Any], Any]:
   """(model_type, the attnlab run config, attnlab params) of a checkpoint folder."""
   hf = read_hf_config(folder)
   model_type = hf.get("model_type")
-  if model_type not in ARCHITECTURES:
-    raise HFError(f"unsupported model_type {model_type!r} in config.json; attnlab imports: "
+  if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
+    raise HFError(f"unsupported model_type {model_type!r:.40} in config.json; attnlab imports: "
                   f"{', '.join(ARCHITECTURES)}")
   to_params, _, run_config, _, _ = ARCHITECTURES[model_type]
   config = run_config(hf)  # checks the config before the (large) weights are read

@@ -14,6 +14,7 @@ size) before it copies anything, so a forged file gets one line, never a read pa
 from __future__ import annotations
 
 import collections
+import lzma
 import math
 import operator
 import os
@@ -50,10 +51,14 @@ MAX_EXPANSION = 4
 MIN_LIMIT_BYTES = 1 << 20
 # The bytes all tensors together may hold (tied weights read one storage several times).
 MAX_TOTAL_EXPANSION = 16
-# Exceptions a malformed pickle or zip archive raises in the standard library's readers.
+# The most dimensions a NumPy array has.
+MAX_NDIM = 64
+# Exceptions a malformed pickle or zip archive raises in the standard library's readers (a
+# damaged bzip2 member raises OSError, an lzma one LZMAError).
 _READ_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError,
                 AttributeError, OverflowError, RecursionError, MemoryError, LookupError,
-                NotImplementedError, RuntimeError, zipfile.BadZipFile, zlib.error, struct.error)
+                NotImplementedError, RuntimeError, zipfile.BadZipFile, zlib.error, struct.error,
+                lzma.LZMAError, OSError)
 
 
 class _Storage:
@@ -99,6 +104,8 @@ class _Tensor:
     array = storage.array
     if len(size) != len(stride):
       raise bad(f"size {size} and stride {stride} have different lengths")
+    if len(size) > MAX_NDIM:
+      raise bad(f"{len(size)} dimensions, more than the {MAX_NDIM} an array can have")
     if offset < 0 or any(n < 0 for n in size) or any(s < 0 for s in stride):
       raise bad(f"negative offset, size or stride (offset {offset}, size {size}, stride "
                 f"{stride})")
@@ -109,7 +116,10 @@ class _Tensor:
     if count == 0:
       if offset > array.size:
         raise bad(f"offset {offset} lies past its storage of {array.size} elements")
-      return np.zeros(size, array.dtype)
+      try:
+        return np.zeros(size, array.dtype)
+      except ValueError:  # a dimension past NumPy's limits (2**63, or a product past them)
+        raise bad(f"size {size} is larger than an array can be") from None
     furthest = offset + sum((n - 1) * s for n, s in zip(size, stride))
     if furthest >= array.size:
       raise bad(f"size {size} with stride {stride} at offset {offset} reads element {furthest} "
@@ -226,6 +236,9 @@ def load_state_dict(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
   bad = [str(k) for k, v in state.items() if not isinstance(v, _Tensor)]
   if bad:
     raise TorchFileError(f"{path}: entries that are not tensors: {', '.join(bad[:5])}")
+  bad = [repr(k) for k in state if not isinstance(k, str)]
+  if bad:
+    raise TorchFileError(f"{path}: tensor names that are not strings: {', '.join(bad[:5]):.200}")
   tensors, total = {}, 0
   for name, tensor in state.items():
     try:
