@@ -530,7 +530,9 @@ def test_performer_causal_scan_matches_numpy_with_gradients(monkeypatch, fused_b
     return np.exp(proj - 0.5 * (x * x).sum(-1, keepdims=True) - c(proj)) / 4.0 + 1e-6
 
   phi_q = np_phi(q, lambda p: p.max(-1, keepdims=True))
-  phi_k = np_phi(k, lambda p: p.max(axis=(-1, -2), keepdims=True))
+  # the keys' stabiliser: the max over the unpadded keys only
+  phi_k = np_phi(k, lambda p: np.where(valid[:, None, :, None], p, -np.inf).max(
+      axis=(-1, -2), keepdims=True))
   a = phi_q @ np.swapaxes(phi_k, -1, -2) * np.tril(np.ones((30, 30)))
   a = a * valid[:, None, None, :]
   want = (a / a.sum(-1, keepdims=True)) @ np.asarray(v, np.float64)
@@ -547,6 +549,84 @@ def test_performer_causal_scan_matches_numpy_with_gradients(monkeypatch, fused_b
   g_quad = jax.jit(jax.grad(lambda *a: jnp.sum(quadratic(*a) * ct), argnums=(0, 1, 2)))(q, k, v)
   for got, ref in zip(g_scan, g_quad):
     np.testing.assert_allclose(got, ref, **GRAD_TOL)
+
+
+@pytest.mark.parametrize("fused_bytes", [0, efficient.FUSED_FEATURE_BYTES])
+@pytest.mark.parametrize("causal", [False, True])
+def test_performer_padded_keys_change_nothing(monkeypatch, fused_bytes, causal):
+  """Padded keys must not contribute: their values (here large) must not move the keys'
+  stabiliser, which the 1e-6 feature floor does not cancel."""
+  monkeypatch.setattr(efficient, "FUSED_FEATURE_BYTES", fused_bytes)
+  q, k, v = rand(40, 2, 2, 30, 4), rand(41, 2, 2, 30, 4), rand(42, 2, 2, 30, 3)
+  feats = efficient.performer_features(jax.random.PRNGKey(5), 16, 4)
+  valid = np.arange(30)[None] < np.array([30, 20])[:, None]  # [batch, k_len]
+  run = lambda k: efficient.performer_attention(q, k, v, features=feats, causal=causal,
+                                                mask=valid, chunk_size=3)
+  garbage = k.copy()
+  garbage[1, :, 20:] = 6.0  # padded keys only
+
+  def np_phi(x, c):  # exp(wᵀx' - |x'|²/2 - c) / sqrt(m) + 1e-6, x' = x / d^(1/4)
+    x = np.asarray(x, np.float64) / 4 ** 0.25
+    proj = x @ np.asarray(feats, np.float64).T
+    return np.exp(proj - 0.5 * (x * x).sum(-1, keepdims=True) - c(proj)) / 4.0 + 1e-6
+
+  phi_q = np_phi(q, lambda p: p.max(-1, keepdims=True))
+  phi_k = np_phi(k[:, :, :20], lambda p: p.max(axis=(-1, -2), keepdims=True))  # unpadded keys
+  a = phi_q[1] @ np.swapaxes(phi_k[1], -1, -2)  # batch 1: [heads, 30, 20]
+  if causal:
+    a = a * np.tril(np.ones((30, 30)))[:, :20]
+  want = (a / a.sum(-1, keepdims=True)) @ np.asarray(v[1, :, :20], np.float64)
+  np.testing.assert_allclose(run(garbage)[1], want, **TOL)
+  np.testing.assert_allclose(run(garbage), run(k), **TOL)
+  w = efficient.performer_weights(q, garbage, features=feats, causal=causal, mask=valid)
+  np.testing.assert_allclose(np.asarray(w)[1] @ v[1], want, **TOL)
+
+
+@pytest.mark.parametrize("fn", ["linear", "performer", "linformer"])
+def test_kernelised_3d_inputs_take_a_batch_key_mask(fn):
+  """q, k, v `[batch, len, d]` (no heads axis) with a `[batch, k_len]` mask: the output is
+  `[batch, len, d]`, each row attending to its own unpadded keys, as with a heads axis."""
+  q, k, v = rand(43, 2, 5, 4), rand(44, 2, 5, 4), rand(45, 2, 5, 4)
+  valid = np.arange(5)[None] < np.array([2, 5])[:, None]
+  feats = efficient.performer_features(jax.random.PRNGKey(6), 8, 4)
+  proj = efficient.init_linformer_projections(jax.random.PRNGKey(7), 5, 3)
+  run = {"linear": lambda q, k, v: efficient.linear_attention(q, k, v, mask=valid),
+         "performer": lambda q, k, v: efficient.performer_attention(q, k, v, features=feats,
+                                                                    mask=valid),
+         "linformer": lambda q, k, v: efficient.linformer_attention(q, k, v, mask=valid,
+                                                                    **proj)}[fn]
+  got = run(q, k, v)
+  assert got.shape == (2, 5, 4)
+  np.testing.assert_allclose(got, run(q[:, None], k[:, None], v[:, None])[:, 0], **TOL)
+  if fn == "linear":  # elu + 1 features, NumPy
+    phi = lambda x: np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
+    a = phi(q.astype(np.float64)) @ np.swapaxes(phi(k.astype(np.float64)), -1, -2)
+    a = a * valid[:, None, :]
+    np.testing.assert_allclose(got, (a / a.sum(-1, keepdims=True)) @ v, **TOL)
+
+
+def test_sparsemax_minus_inf_logit_with_a_mask():
+  """An allowed -inf logit (e.g. an additive -inf bias) next to a masked key: the row is still
+  the simplex projection of its allowed logits (Martins & Astudillo 2016, Alg. 1)."""
+  z = np.array([[-np.inf, -50.0, 0.0, -np.inf], [-np.inf, -np.inf, 1.0, -np.inf],
+                [-np.inf, 0.3, 0.1, -2.0]], np.float32)
+  allowed = np.array([[1, 1, 0, 1], [1, 1, 0, 1], [1, 1, 1, 0]], bool)
+  # NumPy: sort-based closed form over the finite allowed logits; -inf ones get 0
+  want = np.zeros(z.shape)
+  for r in range(3):
+    idx = np.nonzero(allowed[r] & np.isfinite(z[r]))[0]
+    if idx.size:
+      s = -np.sort(-z[r, idx].astype(np.float64))
+      ks = np.arange(1, s.size + 1)
+      k_z = ks[1 + ks * s > np.cumsum(s)][-1]
+      want[r, idx] = np.maximum(z[r, idx] - (np.cumsum(s)[k_z - 1] - 1) / k_z, 0)
+  got = normalizers.sparsemax(z, allowed)
+  np.testing.assert_allclose(got, want, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(got)[[0, 2]].sum(-1), 1.0, rtol=1e-6)
+  assert np.all(np.asarray(got)[1] == 0)  # no finite allowed logit: zeros, not NaN
+  g = jax.grad(lambda x: jnp.sum(normalizers.sparsemax(x, allowed) * jnp.arange(4.0)))(
+      jnp.where(jnp.isinf(z), -1e4, z))
+  assert np.all(np.isfinite(g))
 
 
 # ----------------------------------------------------------------------------- Linformer
@@ -703,3 +783,15 @@ def test_decoding_one_query_equals_the_full_rows():
       s, s, 3, causal=True)), causal=True)
   got = window.fn(rows, k, v, causal=True, window=3, q_offset=pos)[0]
   np.testing.assert_allclose(got[:, :, 0], full[np.arange(b), :, pos], **TOL)
+
+
+def test_repeat_kv_heads_maps_groups_and_refuses_a_non_divisor():
+  """Grouped-query attention: kv head g serves query heads g*group .. (g+1)*group - 1; a kv-head
+  count that does not divide the query heads is refused (it used to return too few heads)."""
+  from attnlab.layers import attention as attention_layer  # pylint: disable=g-import-not-at-top
+  x = np.arange(2 * 2 * 1 * 1, dtype=np.float32).reshape(2, 2, 1, 1)  # [batch, kv_heads=2, 1, 1]
+  got = np.asarray(attention_layer.repeat_kv_heads(jnp.asarray(x), 6))
+  np.testing.assert_array_equal(got[..., 0, 0], [[0, 0, 0, 1, 1, 1], [2, 2, 2, 3, 3, 3]])
+  for kv_heads, heads in ((4, 6), (8, 4)):
+    with pytest.raises(ValueError, match="multiple"):
+      attention_layer.repeat_kv_heads(jnp.zeros((1, kv_heads, 1, 1)), heads)

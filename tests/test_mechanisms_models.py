@@ -154,7 +154,9 @@ def test_gpt_cached_decoding_equals_the_full_forward(kw):
   for t in range(6, 16):
     logits, cache = chunk(params, cache, tokens[:, t:t + 1])
     outs.append(np.asarray(logits))
-  # Performer's exp features reach large values: its running sums lose a few more float32 bits.
+  # Performer's key stabiliser is the max over the keys a query's pass sees: all 16 in the full
+  # forward, the cached prefix in decoding. FAVOR+'s 1e-6 feature floor does not scale with it, so
+  # the two differ slightly (efficient.performer_feature_map); every other mechanism is exact.
   atol = 1e-3 if kw.get("mechanism") == "performer" else 1e-4
   np.testing.assert_allclose(np.concatenate(outs, axis=1), full, atol=atol)
 

@@ -55,11 +55,13 @@ def elu_feature_map(x: Array) -> Array:
   return jax.nn.elu(x) + 1.0
 
 
-def _key_mask(mask: Any, k_len: int) -> Array | None:
+def _key_mask(mask: Any, k_len: int, ndim: int = 4) -> Array | None:
   """A key padding mask as bool `[..., 1, k_len]` (broadcast over the queries), or None.
 
   Accepts `[batch, k_len]` or a mask broadcastable to `[batch, heads, 1, k_len]` whose query
   axis is 1 (kernelised attention cannot take a per-query mask, except the causal one).
+  ndim is the rank of the inputs `[batch, ..., len, d]`: a `[batch, k_len]` mask gets its batch
+  axis in front of ndim - 2 singleton axes (`[batch, 1, k_len]` for 3-D inputs).
   """
   if mask is None:
     return None
@@ -68,7 +70,7 @@ def _key_mask(mask: Any, k_len: int) -> Array | None:
     raise ValueError(f"mask must be boolean (True = may attend); got dtype {mask.dtype}")
   mask = mask.astype(bool)
   if mask.ndim == 2:
-    mask = mask[:, None, None, :]  # [batch, 1, 1, k_len]
+    mask = mask.reshape(mask.shape[:1] + (1,) * max(ndim - 2, 1) + mask.shape[1:])
   if mask.ndim < 2 or mask.shape[-1] not in (1, k_len) or mask.shape[-2] != 1:
     raise ValueError(f"kernelised attention takes a key padding mask [batch, k_len] or "
                      f"[batch, 1|heads, 1, k_len]; got {mask.shape} (no per-query masks: use "
@@ -76,9 +78,9 @@ def _key_mask(mask: Any, k_len: int) -> Array | None:
   return mask
 
 
-def _key_vector(mask: Any, k_len: int) -> Array | None:
+def _key_vector(mask: Any, k_len: int, ndim: int = 4) -> Array | None:
   """A key padding mask as bool `[..., k_len]` (see `_key_mask`), or None."""
-  key_mask = _key_mask(mask, k_len)
+  key_mask = _key_mask(mask, k_len, ndim)
   return None if key_mask is None else key_mask[..., 0, :]
 
 
@@ -107,7 +109,7 @@ def kernel_weights(phi_q: Array, phi_k: Array, *, causal: bool = False,
   """
   q_len, k_len = phi_q.shape[-2], phi_k.shape[-2]
   a = jnp.einsum("...qr,...kr->...qk", phi_q, phi_k)  # [..., q_len, k_len]
-  allowed = _key_mask(mask, k_len)
+  allowed = _key_mask(mask, k_len, max(phi_q.ndim, phi_k.ndim))
   if causal:
     allowed = masks_lib.combine(allowed, masks_lib.causal_mask(q_len, k_len, offset=None)[0, 0])
   if allowed is not None:
@@ -132,7 +134,7 @@ def kernel_attention(phi_q: Array, phi_k: Array, v: Array, *, causal: bool = Fal
   Causal with q_len < k_len (decoding): the quadratic form (the queries are few).
   """
   q_len, k_len = phi_q.shape[-2], phi_k.shape[-2]
-  key_mask = _key_mask(mask, k_len)
+  key_mask = _key_mask(mask, k_len, max(phi_q.ndim, phi_k.ndim))
   if key_mask is not None:
     phi_k = jnp.where(jnp.swapaxes(key_mask, -1, -2), phi_k, 0.0)  # [..., k_len, r]
   if not causal:
@@ -232,7 +234,8 @@ def linear_attention(q: Array, k: Array, v: Array, *, causal: bool = False, mask
   core.check_qkv(q, k, v)
   if causal and _fuse_features(q, k, k.shape[-1], chunk_size):  # features inside the scan
     return causal_chunked(q, k, v, chunk_size=chunk_size, feature_q=elu_feature_map,
-                          feature_k=elu_feature_map, key_mask=_key_vector(mask, k.shape[-2]))
+                          feature_k=elu_feature_map,
+                          key_mask=_key_vector(mask, k.shape[-2], max(q.ndim, k.ndim)))
   return kernel_attention(elu_feature_map(q), elu_feature_map(k), v, causal=causal, mask=mask,
                           chunk_size=chunk_size)
 
@@ -298,21 +301,29 @@ def _performer_projection(x: Array, features: Array) -> tuple[Array, Array]:
           0.5 * jnp.sum(x * x, axis=-1, keepdims=True))
 
 
-def performer_key_max(k: Array, features: Array) -> Array:
-  """The keys' stabiliser of `performer_feature_map`, max over all keys and features of wᵀk'
-  `[..., 1, 1]` (no gradient), for features made a group of keys at a time."""
-  return jax.lax.stop_gradient(jnp.max(_performer_projection(k, features)[0], axis=(-1, -2),
-                                       keepdims=True))
+def performer_key_max(k: Array, features: Array, mask: Any = None, ndim: int = 4) -> Array:
+  """The keys' stabiliser of `performer_feature_map`, max over the keys and features of wᵀk'
+  `[..., 1, 1]` (no gradient). mask: a key padding mask (see `_key_mask`, ndim the inputs' rank);
+  padded keys are left out of the max, so they cannot change the real keys' features (the
+  feature floor does not scale with the stabiliser). 0 where no key is allowed."""
+  proj = _performer_projection(k, features)[0]  # [..., k_len, m]
+  key_mask = _key_mask(mask, k.shape[-2], ndim)
+  if key_mask is not None:
+    proj = jnp.where(jnp.swapaxes(key_mask, -1, -2), proj, -jnp.inf)  # [..., k_len, m]
+  c = jnp.max(proj, axis=(-1, -2), keepdims=True)
+  return jax.lax.stop_gradient(jnp.where(jnp.isfinite(c), c, 0.0))
 
 
 def performer_feature_map(x: Array, features: Array, *, is_query: bool,
                           key_max: Array | None = None) -> Array:
   """phi(x) = exp(wᵀx' - |x'|²/2 - c) / sqrt(m), x' = x / d^(1/4), for the m rows w of features.
 
-  c is a stabiliser that cancels in the normalisation: the row max for queries, the max over
-  all keys (and features) for keys (one constant per head, so causal sums stay exact; key_max
-  passes it in, `performer_key_max`, when x is a part of the keys). A floor
-  of 1e-6 keeps the denominators positive.
+  c is a stabiliser: the row max for queries, the max over all keys (and features) for keys
+  (one constant per head; key_max passes it in, `performer_key_max`, e.g. the max over the
+  unpadded keys only, or when x is a part of the keys). A floor of 1e-6 keeps the
+  denominators positive; it does not scale with exp(-c), so c cancels only up to the floor's
+  share: keys in the max that a query cannot see (future keys under causal) still shift its
+  output slightly.
   """
   proj, sq = _performer_projection(x, features)  # [..., len, m], [..., len, 1]
   if is_query:
@@ -333,23 +344,27 @@ def performer_attention(q: Array, k: Array, v: Array, *, features: Array, causal
   positive random features, in linear time (causal by chunked prefix sums)."""
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   core.check_qkv(q, k, v)
+  ndim = max(q.ndim, k.ndim)
+  key_max = performer_key_max(k, features, mask, ndim)  # [..., 1, 1]: padded keys left out
   if causal and _fuse_features(q, k, features.shape[0], chunk_size):  # features inside the scan
-    key_max = performer_key_max(k, features)[..., None, :, :]  # [..., 1, 1, 1]: per group
+    group_max = key_max[..., None, :, :]  # [..., 1, 1, 1]: per group
     return causal_chunked(
         q, k, v, chunk_size=chunk_size,
         feature_q=lambda x: performer_feature_map(x, features, is_query=True),
-        feature_k=lambda x: performer_feature_map(x, features, is_query=False, key_max=key_max),
-        key_mask=_key_vector(mask, k.shape[-2]))
+        feature_k=lambda x: performer_feature_map(x, features, is_query=False, key_max=group_max),
+        key_mask=_key_vector(mask, k.shape[-2], ndim))
   return kernel_attention(performer_feature_map(q, features, is_query=True),
-                          performer_feature_map(k, features, is_query=False), v,
+                          performer_feature_map(k, features, is_query=False, key_max=key_max), v,
                           causal=causal, mask=mask, chunk_size=chunk_size)
 
 
 def performer_weights(q: Array, k: Array, *, features: Array, causal: bool = False,
                       mask: Any = None) -> Array:
   """Performer's implicit attention matrix `[..., q_len, k_len]` (for analysis)."""
-  return kernel_weights(performer_feature_map(jnp.asarray(q), features, is_query=True),
-                        performer_feature_map(jnp.asarray(k), features, is_query=False),
+  q, k = jnp.asarray(q), jnp.asarray(k)
+  key_max = performer_key_max(k, features, mask, max(q.ndim, k.ndim))
+  return kernel_weights(performer_feature_map(q, features, is_query=True),
+                        performer_feature_map(k, features, is_query=False, key_max=key_max),
                         causal=causal, mask=mask)
 
 
@@ -370,7 +385,7 @@ def _linformer_project(k: Array, v: Array, proj_k: Array, proj_v: Array,
   if proj_k.ndim != 2 or proj_k.shape != proj_v.shape or proj_k.shape[0] < k_len:
     raise ValueError(f"linformer projections must be [max_len >= k_len={k_len}, r], the same "
                      f"for keys and values; got proj_k {proj_k.shape}, proj_v {proj_v.shape}")
-  key_mask = _key_mask(mask, k_len)
+  key_mask = _key_mask(mask, k_len, k.ndim)
   if key_mask is not None:  # padded keys/values contribute nothing to the projection
     keep = jnp.swapaxes(key_mask, -1, -2)  # [..., k_len, 1]
     k, v = jnp.where(keep, k, 0.0), jnp.where(keep, v, 0.0)
@@ -401,7 +416,7 @@ def linformer_weights(q: Array, k: Array, *, proj_k: Array, proj_v: Array,
   k_proj, _ = _linformer_project(k, k, proj_k, proj_v, mask)
   logits = jnp.einsum("...qd,...rd->...qr", q, k_proj) / math.sqrt(q.shape[-1])
   w = jnp.einsum("...qr,kr->...qk", jax.nn.softmax(logits, axis=-1), proj_v[:k.shape[-2]])
-  key_mask = _key_mask(mask, k.shape[-2])
+  key_mask = _key_mask(mask, k.shape[-2], max(q.ndim, k.ndim))
   return w if key_mask is None else jnp.where(key_mask, w, 0.0)
 
 

@@ -105,9 +105,12 @@ def sparsemax(logits: Array, mask: Any = None) -> Array:
   """
   x, mask, out_dtype = _prepare(logits, mask)
   if mask is not None:
-    # masked entries sorted last (below every allowed one), and never counted in the support
+    # masked entries sorted last (below every allowed one), and never counted in the support:
+    # min - 1, or -inf when an allowed logit is -inf (a finite fill would sort above it and
+    # enter the support), or -1 for a row with no allowed key
     low = jnp.min(jnp.where(mask, x, jnp.inf), axis=-1, keepdims=True)
-    low = jax.lax.stop_gradient(jnp.where(jnp.isfinite(low), low, 0.0) - 1.0)
+    low = jax.lax.stop_gradient(
+        jnp.where(jnp.isfinite(low), low - 1.0, jnp.where(low < 0, low, -1.0)))
     x = jnp.where(mask, x, low)
   z = -jnp.sort(-x, axis=-1)  # [..., q_len, k_len] descending
   ks = jnp.arange(1, x.shape[-1] + 1, dtype=x.dtype)  # [k_len]
@@ -120,6 +123,7 @@ def sparsemax(logits: Array, mask: Any = None) -> Array:
   k_safe = jnp.maximum(k_z, 1)
   sum_support = jnp.take_along_axis(cums, k_safe.astype(jnp.int32) - 1, axis=-1)
   tau = (sum_support - 1.0) / k_safe.astype(x.dtype)  # [..., q_len, 1]
+  tau = jnp.where(jnp.isfinite(tau), tau, 0.0)  # no finite allowed logit (all -inf): zeros
   w = jnp.maximum(x - tau, 0.0)
   if mask is not None:
     w = jnp.where(mask, w, 0.0)

@@ -122,6 +122,9 @@ def repeat_kv_heads(x: Array, num_heads: int) -> Array:
   kv_heads = x.shape[-3]
   if kv_heads == num_heads:
     return x
+  if kv_heads < 1 or num_heads % kv_heads:
+    raise ValueError(f"{kv_heads} key/value heads cannot serve {num_heads} query heads: the "
+                     f"query heads must be a multiple of them (num_kv_heads dividing num_heads)")
   return jnp.repeat(x, num_heads // kv_heads, axis=-3)  # [batch, heads, len, d]
 
 
