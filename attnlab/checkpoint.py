@@ -47,6 +47,7 @@ from attnlab.errors import CheckpointError
 from attnlab.errors import CheckpointWriteError
 from attnlab.errors import ConfigMismatchError
 from attnlab.errors import CorruptCheckpointError
+from attnlab.errors import MetricsError
 from attnlab.errors import WorkdirBusyError
 
 _LOG = logging.getLogger(__name__)
@@ -176,28 +177,96 @@ def prepare_workdir(workdir: str | os.PathLike, config: ml_collections.ConfigDic
 # metrics.jsonl
 
 
-def read_metrics(workdir: str | os.PathLike) -> list[dict[str, Any]]:
-  """All records of `workdir/metrics.jsonl` (a line cut short by a crash is skipped)."""
+def _is_number(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _record_problem(record: Any) -> str | None:
+  """None if `record` (a parsed line) is a metrics record the readers can use, else what is wrong:
+  a JSON object whose "step" is an int >= 0, whose "split" is a string, and whose "per_seed" (if
+  any) is {name: [a number per replica]}."""
+  if not isinstance(record, dict):
+    return f"it is a JSON {type(record).__name__}, not a record (a JSON object)"
+  step, split = record.get("step"), record.get("split")
+  if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
+    return f"'step' is {step!r:.40}, not a step number (an int >= 0)"
+  if not isinstance(split, str):
+    return f"'split' is {split!r:.40}, not a split name (a string such as \"eval\")"
+  per_seed = record.get("per_seed")
+  if per_seed is not None and not (isinstance(per_seed, dict) and all(
+      isinstance(v, list) and all(map(_is_number, v)) for v in per_seed.values())):
+    return f"'per_seed' is {per_seed!r:.40}, not {{name: [a number per seed]}}"
+  return None
+
+
+def scan_metrics(workdir: str | os.PathLike) -> tuple[list[dict[str, Any]], list[str]]:
+  """(the usable records of `workdir/metrics.jsonl`, "FILE line N: what is wrong" for each line
+  that is not one), the one reader of the file: every other reader goes through it.
+
+  A last line cut short by a crash (no newline, not JSON) is the normal mark of a killed run: it
+  is left out and not counted as a problem (a resumed run rewrites the file without it). Lines
+  that are not UTF-8, not JSON, or not a record (`_record_problem`: "step": "x", "split": [...])
+  come from elsewhere and are reported.
+  """
   path = pathlib.Path(workdir) / METRICS_FILE
   if not path.is_file():
-    return []
-  records = []
-  for line in path.read_text().splitlines():
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError:
+    return [], []
+  lines = path.read_bytes().split(b"\n")
+  records, problems = [], []
+  for number, raw in enumerate(lines, start=1):
+    if not raw.strip():
       continue
-    if isinstance(record, dict) and "step" in record:
+    torn = number == len(lines)  # the text after the last newline (the writer's are ASCII)
+    try:
+      record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+      problem = f"it is not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})"
+    except (json.JSONDecodeError, RecursionError) as e:
+      if torn:
+        continue
+      problem = f"it is not JSON ({type(e).__name__}: {str(e)[:80]})"
+    else:
+      problem = _record_problem(record)
+    if problem is None:
       records.append(record)
+    else:
+      problems.append(f"{path} line {number}: {problem}")
+  return records, problems
+
+
+# The problems read_metrics has warned about already (the same file is read many times a run:
+# by is_complete, the summaries, a plateau watch that polls it): each one is logged once.
+_WARNED: set[str] = set()
+
+
+def read_metrics(workdir: str | os.PathLike) -> list[dict[str, Any]]:
+  """All usable records of `workdir/metrics.jsonl` (`scan_metrics`); each bad line is left out
+  with a warning naming it (once): a report or summary goes on from the others."""
+  records, problems = scan_metrics(workdir)
+  for problem in problems:
+    if problem not in _WARNED:
+      _WARNED.add(problem)
+      _LOG.warning("%s; line left out", problem)
   return records
 
 
 def truncate_metrics(workdir: str | os.PathLike, last_step: int) -> None:
-  """Keeps the records with step <= last_step: a resumed run rewrites the steps after its checkpoint."""
+  """Keeps the records with step <= last_step (a resumed run rewrites the steps after it).
+
+  Raises:
+    MetricsError: a line of the file is not a record (`scan_metrics`). The file is left as it is:
+      rewriting it would drop that line, which may be saved data.
+  """
   path = pathlib.Path(workdir) / METRICS_FILE
   if not path.is_file():
     return
-  kept = [r for r in read_metrics(workdir) if r["step"] <= last_step]
+  records, problems = scan_metrics(workdir)
+  if problems:
+    more = "" if len(problems) == 1 else f" (and {len(problems) - 1} more line" + (
+        "s)" if len(problems) > 2 else ")")
+    raise MetricsError(f"{problems[0]}{more}; the file is left as it is: fix or delete that line "
+                       f"(the run rewrites this file when it resumes), then run again")
+  kept = [r for r in records if r["step"] <= last_step]
   _write_atomically(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
@@ -211,10 +280,12 @@ def last_records(records: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]
   return last
 
 
-def is_complete(workdir: str | os.PathLike, num_train_steps: int) -> bool:
+def is_complete(workdir: str | os.PathLike, num_train_steps: int,
+                records: Iterable[dict[str, Any]] | None = None) -> bool:
   """Whether the run reached its last step: the final evaluation (written after the final
-  checkpoint) is in metrics.jsonl."""
-  last_eval = last_records(read_metrics(workdir)).get("eval")
+  checkpoint) is in metrics.jsonl (or in `records`, when the caller has read them already)."""
+  records = read_metrics(workdir) if records is None else records
+  last_eval = last_records(records).get("eval")
   return last_eval is not None and last_eval["step"] >= num_train_steps
 
 

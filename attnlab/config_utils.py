@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import importlib.util
 import json
 import os
@@ -491,6 +492,10 @@ def validate(config: ConfigDict) -> None:
               "checkpoint_every", "keep_checkpoints", "optimizer"):
     need(key in config, f"config has no field {key!r}; start config files from "
                         f"attnlab.config_utils.base_config()")
+  # The comparisons below need the types of the defaults (a config built in code, not through
+  # set_value, may hold "x" where an int belongs).
+  data = config.to_dict()
+  check_types(data, run_defaults(data))
   need(bool(config.task), "config.task is empty; set it to a registered task name")
   at_end = " (0: only at the end)"
   for key, least, note in (("num_train_steps", 0, ""), ("batch_size", 1, ""), ("log_every", 1, ""),
@@ -686,7 +691,9 @@ def from_jsonable(data: Mapping[str, Any]) -> ConfigDict:
   if not isinstance(data, Mapping):
     raise ConfigError(f"a config is a JSON object of fields, got a {type(data).__name__}")
   check_keys(data)
-  return ConfigDict(rename_old_keys(data))
+  data = rename_old_keys(data)
+  check_types(data, run_defaults(data))
+  return ConfigDict(data)
 
 
 # Names a config field cannot have: the attributes and methods of ConfigDict itself.
@@ -706,6 +713,106 @@ def check_keys(data: Mapping[str, Any], prefix: str = "") -> None:
                         f"remove it from the config")
     if isinstance(value, Mapping):
       check_keys(value, f"{name}.")
+
+
+def _expected(default: Any) -> str:
+  """How an error names the type of `default`: "an int (like 1000)"."""
+  if isinstance(default, Mapping):
+    return "a group of fields (a JSON object)"
+  if isinstance(default, (tuple, list)):
+    return f"a list (like {list(default)!r:.40})"
+  if isinstance(default, bool):
+    return "a bool (true or false)"
+  kind = ("an int" if isinstance(default, int) else "a number" if isinstance(default, float)
+          else "a string" if isinstance(default, str) else type(default).__name__)
+  return f"{kind} (like {default!r:.40})"
+
+
+def _wrong_type(name: str, found: Any, default: Any) -> ConfigError:
+  return ConfigError(f"config key {name!r} is {found!r:.60} ({type(found).__name__}), but "
+                     f"expects {_expected(default)}; write a value of that type there")
+
+
+def check_types(data: Mapping[str, Any], defaults: Mapping[str, Any], prefix: str = "") -> None:
+  """Every value of `data` (a run's config.json) has the type of the same key in `defaults` (the
+  config it was built from, `run_defaults`), as `set_value` checks a value given on the command
+  line: an int where a float is expected is fine, a bool is no int, None only where the default
+  is None (whose type is then unknown: any value), groups are descended, a list's items are checked
+  when the default's are all of one type. Keys without a default (fields a run added) are not
+  checked. ConfigError names the key, the value found and the type expected.
+  """
+  for key, value in data.items():
+    if key not in defaults or defaults[key] is None:
+      continue
+    name, default = f"{prefix}{key}", defaults[key]
+    if isinstance(default, Mapping):
+      if not isinstance(value, Mapping):
+        raise _wrong_type(name, value, default)
+      check_types(value, default, f"{name}.")
+    elif isinstance(value, Mapping) or not _type_ok(value, default):
+      raise _wrong_type(name, value, default)
+    elif isinstance(default, (tuple, list)) and default and len(set(map(type, default))) == 1:
+      item = default[0]
+      for i, element in enumerate(value):
+        if isinstance(item, (bool, int, float, str)) and not _type_ok(element, item):
+          raise _wrong_type(f"{name}[{i}]", element, item)
+
+
+# Where a run's base config comes from: the repository's configs/ folder (absent when attnlab is
+# installed from a wheel: then base_config() alone is the base).
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+# config.task -> the config file that builds such runs and the arg that picks its defaults.
+TASK_CONFIG_FILES: dict[str, tuple[str, str]] = {
+    "regression": ("nadaraya_watson.py", ""), "causal_lm": ("gpt.py", ""),
+    "masked_lm": ("bert.py", "mode=pretrain"), "classification": ("bert.py", "mode=finetune"),
+    "long_range": ("lra.py", ""), "translation": ("seq2seq.py", "")}
+
+
+def _merge(into: dict[str, Any], more: Mapping[str, Any]) -> dict[str, Any]:
+  for key, value in more.items():
+    if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+      _merge(into[key], value)
+    else:
+      into[key] = value
+  return into
+
+
+@functools.lru_cache(maxsize=32)
+def _config_file_defaults(name: str, arg: str) -> dict[str, Any] | None:
+  """The defaults of configs/<name>:<arg> as a dict (None: no such file, or it refuses `arg`)."""
+  path = os.path.join(CONFIGS_DIR, name)
+  if not os.path.isfile(path):
+    return None
+  try:
+    return load_config_file(f"{path}:{arg}" if arg else path).to_dict()
+  except UserError:  # e.g. a data.name it does not know: validate names that one later
+    return None
+
+
+def run_defaults(data: Mapping[str, Any]) -> dict[str, Any]:
+  """The defaults of the config a run (its config.json `data`) was built from: base_config(), the
+  fields older runs lack (ADDED_DEFAULTS), and the defaults of the task's config file
+  (TASK_CONFIG_FILES; config.json names no file, so the task, the translation model.name, and
+  the data.name that picks a file's data defaults stand for it) when the repository has it."""
+  defaults = base_config().to_dict()
+  for key, value in ADDED_DEFAULTS.items():
+    *groups, leaf = key.split(".")
+    node = defaults
+    for group in groups:
+      node = node.setdefault(group, {})
+    node.setdefault(leaf, value)
+  task = data.get("task")
+  if not isinstance(task, str) or task not in TASK_CONFIG_FILES:
+    return defaults
+  name, arg = TASK_CONFIG_FILES[task]
+  model, group = data.get("model"), data.get("data")
+  if task == "translation" and isinstance(model, Mapping) and model.get("name") == "transformer":
+    name = "transformer.py"
+  dataset = group.get("name") if isinstance(group, Mapping) else None
+  if task in ("translation", "long_range") and isinstance(dataset, str) and dataset.isidentifier():
+    arg = f"data.name={dataset}"
+  found = _config_file_defaults(name, arg)
+  return _merge(defaults, found) if found is not None else defaults
 
 
 # Config keys renamed after runs existed: old key -> current key. A config.json holding an old key

@@ -64,6 +64,10 @@ class CheckpointWriteError(OSError):
     self.errno = code
 
 
+class MetricsError(UserError):
+  """A record of a run's metrics.jsonl that cannot be used; the message names the file and line."""
+
+
 class WorkdirBusyError(UserError):
   """Another process holds the lock of the workdir (it is training there)."""
 

@@ -75,16 +75,18 @@ def describe(workdir: str | pathlib.Path, step: int | None = None, verify: bool 
   config = checkpoint.read_config(workdir)
   lines = [f"run: {workdir}", "config:"]
   lines += [f"  {key} = {value!r}" for key, value in sorted(config_utils.flatten(config).items())]
-  records = checkpoint.read_metrics(workdir)
+  # Bad lines are listed here and left out (the report goes on from the other records).
+  records, problems = checkpoint.scan_metrics(workdir)
   last = checkpoint.last_records(records)
   lines.append(f"metrics ({len(records)} records in {checkpoint.METRICS_FILE}):")
   if not last:
     lines.append("  none yet")
   for split, record in sorted(last.items()):
     lines.append(f"  {split} @ step {record['step']}: {_format_record(record)}")
+  lines += [f"  left out: {problem}" for problem in problems]
   steps = checkpoint.finished_steps(workdir)
   bad = check_checkpoints(workdir, config, steps, verify)
-  complete = checkpoint.is_complete(workdir, config.num_train_steps)
+  complete = checkpoint.is_complete(workdir, config.num_train_steps, records)
   listed = [f"{s} (damaged)" if s in bad else str(s) for s in steps]
   lines.append(f"checkpoints: {', '.join(listed) or 'none'} "
                f"(of {config.num_train_steps} steps; {'complete' if complete else 'not complete'})")

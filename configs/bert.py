@@ -60,8 +60,12 @@ def _pretrained_fields(workdir: str) -> dict:
   if not os.path.isfile(path):
     raise ConfigError(f"pretrained={workdir}: no config.json there; give the --workdir of a "
                       f"masked_lm run or of `attnlab import-hf`")
-  with open(path, encoding="utf-8") as f:
-    stored = config_utils.flatten(config_utils.rename_old_keys(json.load(f)))
+  try:
+    with open(path, encoding="utf-8") as f:
+      # from_jsonable checks the keys and the value types, as reading the run itself would.
+      stored = config_utils.flatten(config_utils.from_jsonable(json.load(f)))
+  except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or a ConfigError
+    raise ConfigError(f"pretrained={workdir}: {path}: {e}") from None
   if stored.get("task") != "masked_lm":
     raise ConfigError(f"pretrained={workdir} is a {stored.get('task')!r} run; a masked_lm run "
                       f"(BERT pretraining or import) is needed")

@@ -1,6 +1,7 @@
 """Hostile and careless inputs: checkpoint files built to crash or leak, sizes that would exhaust
 memory, config keys that are not config, paths with '..', a kill between a checkpoint and its
-evaluation, a sweep member without its final record, and queries that may see no key.
+evaluation, a sweep member without its final record, queries that may see no key, and a run
+directory whose metrics.jsonl lines or config.json values are not what attnlab wrote.
 
 Each case gives one line (a UserError subclass; through the CLI: one line on stderr and exit 2),
 never a crash, a traceback or a read outside a buffer. End-to-end cases run the CLI in a subprocess,
@@ -15,6 +16,7 @@ import json
 import os
 import pathlib
 import pickle
+import re
 import shutil
 import struct
 import subprocess
@@ -23,6 +25,7 @@ import zipfile
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
@@ -793,3 +796,125 @@ def test_checkpoint_meta_of_the_wrong_shape_is_a_damaged_checkpoint(tmp_path):
         ckpt.restore(1, abstract)
   meta_file.write_text("[" * 100_000 + "]" * 100_000)
   assert "is not readable JSON (RecursionError" in checkpoint.check_files(directory / "1")
+
+
+# --------------------------------------------------------------------------------------------------
+# 11. A run directory from elsewhere: metrics.jsonl lines and config.json values of the wrong type
+
+
+def _hand_made_run(path: pathlib.Path, metrics: bytes = b"", spec: str = f"{NW}:{NW_ARGS}",
+                   **changes) -> pathlib.Path:
+  """A run directory without checkpoints: the config.json `spec` builds, with `changes`
+  ({"group__key": value} for nested keys), and `metrics` as its metrics.jsonl."""
+  from attnlab import checkpoint, config_utils  # pylint: disable=g-import-not-at-top
+  config = config_utils.to_jsonable(config_utils.load_config_file(spec))
+  for key, value in changes.items():
+    *groups, leaf = key.split("__")
+    node = config
+    for group in groups:
+      node = node[group]
+    node[leaf] = value
+  path.mkdir(parents=True)
+  (path / checkpoint.CONFIG_FILE).write_text(json.dumps(config))
+  (path / checkpoint.METRICS_FILE).write_bytes(metrics)
+  return path
+
+
+def _record(step: int, split: str, **values) -> bytes:
+  return json.dumps({"step": step, "split": split, "mse": 0.5, **values}).encode() + b"\n"
+
+
+# Line 2 of each file (the others are good; the last one was cut short by a kill).
+BAD_METRICS_LINES = {
+    "not_utf8": (b'{"step": 10, "split": "eval", "mse": "\xff"}\n', "it is not UTF-8 text"),
+    "step_str": (b'{"step": "x", "split": "eval"}\n', "'step' is 'x', not a step number"),
+    "split_list": (b'{"step": 10, "split": ["eval"]}\n', "'split' is ['eval'], not a split name"),
+    "per_seed": (b'{"step": 10, "split": "eval", "per_seed": {"mse": "x"}}\n',
+                 "'per_seed' is {'mse': 'x'}, not {name: [a number per seed]}"),
+    "list": (b"[10, 20]\n", "it is a JSON list, not a record"),
+    "not_json": (b"step 10\n", "it is not JSON"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_METRICS_LINES))
+def test_bad_metrics_lines_are_named_and_never_dropped_by_a_resume(tmp_path, case):
+  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  line, problem = BAD_METRICS_LINES[case]
+  text = _record(5, "train") + line + _record(20, "eval") + b'{"step": 25, "spl'
+  workdir = _hand_made_run(tmp_path / "run", text)
+  records = checkpoint.read_metrics(workdir)
+  assert [(r["step"], r["split"]) for r in records] == [(5, "train"), (20, "eval")]
+  assert checkpoint.is_complete(workdir, 20) and not checkpoint.is_complete(workdir, 30)
+  assert checkpoint.last_records(records)["eval"]["step"] == 20
+  _, problems = checkpoint.scan_metrics(workdir)
+  assert len(problems) == 1 and problems[0].startswith(
+      f"{workdir / checkpoint.METRICS_FILE} line 2: {problem}"), problems
+  # A resume rewrites the file: it refuses, and keeps every byte, rather than drop line 2.
+  with pytest.raises(errors.MetricsError, match=f"line 2: {re.escape(problem)}.*the file is "
+                     "left as it is: fix or delete that line"):
+    checkpoint.truncate_metrics(workdir, 5)
+  assert (workdir / checkpoint.METRICS_FILE).read_bytes() == text
+
+
+def test_inspect_and_sweep_summaries_name_bad_metrics_lines(tmp_path, capsys):
+  from attnlab import checkpoint, inspect_run, sweep  # pylint: disable=g-import-not-at-top
+  bad = b'{"step": 20, "split": "eval", "mse": 0.1, "per_seed": {"mse": [0.1, "x"]}}\n'
+  workdir = _hand_made_run(tmp_path / "run", _record(10, "eval") + bad
+                           + b'{"step": "x", "split": "eval"}\n')
+  status = inspect_run.main(["attnlab inspect", f"--workdir={workdir}"])
+  out = capsys.readouterr().out
+  assert status == 0, out
+  path = workdir / checkpoint.METRICS_FILE
+  assert (f"metrics (1 records in metrics.jsonl):\n  eval @ step 10: mse=0.5\n"
+          f"  left out: {path} line 2: 'per_seed' is {{'mse': [0.1, 'x']}}, not {{name: [a number "
+          f"per seed]}}\n  left out: {path} line 3: 'step' is 'x', not a step number (an int >= 0)"
+          f"\ncheckpoints: none (of 20 steps; not complete)") in out
+  assert sweep.final_metrics_per_seed(workdir) == [{"eval/mse": 0.5}]
+
+
+@pytest.mark.parametrize("spec, changes, expected", [
+    (None, {"num_train_steps": "x"}, "config key 'num_train_steps' is 'x' (str), but expects an "
+     "int (like "),
+    (None, {"optimizer__learning_rate": "fast"}, "config key 'optimizer.learning_rate' is 'fast' "
+     "(str), but expects a number (like "),
+    (None, {"runlocal": 1}, "config key 'runlocal' is 1 (int), but expects a bool (true or false)"),
+    (None, {"seed": True}, "config key 'seed' is True (bool), but expects an int (like 0)"),
+    (None, {"mesh__data": None}, "config key 'mesh.data' is None (NoneType), but expects an int"),
+    (None, {"optimizer": [1]}, "config key 'optimizer' is [1] (list), but expects a group of "
+     "fields (a JSON object)"),
+    (None, {"model__kernel": {"a": 1}}, "config key 'model.kernel' is {'a': 1} (dict), but "
+     "expects a string (like 'learned')"),
+    ("seq2seq.py:data.name=reverse", {"data__length_bins": [5, "x"]},
+     "config key 'data.length_bins[1]' is 'x' (str), but expects an int (like 5)"),
+    ("transformer.py", {"model__num_heads": 2.5}, "config key 'model.num_heads' is 2.5 (float), "
+     "but expects an int"),
+], ids=["int", "float", "bool", "bool_for_int", "none", "group", "dict_for_str", "list_item",
+        "family_field"])
+def test_run_config_values_of_the_wrong_type_get_one_line(tmp_path, capsys, spec, changes,
+                                                          expected):
+  from attnlab import checkpoint, config_utils, inspect_run  # pylint: disable=g-import-not-at-top
+  spec = f"{REPO / 'configs' / spec}" if spec else f"{NW}:{NW_ARGS}"
+  workdir = _hand_made_run(tmp_path / "run", spec=spec, **changes)
+  with pytest.raises(errors.CheckpointError) as info:
+    checkpoint.read_config(workdir)
+  assert str(info.value).startswith(f"{workdir / 'config.json'}: {expected}"), str(info.value)
+  assert str(info.value).endswith("; write a value of that type there")
+  status = inspect_run.main(["attnlab inspect", f"--workdir={workdir}"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert status == 2 and len(err) == 1 and "Traceback" not in err[0], err
+  assert err[0].startswith(f"attnlab inspect: error: {workdir / 'config.json'}: {expected}")
+  # validate (a config built in code, not through set_value) says the same.
+  config = ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+  with pytest.raises(errors.ConfigError, match=re.escape(expected)):
+    config_utils.validate(config)
+
+
+def test_run_config_values_that_fit_their_defaults_read(tmp_path):
+  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  # An int where a float is expected reads (as --config.x=1 does); a wrong type beside them does
+  # not, so that this test fails where no type is checked.
+  workdir = _hand_made_run(tmp_path / "a", optimizer__learning_rate=1, data__x_max=10)
+  assert checkpoint.read_config(workdir).optimizer.learning_rate == 1
+  workdir = _hand_made_run(tmp_path / "b", optimizer__learning_rate=1, data__x_max="10")
+  with pytest.raises(errors.CheckpointError, match="config key 'data.x_max' is '10' \\(str\\)"):
+    checkpoint.read_config(workdir)

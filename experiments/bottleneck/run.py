@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import pathlib
 import re
 import sys
@@ -31,8 +30,8 @@ METRICS = (("exact_match", "exact match"), ("decoded_token_accuracy", "token acc
 
 def run_seconds(workdir: pathlib.Path) -> float:
   """Wall-clock seconds of a run (compilation and evaluations included), from metrics.jsonl."""
-  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()
-             if line.strip()]
+  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  records = checkpoint.read_metrics(workdir)
   first = next(r for r in records if r["split"] == "train")
   return records[-1]["wall_time"] - (first["wall_time"] - first["step"] / first["steps_per_sec"])
 

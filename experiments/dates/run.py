@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 import time
@@ -33,8 +32,8 @@ def run_seconds(workdir: pathlib.Path) -> float:
   The start is the first train record's time minus its steps / steps-per-second (exact for a run
   that was not resumed).
   """
-  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()
-             if line.strip()]
+  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  records = checkpoint.read_metrics(workdir)
   first = next(r for r in records if r["split"] == "train")
   return records[-1]["wall_time"] - (first["wall_time"] - first["step"] / first["steps_per_sec"])
 

@@ -135,10 +135,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run_seconds(workdir: pathlib.Path) -> float | None:
   """Wall seconds of a run from its metrics.jsonl (compilation and evaluation included; the
   start is the first train record's time less its steps / steps-per-second)."""
-  path = workdir / "metrics.jsonl"
-  if not path.is_file():
-    return None
-  records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  records = checkpoint.read_metrics(workdir)  # the checked records (none: no file)
   train = [r for r in records if r.get("split") == "train" and r.get("steps_per_sec")]
   if not train:
     return None

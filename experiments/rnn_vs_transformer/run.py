@@ -26,7 +26,6 @@ compilation and evaluation. All timings are on whatever CPU runs the script.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 
@@ -56,7 +55,8 @@ TARGET_FRACTION = 0.9
 
 
 def read_records(workdir: pathlib.Path) -> list[dict]:
-  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  return checkpoint.read_metrics(workdir)
 
 
 def train_seconds(records: list[dict], log_every: int) -> dict[int, float]:
