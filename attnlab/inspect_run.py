@@ -2,6 +2,7 @@
 
   attnlab inspect --workdir=runs/nw            config, last metrics per split, checkpoint steps
   attnlab inspect --workdir=runs/nw --step=50  also restores checkpoint 50 and lists its parameters
+  attnlab inspect --workdir=runs/nw --step=latest   the same for the newest checkpoint
   attnlab inspect --workdir=runs/nw --verify   also restores every checkpoint into the model
 
 Every listed checkpoint is checked: its files are all there and read back whole
@@ -26,8 +27,8 @@ from attnlab.errors import DamagedCheckpoints
 
 def _define_flags() -> flags.FlagValues:
   flag_values = main_lib.tool_flags("Run directory to inspect.")
-  flags.DEFINE_integer("step", None, "Also restore this checkpoint and summarise its parameters.",
-                       flag_values=flag_values)
+  flags.DEFINE_string("step", None, "Also restore this checkpoint (a step number, or 'latest') "
+                      "and summarise its parameters.", flag_values=flag_values)
   flags.DEFINE_bool("verify", False, "Restore every checkpoint into the model (slower: builds the "
                     "task), beyond checking that its files are complete and readable.",
                     flag_values=flag_values)
@@ -65,7 +66,8 @@ def _format_record(record: dict) -> str:
   return ", ".join(values)
 
 
-def describe(workdir: str | pathlib.Path, step: int | None = None, verify: bool = False) -> str:
+def describe(workdir: str | pathlib.Path, step: int | str | None = None,
+             verify: bool = False) -> str:
   """The text `attnlab inspect` prints.
 
   Raises:
@@ -99,9 +101,9 @@ def describe(workdir: str | pathlib.Path, step: int | None = None, verify: bool 
     import jax  # pylint: disable=g-import-not-at-top
     import numpy as np  # pylint: disable=g-import-not-at-top
     run = analysis.load_run(workdir, step)
-    at_step = [r for r in records if r["step"] == step]
+    at_step = [r for r in records if r["step"] == run.step]
     for record in at_step:
-      lines.append(f"metrics @ step {step} ({record['split']}): {_format_record(record)}")
+      lines.append(f"metrics @ step {run.step} ({record['split']}): {_format_record(record)}")
     lines.append(f"parameters @ step {run.step}:")
     leaves = jax.tree_util.tree_flatten_with_path(run.params)[0]
     for path, leaf in leaves:
@@ -122,16 +124,22 @@ def describe(workdir: str | pathlib.Path, step: int | None = None, verify: bool 
   return "\n".join(lines)
 
 
+def _check(fv: flags.FlagValues) -> str | None:
+  if not fv.workdir:
+    return "--workdir is required: the run directory to inspect"
+  return None if fv.step is None else main_lib.step_error(fv.step)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """`attnlab inspect` / `python -m attnlab.inspect_run`: returns the exit status."""
   flag_values = _define_flags()
-  prog, message = main_lib.parse_tool(
-      argv, "attnlab.inspect_run", flag_values,
-      lambda fv: None if fv.workdir else "--workdir is required: the run directory to inspect")
+  prog, message = main_lib.parse_tool(argv, "attnlab.inspect_run", flag_values, _check)
 
   def body() -> int:
+    step = flag_values.step
     try:
-      print(describe(flag_values.workdir, flag_values.step, flag_values.verify))
+      print(describe(flag_values.workdir, int(step) if step and step.isdigit() else step,
+                     flag_values.verify))
     except DamagedCheckpoints as e:
       print(e.report)
       print(f"{prog}: error: {e}", file=sys.stderr)

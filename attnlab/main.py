@@ -54,6 +54,19 @@ def step_error(step: str) -> str | None:
   return None
 
 
+def with_default_config(argv: Sequence[str], default: str) -> list[str]:
+  """`argv` with --config=`default` put first when it names no --config.
+
+  A tool with a default config passes its argv through this before `run_flags`: the flag library
+  parses a default config and its --config.<key> flags as the flag is defined, where an unknown
+  key is a traceback; named, they are checked first as any --config's are (`check_config_args`).
+  """
+  argv = list(argv)
+  if _config_spec(argv) is not None:
+    return argv
+  return [*argv[:1], f"--config={default}", *argv[1:]]
+
+
 def run_flags(argv: Sequence[str], config_help: str, workdir_help: str,
               config_default: str | None = None,
               workdir_default: str | None = None) -> flags.FlagValues:

@@ -151,6 +151,13 @@ def expand(base: ml_collections.ConfigDict, axes: Mapping[str, Sequence[Any]],
     if name in members:  # two members in one directory would write into each other's run
       raise UserError(f"sweep members {members[name].values} and {values} would share the run "
                       f"directory {member_dir}; give each axis distinct values")
+    problem = None
+    try:  # a bad value is refused before any member runs (--list too), not when its turn comes
+      config_utils.validate(config)
+    except UserError as e:
+      problem = main_lib.error_line(e)
+    if problem is not None:  # raised outside the handler: error_line shows this line, not e's
+      raise UserError(f"sweep member {name}: {problem}")
     members[name] = Member(name, values, config, member_dir)
   return list(members.values())
 

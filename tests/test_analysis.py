@@ -83,12 +83,21 @@ def test_inspect_prints_config_metrics_and_checkpoints(finished, capsys):
   assert "eval @ step 20: test_mse=" in out and "train @ step 20: " in out
   assert "checkpoints: 10, 20 (of 20 steps; complete)" in out
   assert "parameters @ step 10:" in out and "['w']: float32[]" in out
+  # --step=latest, as generate, translate and view take it: the newest checkpoint.
+  assert inspect_run.main(["attnlab inspect", f"--workdir={workdir}", "--step=latest"]) == 0
+  assert "parameters @ step 20:" in capsys.readouterr().out
 
 
 def test_inspect_error_is_one_line(tmp_path, capsys):
   assert inspect_run.main(["attnlab inspect", f"--workdir={tmp_path / 'x'}"]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("attnlab inspect: error: ")
+  # --step takes a step number or 'latest' (the other tools' flag), and names what it takes.
+  assert inspect_run.main(["attnlab inspect", f"--workdir={tmp_path / 'x'}", "--step=latest"]) == 2
+  assert "x does not exist" in capsys.readouterr().err  # the step was taken; the run is missing
+  assert inspect_run.main(["attnlab inspect", f"--workdir={tmp_path}", "--step=ten"]) == 2
+  assert capsys.readouterr().err.strip() == ("attnlab inspect: error: --step must be a checkpoint "
+                                             "step number or 'latest', got 'ten'")
 
 
 def test_few_steps_warning_names_barely_trained_runs_only(tmp_path):

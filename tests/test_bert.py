@@ -5,6 +5,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -372,3 +373,16 @@ def test_config_shortcuts_and_errors():
   with pytest.raises(ValueError, match="valid sizes"):
     bert.size_config("huge")
   assert config_utils.load_config_file(f"{CONFIG}:runlocal=True").model.d_model == 32
+
+
+def test_init_from_a_run_of_another_task_is_refused_by_name():
+  # A GPT run lacks the data fields a BERT pretraining run is compared on: one line naming its
+  # task, not an AttributeError from the comparison.
+  finetune = config_utils.load_config_file(f"{CONFIG}:mode=finetune,init_from=runs/gpt")
+  gpt = config_utils.load_config_file(f"{REPO / 'configs' / 'gpt.py'}:runlocal=True")
+  assert classification.pretraining_mismatch(gpt, finetune) == [
+      "task: 'causal_lm' (a 'masked_lm' run is needed)"]
+  task = types.SimpleNamespace(config=finetune)  # load_pretrained reads the config first
+  with pytest.raises(config_utils.ConfigError,
+                     match="init_from=runs/gpt is a 'causal_lm' run; a masked_lm run is needed"):
+    classification.ClassificationTask.load_pretrained(task, None, gpt, None)

@@ -368,6 +368,7 @@ def test_cli_prepare_and_show(tmp_path, shared_data, capsys):
     (["show", "sst2", "--split=test"], 1, "valid splits: train, validation"),
     (["prepare"], 2, "required: name"),
     (["frobnicate"], 2, "invalid choice"),
+    (["show", "sst2", "--examples=-1"], 2, "attnlab data: error: --examples must be >= 0, got -1"),
 ])
 def test_cli_bad_input_one_line(argv, status, needle, capsys, tmp_path):
   rc = attnlab_cli.main(["attnlab", "data", *argv, *([f"--data_dir={tmp_path}"]

@@ -61,6 +61,27 @@ def test_nadaraya_watson(tmp_path):
   _pngs(tmp_path / "fit.png", tmp_path / "attention.png")
 
 
+@pytest.mark.parametrize("script, args, needle", [
+    ("nadaraya_watson/run.py", ["--config.nope=1"], "unknown config key 'nope'"),
+    ("shakespeare/run.py", ["--config_arg=size=huge"], "unknown GPT size 'huge'"),
+    ("analysis/run.py", ["--only=dates_bahdanau", "--train_only", "--arg=nope=1"],
+     "unknown config key 'nope'"),
+    ("rnn_vs_transformer/run.py", ["--tasks=dates", "--extra=nope=1"], "unknown config key 'nope'"),
+    ("long_range/run.py", ["--runlocal", "--mechanisms=full,nope"], "unknown mechanism(s) nope"),
+])
+def test_bad_input_is_one_line_before_any_run(script, args, needle, tmp_path):
+  # A mistyped key or name: one line and status 2, nothing trained (no traceback, no study left
+  # to run on after the error).
+  proc = subprocess.run([sys.executable, str(REPO / "experiments" / script),
+                         f"--workdir={tmp_path / 'out'}", *args], cwd=REPO, capture_output=True,
+                        text=True, timeout=120)
+  last = proc.stderr.strip().splitlines()[-1]
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert last.startswith("run.py: error: ") and needle in last, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr
+  assert not list((tmp_path / "out").rglob("checkpoints"))
+
+
 def test_shakespeare(tmp_path, shared_data):
   _run("shakespeare/run.py", f"--workdir={tmp_path}", "--config_arg=runlocal=True",
        f"--data_dir={shared_data}", "--draws=10")

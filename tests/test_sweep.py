@@ -155,6 +155,7 @@ def test_prepare_types_axes_and_applies_overrides():
     ({"axes": {"model.score": "dot"}}, "unknown config key 'model.score'"),
     ({"axes": {"seed": [0]}, "parallel": 2, "inprocess": True}, "one at a time"),
     ({"axes": {"seed": [0]}, "parallel": 0}, "parallel=0"),
+    ({"axes": {"batch_size": "8,0"}}, "sweep member batch_size=0: batch_size must be >= 1, got 0"),
 ])
 def test_run_refuses_bad_arguments_before_running(tmp_path, kwargs, message):
   with pytest.raises(errors.UserError, match=message):

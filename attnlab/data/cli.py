@@ -137,8 +137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
       tfds.disable_progress_bar()
     _run(args)
-  except _UsageError as e:
-    print(str(e), file=sys.stderr)
+  except _UsageError as e:  # the parser's messages start with its prog; _run's get this one's
+    message = str(e)
+    print(message if message.startswith(prog) else f"{prog}: error: {message}", file=sys.stderr)
     return 2
   except (DataError, OSError) as e:
     print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)

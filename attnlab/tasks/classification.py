@@ -66,9 +66,9 @@ def encode_sst2(tokenizer, examples, max_len: int) -> tuple[np.ndarray, np.ndarr
 def pretraining_mismatch(pretrain: ml_collections.ConfigDict,
                          config: ml_collections.ConfigDict) -> list[str]:
   """Keys whose values differ between a pretraining config and a fine-tuning config."""
+  if pretrain.get("task") != "masked_lm":  # another task's config lacks the fields compared below
+    return [f"task: {pretrain.get('task')!r} (a 'masked_lm' run is needed)"]
   diffs = []
-  if pretrain.get("task") != "masked_lm":
-    diffs.append(f"task: {pretrain.get('task')!r} (a 'masked_lm' run is needed)")
   for key in ENCODER_KEYS:
     default = ENCODER_DEFAULTS.get(key)
     a, b = pretrain.model.get(key, default), config.model.get(key, default)
@@ -139,6 +139,11 @@ class ClassificationTask(Task):
   def load_pretrained(self, params: Any, pretrained_config: ml_collections.ConfigDict,
                       pretrained_params: Any) -> Any:
     """`params` with the encoder of the pretraining run `config.init_from`."""
+    task = pretrained_config.get("task")
+    if task != "masked_lm":
+      raise ConfigError(f"config.init_from={self.config.init_from} is a {task!r} run; a masked_lm "
+                        f"run is needed (BERT pretraining, configs/bert.py:mode=pretrain, or a "
+                        f"BERT checkpoint imported with attnlab import-hf)")
     diffs = pretraining_mismatch(pretrained_config, self.config)
     if diffs:
       raise ConfigError(f"config.init_from={self.config.init_from} does not fit this model: "

@@ -322,4 +322,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
+  sys.exit(main_lib.run_tool("run.py", main))  # a bad config arg: one line, status 2

@@ -128,6 +128,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   unknown = [t for t in args.tasks if t not in TASKS]
   if unknown:
     p.error(f"unknown task(s) {', '.join(unknown)}; valid: {', '.join(TASKS)}")
+  valid = default_mechanisms() if args.mechanisms else []
+  unknown = [m for m in args.mechanisms.split(",") if m and m not in valid]
+  if unknown:  # before the accuracy sweep and the efficiency table, not after
+    p.error(f"unknown mechanism(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
   args.lengths = [int(x) for x in args.lengths.split(",") if x]
   return args
 

@@ -24,6 +24,7 @@ from absl import flags  # pylint: disable=g-import-not-at-top
 from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
 
 KERNELS = ("average", "gaussian", "learned")
+CONFIG = str(REPO / "configs" / "nadaraya_watson.py")
 
 
 def _define_flags(argv: Sequence[str]) -> flags.FlagValues:
@@ -31,7 +32,7 @@ def _define_flags(argv: Sequence[str]) -> flags.FlagValues:
       argv, "Config of the learned-kernel run (model.kernel is set per kernel); override fields "
       "with --config.<field>=<value>.", "Output directory (the learned-kernel run goes to "
       "WORKDIR/learned; re-running resumes it).",
-      config_default=str(REPO / "configs" / "nadaraya_watson.py"),
+      config_default=CONFIG,
       workdir_default="runs/nadaraya_watson")
 
 
@@ -66,7 +67,7 @@ def run_study(config, workdir: pathlib.Path) -> dict[str, dict[str, float]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  argv = list(sys.argv if argv is None else argv)
+  argv = main_lib.with_default_config(sys.argv if argv is None else argv, CONFIG)
   flag_values = _define_flags(argv)
   message = main_lib.parse_flags(flag_values, argv)
 

@@ -223,7 +223,11 @@ def main(argv=None) -> int:
       results[model] = []
       for seed in seeds:
         run_dir = workdir / task / model / f"seed_{seed}"
-        status |= run_one(task, model, seed, run_dir, args)
+        code = run_one(task, model, seed, run_dir, args)
+        if code == 2:  # a bad config (USAGE_ERROR, its line printed): the next runs would refuse
+          # it too, and the summary below would read a run that never started
+          return code
+        status |= code
         results[model].append(summarise(run_dir, metric))
     finals = {m: sum(r["final"][metric] for r in rs) / len(rs) for m, rs in results.items()
               if m != "rnn_none"}
@@ -249,4 +253,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
+  sys.exit(main_lib.run_tool("run.py", main))  # a bad config arg: one line, status 2
