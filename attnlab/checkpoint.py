@@ -157,18 +157,26 @@ def write_config(workdir: str | os.PathLike, config: ml_collections.ConfigDict) 
 
 
 def prepare_workdir(workdir: str | os.PathLike, config: ml_collections.ConfigDict) -> None:
-  """Creates `workdir` and its config.json, refusing a workdir that holds a different config."""
+  """Creates `workdir` and its config.json, refusing a workdir that holds a different config.
+
+  A workdir without a finished checkpoint takes the new config: the earlier start stopped before
+  saving one (a data error, a wrong init_from, a NaN at the first steps), so a run of either
+  config starts from step 0 and nothing of it would be continued; a corrected re-run just works.
+  """
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   if (workdir / CONFIG_FILE).is_file():
     diff = config_utils.config_diff(read_config(workdir).to_dict(), config)
-    if diff and not config.allow_config_change:
-      shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
+    shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
+    if diff and not finished_steps(workdir):
+      _LOG.warning("workdir %s holds no checkpoint yet: starting it afresh with the new config "
+                   "(%s)", workdir, shown)
+    elif diff and not config.allow_config_change:
       raise ConfigMismatchError(
           f"workdir {workdir} holds a run with a different config ({shown}); use another "
           f"--workdir, or pass --config.allow_config_change=True to continue this run with the "
           f"new config")
-    if diff:
+    elif diff:
       _LOG.warning("config changed (allow_config_change=True): %s", "; ".join(diff))
   write_config(workdir, config)
 

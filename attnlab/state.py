@@ -343,6 +343,38 @@ def initial_state(task: tasks.Task, tx: optax.GradientTransformation, init_rng: 
                  out_shardings=shardings)(key_data)
 
 
+def check_init_from(config: ml_collections.ConfigDict) -> None:
+  """Raises ConfigError unless `config.init_from` (when set) is a run directory this config's task
+  can start from: a folder with a readable config.json of a fitting run (Task.check_pretrained)
+  and a finished checkpoint. Reads that config.json and lists the checkpoint folders only (no
+  arrays), so the trainer runs it before it creates or writes the workdir."""
+  init_from = config.get("init_from", "")
+  if not init_from:
+    return
+  path = pathlib.Path(os.path.expanduser(init_from))
+  what = (None if path.is_dir() else "is not a folder" if path.exists() else "does not exist")
+  if what is None and not (path / checkpoint.CONFIG_FILE).is_file():
+    what = f"has no {checkpoint.CONFIG_FILE}, so it is not a run directory"
+  if what is not None:
+    raise errors.ConfigError(f"config.init_from={init_from} {what}: give the --workdir of the run "
+                             f"to start from, or set init_from=\"\" to start from scratch")
+  try:
+    pretrained_config = checkpoint.read_config(path)
+  except errors.UserError as e:
+    problem = str(e)
+  else:
+    problem = None
+  if problem is not None:  # raised outside the handler: this line is the one the CLI prints
+    raise errors.ConfigError(f"config.init_from={init_from}: {problem}")
+  tasks.get_task(config.task).check_pretrained(config, pretrained_config)
+  if not any(all((path / checkpoint.CHECKPOINT_DIR / str(step) / name).is_file()
+                 for name in checkpoint.REQUIRED_FILES)
+             for step in checkpoint.finished_steps(path)):
+    raise errors.ConfigError(
+        f"config.init_from={init_from} holds no finished checkpoint (in "
+        f"{path / checkpoint.CHECKPOINT_DIR}); let that run save one, or give another run")
+
+
 def with_pretrained(task: tasks.Task, tx: optax.GradientTransformation, state: TrainState,
                      num_seeds: int, mesh: jax.sharding.Mesh | None, shardings: Any) -> TrainState:
   """Step 0 with the weights of the run `config.init_from` put in by `Task.load_pretrained`

@@ -243,8 +243,18 @@ def _run_subprocess(member: Member) -> None:
 
 
 def _to_run(members: Sequence[Member]) -> list[Member]:
-  """Prepares the members' run directories (a changed config is refused before anything runs) and
-  marks the complete ones skipped; returns the others."""
+  """Prepares the members' run directories (what their configs point at is checked and a changed
+  config refused before anything runs or is written) and marks the complete ones skipped;
+  returns the others."""
+  from attnlab import train  # pylint: disable=g-import-not-at-top  (imports JAX)
+  for member in members:
+    problem = None
+    try:
+      train.check_inputs(member.config, member.workdir)
+    except UserError as e:
+      problem = main_lib.error_line(e)
+    if problem is not None:  # raised outside the handler: error_line shows this line, not e's
+      raise UserError(f"sweep member {member.name}: {problem}")
   for member in members:
     checkpoint.prepare_workdir(member.workdir, member.config)
   todo = []

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import pathlib
+import shutil
 import signal
 import threading
 import time
@@ -301,12 +302,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     TrainingInterrupted: SIGTERM or Ctrl-C (a checkpoint was saved first).
   """
   config_utils.validate(config)
+  workdir = pathlib.Path(workdir).absolute()
+  check_inputs(config, workdir)
   # Before anything touches a device:
   parallel.use_cpu_devices(config.mesh.get("cpu_devices", parallel.AUTO_CPU_DEVICES),
                            config.batch_size, config.get("mesh"))
   parallel.maybe_initialize_distributed()
   parallel.enable_compilation_cache()
-  workdir = pathlib.Path(workdir).absolute()
   mesh = parallel.make_mesh(config)
   pieces = parallel.batch_divisor(mesh)
   if config.batch_size % pieces:
@@ -315,13 +317,34 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
         f"(mesh.data x mesh.fsdp); set batch_size to a multiple of {pieces} or set mesh.data")
   # Before touching the workdir: a bad model config writes nothing. A run resumed with its own
   # config takes its vocabularies and sizes from its assets folder.
-  task = tasks.build_task(config, _own_assets(workdir, config))
+  own_assets = _own_assets(workdir, config)
+  task = tasks.build_task(config, own_assets)
   is_main = parallel.is_main_process()
   with _stop_on_refused_writes(workdir), contextlib.ExitStack() as stack:
     if is_main:
       stack.enter_context(checkpoint.WorkdirLock(workdir))
       checkpoint.prepare_workdir(workdir, config)
-    return _train_in_workdir(config, workdir, task, mesh, is_main)
+    return _train_in_workdir(config, workdir, task, mesh, is_main, own_assets is not None)
+
+
+def check_inputs(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> None:
+  """Checks what `config` points at that can be checked cheaply (no data read, no device), so
+  that a wrong path is refused before the workdir is created or its config.json written: for a
+  run that will start afresh (`workdir` holds no finished checkpoint), `data.manual_dir` is a
+  folder and `init_from` a run it can start from (state.check_init_from). A resumed run is not
+  checked: it never reads init_from again, and a run moved to a machine whose prepared datasets
+  make its manual_dir unused resumes as before. Raises ConfigError."""
+  if checkpoint.finished_steps(workdir):
+    return
+  data = config.get("data")
+  manual_dir = data.get("manual_dir", "") if isinstance(data, ml_collections.ConfigDict) else ""
+  folder = pathlib.Path(os.path.expanduser(manual_dir))
+  if manual_dir and not folder.is_dir():
+    what = "is not a folder" if folder.exists() else "does not exist"
+    raise config_utils.ConfigError(
+        f"data.manual_dir={manual_dir} {what}: give the folder with the raw data files (e.g. "
+        f"../shared/data), or set it to \"\" to use $ATTNLAB_DATA_DIR or a download")
+  state_lib.check_init_from(config)
 
 
 def _own_assets(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> pathlib.Path | None:
@@ -333,11 +356,17 @@ def _own_assets(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> pat
   return folder if same else None
 
 
-def _record_start(workdir: pathlib.Path, task: tasks.Task) -> None:
+def _record_start(workdir: pathlib.Path, task: tasks.Task, own_assets: bool = True) -> None:
   """Keeps the vocabularies and sizes in the run (once) and appends this start's software
-  versions and git commit to provenance.jsonl."""
-  if not (workdir / assets_lib.DIRNAME).is_dir():
-    task.save_assets(workdir / assets_lib.DIRNAME)
+  versions and git commit to provenance.jsonl. `own_assets`: whether the task was built from the
+  workdir's assets folder; one it was not built from, in a run without a finished checkpoint, was
+  left by an earlier start of another config (which prepare_workdir replaced) and is replaced."""
+  folder = workdir / assets_lib.DIRNAME
+  if folder.is_dir() and not own_assets and not checkpoint.finished_steps(workdir):
+    _LOG.info("replacing %s: it holds the vocabularies of the earlier config", folder)
+    shutil.rmtree(folder)
+  if not folder.is_dir():
+    task.save_assets(folder)
   with open(workdir / PROVENANCE_FILE, "a", encoding="utf-8") as f:
     f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **provenance()}) + "\n")
 
@@ -397,14 +426,16 @@ def _stop_on_refused_writes(workdir: pathlib.Path):
 
 
 def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, task: tasks.Task,
-                      mesh: jax.sharding.Mesh | None, is_main: bool) -> TrainState:
-  """train_and_evaluate once the workdir is prepared (and locked by this process)."""
+                      mesh: jax.sharding.Mesh | None, is_main: bool,
+                      own_assets: bool = True) -> TrainState:
+  """train_and_evaluate once the workdir is prepared (and locked by this process); `own_assets`:
+  the task was built from the workdir's assets folder (`_record_start`)."""
   num_steps = config.num_train_steps
   parts = state_lib.training(task, config, mesh)
   tx, seeds, train_iter, shardings = parts.tx, parts.seeds, parts.batches, parts.shardings
   num_seeds = len(seeds)
   if is_main:
-    _record_start(workdir, task)
+    _record_start(workdir, task, own_assets)
 
   ckpt = checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR,
                                  max_to_keep=config.keep_checkpoints)

@@ -918,3 +918,129 @@ def test_run_config_values_that_fit_their_defaults_read(tmp_path):
   workdir = _hand_made_run(tmp_path / "b", optimizer__learning_rate=1, data__x_max="10")
   with pytest.raises(errors.CheckpointError, match="config key 'data.x_max' is '10' \\(str\\)"):
     checkpoint.read_config(workdir)
+
+
+# --------------------------------------------------------------------------------------------------
+# 12. A wrong path in the config: refused before the run directory is made; a start that stopped
+#     before its first checkpoint does not block the corrected command
+
+
+BERT = str(REPO / "configs" / "bert.py")
+FINETUNE = f"{BERT}:mode=finetune,runlocal=True,write_plots=False"
+
+
+def _pretraining_run(path: pathlib.Path, spec: str = f"{BERT}:mode=pretrain,runlocal=True",
+                     finished: bool = True) -> pathlib.Path:
+  """A run directory with the config.json of `spec` and, with `finished`, the files of a finished
+  checkpoint at step 4 (empty: the check before the workdir lists files, it reads no arrays)."""
+  from attnlab import checkpoint, config_utils  # pylint: disable=g-import-not-at-top
+  path.mkdir(parents=True)
+  checkpoint.write_config(path, config_utils.load_config_file(spec))
+  if finished:
+    for name in checkpoint.REQUIRED_FILES:
+      file = path / checkpoint.CHECKPOINT_DIR / "4" / name
+      file.parent.mkdir(parents=True, exist_ok=True)
+      file.write_text("{}")
+  return path
+
+
+def _bad_init_from(tmp_path: pathlib.Path, case: str) -> str:
+  path = tmp_path / "pretrain"
+  if case == "file":
+    path.write_text("weights")
+  elif case == "no_config":
+    path.mkdir()
+  elif case == "bad_json":
+    _pretraining_run(path)
+    (path / "config.json").write_text("{")
+  elif case == "other_task":
+    _pretraining_run(path, f"{NW}:{NW_ARGS}")
+  elif case == "other_size":
+    _pretraining_run(path, f"{BERT}:mode=pretrain,runlocal=True,model.num_layers=3")
+  elif case == "no_checkpoint":
+    _pretraining_run(path, finished=False)
+  return str(path)
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("missing", "config.init_from={path} does not exist: give the --workdir of the run to start "
+     "from, or set init_from=\"\" to start from scratch"),
+    ("file", "config.init_from={path} is not a folder: "),
+    ("no_config", "config.init_from={path} has no config.json, so it is not a run directory: "),
+    ("bad_json", "config.init_from={path}: {path}/config.json is not valid JSON"),
+    ("other_task", "config.init_from={path} is a 'regression' run; a masked_lm run is needed"),
+    ("other_size", "config.init_from={path} does not fit this model: model.num_layers: 3 in the "
+     "pretraining run, 2 here"),
+    ("no_checkpoint", "config.init_from={path} holds no finished checkpoint (in "
+     "{path}/checkpoints); let that run save one, or give another run"),
+], ids=["missing", "file", "no_config", "bad_json", "other_task", "other_size", "no_checkpoint"])
+def test_a_bad_init_from_is_refused_before_the_workdir_is_made(tmp_path, case, expected):
+  from attnlab import config_utils, train  # pylint: disable=g-import-not-at-top
+  init_from = _bad_init_from(tmp_path, case)
+  config = config_utils.load_config_file(f"{FINETUNE},init_from={init_from}")
+  workdir = tmp_path / "finetune"
+  with pytest.raises(errors.ConfigError) as info:
+    train.train_and_evaluate(config, workdir)
+  assert str(info.value).startswith(expected.format(path=init_from)), str(info.value)
+  assert not workdir.exists()  # no config.json, assets or lock to block the corrected command
+
+
+def test_a_fitting_init_from_passes_the_early_check(tmp_path):
+  from attnlab import config_utils, state  # pylint: disable=g-import-not-at-top
+  config = config_utils.load_config_file(f"{FINETUNE},init_from={_pretraining_run(tmp_path / 'p')}")
+  state.check_init_from(config)  # no error: the check is not stricter than the run itself
+
+
+def test_bad_init_from_through_the_cli_is_one_line_and_writes_nothing(tmp_path, capsys):
+  from attnlab import main  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path / "W"
+  status = main.main(["attnlab train", f"--config={FINETUNE}",
+                      "--config.init_from=/tmp/does/not/exist", f"--workdir={workdir}"])
+  err = _one_line(capsys.readouterr().err)
+  assert status == 2 and err.startswith(
+      "attnlab train: error: config.init_from=/tmp/does/not/exist does not exist"), err
+  assert not workdir.exists()
+
+
+def test_a_missing_manual_dir_is_refused_before_the_workdir_is_made(tmp_path):
+  from attnlab import config_utils, train  # pylint: disable=g-import-not-at-top
+  config = config_utils.load_config_file(f"{FINETUNE},data.manual_dir={tmp_path / 'nodata'}")
+  with pytest.raises(errors.ConfigError, match=f"data.manual_dir={tmp_path / 'nodata'} does "
+                     "not exist: give the folder with the raw data files"):
+    train.train_and_evaluate(config, tmp_path / "run")
+  assert not (tmp_path / "run").exists()
+
+
+def test_a_sweep_member_with_a_bad_init_from_is_refused_before_any_member_dir(tmp_path):
+  from attnlab import sweep  # pylint: disable=g-import-not-at-top
+  with pytest.raises(errors.UserError, match="sweep member seed=0: config.init_from=/tmp/does/"
+                     "not/exist does not exist"):
+    sweep.run(f"{FINETUNE},init_from=/tmp/does/not/exist", {"seed": [0, 1]},
+              workdir=tmp_path / "sweep")
+  assert not list((tmp_path / "sweep").glob("seed=*"))
+
+
+def test_a_start_that_saved_no_checkpoint_does_not_block_the_corrected_run(tmp_path, monkeypatch):
+  from attnlab import checkpoint, config_utils, tasks, train  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path / "run"
+
+  def gone(self):
+    raise errors.DataError("the training data is not where data.x_max says")
+  with monkeypatch.context() as patch:  # a data error after the workdir is prepared
+    config = config_utils.load_config_file(f"{NW}:{NW_ARGS}")
+    patch.setattr(tasks.get_task(config.task), "train_iterator", gone)
+    with pytest.raises(errors.DataError):
+      train.train_and_evaluate(config, workdir)
+  assert (workdir / checkpoint.CONFIG_FILE).is_file() and not checkpoint.finished_steps(workdir)
+  stale = workdir / "assets" / "stale_vocabulary.json"  # the earlier config's assets
+  stale.parent.mkdir(exist_ok=True)
+  stale.write_text("{}")
+  # The corrected command (another config) trains in the same workdir, with its own assets.
+  fixed = config_utils.load_config_file(f"{NW}:{NW_ARGS},data.x_max=9.0")
+  state = train.train_and_evaluate(fixed, workdir)
+  assert int(state.step) == fixed.num_train_steps
+  assert checkpoint.read_config(workdir).data.x_max == 9.0 and not stale.exists()
+  # Once a checkpoint is saved, a changed config is refused as before.
+  with pytest.raises(errors.ConfigMismatchError, match=r"data.x_max: 9.0 -> 8.0"):
+    train.train_and_evaluate(config_utils.load_config_file(f"{NW}:{NW_ARGS},data.x_max=8.0"),
+                             workdir)

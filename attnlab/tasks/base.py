@@ -8,6 +8,7 @@ owns everything else: optimizer, jit, checkpoints, metrics files, resume, signal
       def __init__(self, config, assets=None):  # model and data from config.model / config.data
       def init(self, rng) -> params         # a pytree of arrays (e.g. a Flax "params" collection)
       def load_pretrained(self, params, pretrained_config, pretrained_params)  # config.init_from
+      def check_pretrained(cls, config, pretrained_config)  # optional classmethod: the same, early
       def train_iterator(self) -> BatchIterator
       def loss_fn(self, params, batch, rng) -> (loss, metrics)
       def eval_batches(self) -> Iterable[batch]            # optional: held-out batches
@@ -137,9 +138,17 @@ class Task(abc.ABC):
     put in (its config and restored parameters are given). The trainer calls it eagerly, outside
     any jit or vmap, when `config.init_from` is set; by default a task cannot start from one."""
     del params, pretrained_params
-    raise errors.ConfigError(f"task {self.name!r} cannot start from another run "
-                             f"(config.init_from={self.config.get('init_from')!r}, a "
-                             f"{pretrained_config.get('task')!r} run); unset init_from")
+    raise _cannot_start_from(self.name, self.config, pretrained_config)
+
+  @classmethod
+  def check_pretrained(cls, config: ml_collections.ConfigDict,
+                       pretrained_config: ml_collections.ConfigDict) -> None:
+    """Raises ConfigError when a run of `config` cannot start from the run `config.init_from`,
+    whose config is `pretrained_config`: what `load_pretrained` would refuse that the two configs
+    alone show. The trainer calls it before it creates or writes the workdir. By default a task
+    that keeps Task.load_pretrained cannot start from another run; others are not checked."""
+    if cls.load_pretrained is Task.load_pretrained:
+      raise _cannot_start_from(cls.name, config, pretrained_config)
 
   @abc.abstractmethod
   def train_iterator(self) -> BatchIterator:
@@ -186,6 +195,13 @@ class Task(abc.ABC):
 
   def write_plots(self, params: Params, workdir: pathlib.Path) -> None:
     """Writes the task's figures (PNG) into `workdir` after training; nothing by default."""
+
+
+def _cannot_start_from(name: str, config: ml_collections.ConfigDict,
+                       pretrained_config: ml_collections.ConfigDict) -> errors.ConfigError:
+  return errors.ConfigError(f"task {name!r} cannot start from another run "
+                            f"(config.init_from={config.get('init_from')!r}, a "
+                            f"{pretrained_config.get('task')!r} run); unset init_from")
 
 
 def data_location(data: ml_collections.ConfigDict) -> dict[str, Any]:

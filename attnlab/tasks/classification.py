@@ -136,19 +136,25 @@ class ClassificationTask(Task):
     tokens = jnp.zeros((1, self.config.data.max_len), jnp.int32)
     return self.model.init(rng, tokens)["params"]
 
+  @classmethod
+  def check_pretrained(cls, config: ml_collections.ConfigDict,
+                       pretrained_config: ml_collections.ConfigDict) -> None:
+    """A masked_lm run with this model's encoder and tokenizer options, else ConfigError."""
+    task = pretrained_config.get("task")
+    if task != "masked_lm":
+      raise ConfigError(f"config.init_from={config.init_from} is a {task!r} run; a masked_lm "
+                        f"run is needed (BERT pretraining, configs/bert.py:mode=pretrain, or a "
+                        f"BERT checkpoint imported with attnlab import-hf)")
+    diffs = pretraining_mismatch(pretrained_config, config)
+    if diffs:
+      raise ConfigError(f"config.init_from={config.init_from} does not fit this model: "
+                        f"{'; '.join(diffs)}; set the same values here (e.g. the same size= and "
+                        f"score= in configs/bert.py)")
+
   def load_pretrained(self, params: Any, pretrained_config: ml_collections.ConfigDict,
                       pretrained_params: Any) -> Any:
     """`params` with the encoder of the pretraining run `config.init_from`."""
-    task = pretrained_config.get("task")
-    if task != "masked_lm":
-      raise ConfigError(f"config.init_from={self.config.init_from} is a {task!r} run; a masked_lm "
-                        f"run is needed (BERT pretraining, configs/bert.py:mode=pretrain, or a "
-                        f"BERT checkpoint imported with attnlab import-hf)")
-    diffs = pretraining_mismatch(pretrained_config, self.config)
-    if diffs:
-      raise ConfigError(f"config.init_from={self.config.init_from} does not fit this model: "
-                        f"{'; '.join(diffs)}; set the same values here (e.g. the same size= and "
-                        f"score= in configs/bert.py)")
+    ClassificationTask.check_pretrained(self.config, pretrained_config)
     return bert.transfer_encoder(pretrained_params, params)
 
   # ---- loss (evaluation: Task.evaluate over every validation sentence)
