@@ -348,10 +348,15 @@ def check_inputs(config: ml_collections.ConfigDict, workdir: str | os.PathLike) 
 
 
 def _own_assets(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> pathlib.Path | None:
-  """The workdir's assets folder when it holds a run of this very config, else None."""
+  """The workdir's assets folder when it holds a run of this very config, or a run with a
+  finished checkpoint (its parameters were trained with those vocabularies and sizes, which
+  `_record_start` then keeps and `load_run` reads: a resume with allow_config_change, such as
+  more steps, continues with them and needs no dataset or cache to rebuild them), else None."""
   folder = workdir / assets_lib.DIRNAME
   if not (folder.is_dir() and (workdir / checkpoint.CONFIG_FILE).is_file()):
     return None
+  if checkpoint.finished_steps(workdir):
+    return folder
   same = not config_utils.config_diff(checkpoint.read_config(workdir).to_dict(), config)
   return folder if same else None
 

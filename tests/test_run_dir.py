@@ -15,6 +15,7 @@ from attnlab import config_utils
 from attnlab import data as data_lib
 from attnlab import errors
 from attnlab import generate
+from attnlab import tasks
 from attnlab import train
 from attnlab import translate
 
@@ -117,3 +118,27 @@ def test_bert_run_reloads_after_a_move_and_old_runs_get_one_line(tmp_path, share
   monkeypatch.setenv("ATTNLAB_DATA_DIR", str(shared_data))
   assert analysis.load_run(old).task.tokenizer.tokens == tokens
   assert (old / "assets" / "tokenizer.json").is_file()
+
+
+@pytest.mark.slow
+def test_more_steps_resume_with_the_runs_own_vocabularies_after_a_move(tmp_path, monkeypatch):
+  """Training on for more steps (allow_config_change) takes the vocabularies and sizes from the
+  run's assets, as load_run does: no tokenizer is rebuilt from the data or a cache (a fine-tuned
+  BERT run needed its pretraining corpus for that)."""
+  workdir = tmp_path / "dates"
+  spec = f"{REPO}/configs/seq2seq.py:runlocal=True,write_plots=False,eval_every=0,log_every=1"
+  train.train_and_evaluate(config_utils.load_config_file(f"{spec},num_train_steps=2"), workdir)
+  kept = {p.name: p.read_bytes() for p in (workdir / "assets").iterdir()}
+
+  moved = _move(workdir, tmp_path)
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty_cache"))
+  built = []
+
+  def refuse(self, texts):
+    built.append(len(texts))
+    raise errors.DataError("the vocabulary was rebuilt from the data")
+  monkeypatch.setattr(tasks.get_task("translation"), "_train_tokenizer", refuse)
+  more = config_utils.load_config_file(f"{spec},num_train_steps=4,allow_config_change=True")
+  state = train.train_and_evaluate(more, moved)
+  assert int(state.step) == 4 and built == []
+  assert {p.name: p.read_bytes() for p in (moved / "assets").iterdir()} == kept
