@@ -187,3 +187,44 @@ def test_build_corpus_holds_out_reviews_and_reports_overlaps():
     assert report["pretraining_sentences_removed"] == 2 and report["protected_found"] == 2
   assert all(len(doc) for doc in corpus.train)
   assert sum(map(len, corpus.train)) == report["train_sentences"]
+
+
+# Held-out reviews: no sentence seen in training (duplicate reviews), two reviews at least.
+def test_a_heldout_review_duplicated_in_training_leaves_no_sentence_seen_in_training():
+  # IMDB's training reviews hold duplicates (3 of the 500 held-out reviews have an exact twin
+  # among the training reviews): a twin of a held-out review must not put its text in training.
+  texts = [f"Review {i} starts here with many words. It is fine.<br />The end of review {i} "
+           f"comes now." for i in range(100)]
+  held = ic.split_reviews(100)
+  h, t = int(held.nonzero()[0][0]), int((~held).nonzero()[0][0])
+  texts[t] = texts[h]  # a training review with the text of a held-out one
+  texts[h] += " A sentence of this review alone. Short one."
+  corpus = ic.build_corpus(texts, [])
+  train = {ic._key(s) for doc in corpus.train for s in doc}
+  heldout = [s for doc in corpus.heldout for s in doc]
+  leaked = [s for s in heldout if len(ic._key(s).split()) >= ic.MIN_CONTAINED_WORDS
+            and ic._key(s) in train]
+  assert not leaked, leaked
+  assert "a sentence of this review alone ." in heldout  # not in training: kept
+  assert "it is fine ." in heldout  # short and generic: kept, as the overlap check keeps it
+  assert corpus.report["heldout_sentences_seen_in_training"] == 2
+  assert all(len(doc) for doc in corpus.heldout)
+
+
+def test_remove_seen_cuts_documents_at_removed_sentences():
+  docs = [["a b c d e .", "one two three four five six .", "x y z ."], ["q r s t u v ."]]
+  seen = [["one two three four five six !"], ["x y z ."]]
+  out, removed = ic.remove_seen(docs, seen)
+  assert out == [["a b c d e ."], ["x y z ."], ["q r s t u v ."]] and removed == 1
+
+
+def test_a_small_max_documents_keeps_two_heldout_reviews_for_random_partners():
+  # Next-sentence prediction (data.pair_task=nsp, the default) draws the random partner of a
+  # held-out pair from another held-out review: one review alone failed the first evaluation.
+  texts = [f"Review {i} starts here. It is fine. The end of {i}." for i in range(100)]
+  for max_documents in (1, 10, 19):
+    corpus = ic.build_corpus(texts, [], max_documents=max_documents)
+    assert len(corpus.heldout) >= 2 and corpus.report["heldout_reviews"] == 2
+    encoded = [[[7 + i, 7 + j] for j, _ in enumerate(doc)] for i, doc in enumerate(corpus.heldout)]
+    data = mlm.PretrainingData(encoded, [], vocab_size=100, max_len=16, pair_task="nsp")
+    assert len(data.eval_examples(8, 0)) == 8

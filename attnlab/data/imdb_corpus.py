@@ -29,7 +29,11 @@ pretraining sentence with an occurrence is removed and its review is cut there i
 documents, so no pair spans the gap.
 
 Held-out reviews (`split_reviews`): `HELDOUT_FRACTION` of the reviews (seeded permutation) give
-the held-out MLM and NSP/SOP metrics and never enter the pretraining text or the vocabulary.
+the held-out MLM and NSP/SOP metrics and never enter the pretraining text or the vocabulary. IMDB
+holds duplicate reviews (3 of the 500 held-out ones have an exact twin among the training
+reviews, one more a near twin), so `remove_seen` also drops every held-out sentence of at least
+`MIN_CONTAINED_WORDS` words (final punctuation dropped) that is a sentence of the training text,
+cutting its review there; short generic sentences ("great movie .") stay, as in the overlap check.
 """
 
 from __future__ import annotations
@@ -289,6 +293,29 @@ def remove_overlaps(documents: Sequence[Sequence[str]], protected: Sequence[str]
   return out, report
 
 
+def remove_seen(documents: Sequence[Sequence[str]], seen_documents: Sequence[Sequence[str]],
+                min_words: int = MIN_CONTAINED_WORDS) -> tuple[list[list[str]], int]:
+  """(documents without their sentences of >= `min_words` words, final punctuation dropped,
+  that are also a sentence of `seen_documents`, each document cut there; the number removed)."""
+  seen = {_key(s) for doc in seen_documents for s in doc}
+  out: list[list[str]] = []
+  removed = 0
+  for doc in documents:
+    part: list[str] = []
+    for s in doc:
+      key = _key(s)
+      if len(key.split()) >= min_words and key in seen:
+        removed += 1
+        if part:
+          out.append(part)
+        part = []
+      else:
+        part.append(s)
+    if part:
+      out.append(part)
+  return out, removed
+
+
 def split_reviews(n: int, fraction: float = HELDOUT_FRACTION, seed: int = HELDOUT_SEED
                   ) -> np.ndarray:
   """bool `[n]`: the held-out reviews (round(n * fraction) of them, a seeded permutation)."""
@@ -314,23 +341,27 @@ def build_corpus(texts: Sequence[str], protected: Sequence[str], max_documents: 
   heldout_texts = [t for t, h in zip(texts, held) if h]
   if max_documents > 0:
     train_texts = train_texts[:max_documents]
-    heldout_texts = heldout_texts[:max(1, max_documents // 10)]
+    # two at least: a next-sentence pair draws its random partner from another held-out review
+    heldout_texts = heldout_texts[:max(2, max_documents // 10)]
   train = [review_sentences(t) for t in train_texts]
   heldout = [review_sentences(t) for t in heldout_texts]
   train, report = remove_overlaps(train, protected)
   heldout, held_report = remove_overlaps(heldout, protected)
+  heldout, seen = remove_seen(heldout, train)  # duplicate reviews (module docstring)
   summary = {"reviews": len(texts), "train_reviews": len(train_texts),
              "heldout_reviews": len(heldout_texts),
              "train_sentences": sum(map(len, train)),
              "train_words": sum(len(s.split()) for d in train for s in d),
              "heldout_sentences": sum(map(len, heldout)), **report.summary(),
-             "heldout_sentences_removed": len(held_report.removed)}
+             "heldout_sentences_removed": len(held_report.removed),
+             "heldout_sentences_seen_in_training": seen}
   _LOG.info("IMDB corpus: %d training reviews (%d sentences, %d words), %d held-out reviews; "
             "overlap check: %d of %d protected SST-2 sentences found, %d pretraining sentences "
-            "removed (%d held-out)", len(train_texts), summary["train_sentences"],
+            "removed (%d held-out); %d held-out sentences also in the training text removed",
+            len(train_texts), summary["train_sentences"],
             summary["train_words"], len(heldout_texts), summary["protected_found"],
             report.protected, summary["pretraining_sentences_removed"],
-            summary["heldout_sentences_removed"])
+            summary["heldout_sentences_removed"], seen)
   return ImdbCorpus(train, heldout, summary)
 
 
