@@ -236,6 +236,36 @@ def test_bias_gradients_of_blocked_kernel_match_dense_formula(qkv):
       np.testing.assert_allclose(b, a, **GRAD_TOL)
 
 
+
+def test_bias_gradients_of_blocked_kernel_with_offset_padding_and_ragged_tiles():
+  """The same gradients (table, slopes, q, k, v) where the tiles do not divide the lengths, the
+  queries are the last 10 of 13 positions (causal with an offset: q_offset=3 in the bias), and
+  the second batch element's last 4 keys are padding: autodiff of the dense formula here."""
+  q, k, v = rand(11, 2, 4, 10, 8), rand(12, 2, 4, 13, 8), rand(13, 2, 4, 13, 8)
+  ct = rand(14, *q.shape)
+  table, slopes = rand(15, 32, 4), positions.alibi_slopes(4)
+  valid = np.arange(13)[None] < np.array([13, 9])[:, None]  # [batch, k_len]
+  rel = np.arange(13)[None] - (np.arange(10)[:, None] + 3)  # key - query position [10, 13]
+  allowed = (rel <= 0)[None, None] & valid[:, None, None, :]  # [batch, 1, 10, 13]
+
+  def dense(q, k, v, bias_arr):
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(8) + bias_arr
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(jnp.where(allowed, s, -1e30), -1), v)
+
+  buckets = np.vectorize(lambda r: np_t5_bucket(r, False))(rel)
+  refs = {"t5": lambda q, k, v, t: dense(q, k, v, jnp.moveaxis(t[buckets], -1, 0)),
+          "alibi": lambda q, k, v, a: dense(q, k, v, -a[:, None, None] * np.abs(rel))}
+  recipes = {"t5": lambda t: positions.T5Bias(t, bidirectional=False, q_offset=3),
+             "alibi": lambda a: positions.AlibiBias(a, q_offset=3)}
+  for name, p in (("t5", table), ("alibi", slopes)):
+    kernel = lambda q, k, v, p, name=name: blocked.blocked_attention(
+        q, k, v, causal=True, mask=valid[:, None, None, :], block_q=4, block_k=5,
+        bias=recipes[name](p))
+    grads = [jax.jit(jax.grad(lambda *a, f=f: jnp.sum(f(*a) * ct), argnums=(0, 1, 2, 3)))(
+        q, k, v, p) for f in (refs[name], kernel)]
+    for a, b in zip(*grads):
+      np.testing.assert_allclose(b, a, **GRAD_TOL)
+
 def test_choose_implementation_with_bias_and_normalizers():
   choose = core.choose_implementation
   big = dict(q_len=512, k_len=512, backend="cpu", blocked_available=True)
