@@ -898,7 +898,9 @@ ADDED_DEFAULTS: dict[str, Any] = {"num_seeds": 1, "mesh.data": -1, "mesh.fsdp": 
                                   "model.dtype": "float32",
                                   **{f"model.{k}": v for k, v in ATTENTION_DEFAULTS.items()},
                                   # BERT's (GPT and the Transformer always had the key).
-                                  "model.position": "learned", "data.vocab_corpus": ""}
+                                  "model.position": "learned", "data.vocab_corpus": "",
+                                  # IMDB held-out sentences seen in training were kept before.
+                                  "data.heldout_unseen": False}
 
 
 # Keys that may change when a run resumes: they change where it runs, not what it computes.

@@ -209,6 +209,18 @@ def test_a_heldout_review_duplicated_in_training_leaves_no_sentence_seen_in_trai
   assert "it is fine ." in heldout  # short and generic: kept, as the overlap check keeps it
   assert corpus.report["heldout_sentences_seen_in_training"] == 2
   assert all(len(doc) for doc in corpus.heldout)
+  # drop_seen=False (data.heldout_unseen=False, and runs made before the option): as before
+  kept = ic.build_corpus(texts, [], drop_seen=False)
+  assert kept.train == corpus.train
+  assert sum(map(len, kept.heldout)) == sum(map(len, corpus.heldout)) + 2
+  assert kept.report["heldout_sentences_seen_in_training"] == 0
+
+
+def test_runs_made_before_heldout_unseen_keep_their_heldout_set():
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from attnlab.tasks import masked_lm  # pylint: disable=g-import-not-at-top
+  assert not masked_lm.heldout_unseen(ml_collections.ConfigDict({"corpus": "imdb"}))
+  assert masked_lm.heldout_unseen(ml_collections.ConfigDict({"heldout_unseen": True}))
 
 
 def test_remove_seen_cuts_documents_at_removed_sentences():

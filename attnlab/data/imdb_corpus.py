@@ -332,10 +332,12 @@ class ImdbCorpus:
   report: dict[str, Any]
 
 
-def build_corpus(texts: Sequence[str], protected: Sequence[str], max_documents: int = 0
-                 ) -> ImdbCorpus:
+def build_corpus(texts: Sequence[str], protected: Sequence[str], max_documents: int = 0,
+                 drop_seen: bool = True) -> ImdbCorpus:
   """Reviews -> held-out split (by review) -> the first `max_documents` training reviews
-  (0 = all) -> sentences -> overlap check against `protected`."""
+  (0 = all) -> sentences -> overlap check against `protected` -> (drop_seen) the held-out
+  sentences that are also training sentences removed (`remove_seen`; False: the held-out
+  reviews as runs made before it evaluated on, data.heldout_unseen=False)."""
   held = split_reviews(len(texts))
   train_texts = [t for t, h in zip(texts, held) if not h]
   heldout_texts = [t for t, h in zip(texts, held) if h]
@@ -347,7 +349,9 @@ def build_corpus(texts: Sequence[str], protected: Sequence[str], max_documents: 
   heldout = [review_sentences(t) for t in heldout_texts]
   train, report = remove_overlaps(train, protected)
   heldout, held_report = remove_overlaps(heldout, protected)
-  heldout, seen = remove_seen(heldout, train)  # duplicate reviews (module docstring)
+  seen = 0
+  if drop_seen:  # duplicate reviews (module docstring)
+    heldout, seen = remove_seen(heldout, train)
   summary = {"reviews": len(texts), "train_reviews": len(train_texts),
              "heldout_reviews": len(heldout_texts),
              "train_sentences": sum(map(len, train)),
@@ -374,13 +378,15 @@ def protected_sentences(*, data_dir: Any = None, manual_dir: Any = None) -> list
 
 
 @functools.lru_cache(maxsize=4)
-def _corpus(data_dir: str | None, manual_dir: str | None, max_documents: int) -> ImdbCorpus:
+def _corpus(data_dir: str | None, manual_dir: str | None, max_documents: int,
+            drop_seen: bool) -> ImdbCorpus:
   protected = protected_sentences(data_dir=data_dir, manual_dir=manual_dir)
-  return build_corpus(review_texts(manual_dir), protected, max_documents)
+  return build_corpus(review_texts(manual_dir), protected, max_documents, drop_seen)
 
 
-def imdb_corpus(*, data_dir: Any = None, manual_dir: Any = None, max_documents: int = 0
-                ) -> ImdbCorpus:
-  """The IMDB pretraining corpus (read once per process and options)."""
+def imdb_corpus(*, data_dir: Any = None, manual_dir: Any = None, max_documents: int = 0,
+                drop_seen: bool = True) -> ImdbCorpus:
+  """The IMDB pretraining corpus (read once per process and options; `build_corpus`)."""
   return _corpus(os.fspath(data_dir) if data_dir else None,
-                 os.fspath(manual_dir) if manual_dir else None, int(max_documents))
+                 os.fspath(manual_dir) if manual_dir else None, int(max_documents),
+                 bool(drop_seen))

@@ -105,8 +105,8 @@ def corpus_texts(data: ml_collections.ConfigDict) -> tuple[list[list[str]], list
   documents: list[list[str]] = []
   extra: list[str] = []
   if data.corpus in IMDB_CORPORA:
-    documents += imdb_corpus.imdb_corpus(**data_location(data),
-                                         max_documents=data.max_documents).train
+    documents += imdb_corpus.imdb_corpus(**data_location(data), max_documents=data.max_documents,
+                                         drop_seen=heldout_unseen(data)).train
   if data.corpus in SHAKESPEARE_CORPORA:
     speeches = data_lib.shakespeare_documents("train", **data_location(data))
     documents += speeches[:data.max_documents] if data.max_documents > 0 else speeches
@@ -139,6 +139,13 @@ def batch_composition(data: ml_collections.ConfigDict, batch_size: int) -> int:
 # data.tokenizer values: subword (the default: sentencepiece trained on the corpus) or the
 # tokenizer of an imported checkpoint, hf (files in data.tokenizer_path) or ids (no files).
 TOKENIZER_KINDS = ("subword", "hf", "ids")
+
+
+def heldout_unseen(data: ml_collections.ConfigDict) -> bool:
+  """Whether the IMDB held-out reviews leave out their sentences that are also training
+  sentences (imdb_corpus.remove_seen): `data.heldout_unseen`; runs made before the option lack it
+  and keep the held-out set they were evaluated on."""
+  return bool(data.get("heldout_unseen", False))
 
 
 def vocab_corpus(data: ml_collections.ConfigDict) -> str:
@@ -310,7 +317,8 @@ class MaskedLMTask(Task):
       data = self.config.data
       if data.corpus in IMDB_CORPORA:
         documents = imdb_corpus.imdb_corpus(**data_location(data),
-                                            max_documents=data.max_documents).heldout
+                                            max_documents=data.max_documents,
+                                            drop_seen=heldout_unseen(data)).heldout
         held_out = PretrainingData(self._encode_docs(documents), [], **self._data_options())
       elif data.corpus in SENTENCE_CORPORA:
         sentences = sst2_corpus.heldout_sentences(**data_location(data))
