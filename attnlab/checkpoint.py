@@ -630,6 +630,12 @@ _JSON_FILES = ("_CHECKPOINT_METADATA", "meta/metadata", "state/_METADATA")
 REQUIRED_FILES = _JSON_FILES + ("state/manifest.ocdbt",)
 
 
+def missing_file(step_dir: str | os.PathLike) -> pathlib.Path | None:
+  """The first file of REQUIRED_FILES that the checkpoint in `step_dir` lacks (None: all there)."""
+  return next((pathlib.Path(step_dir) / name for name in REQUIRED_FILES
+               if not (pathlib.Path(step_dir) / name).is_file()), None)
+
+
 def check_files(step_dir: str | os.PathLike) -> str | None:
   """None if the checkpoint in `step_dir` is complete and readable, else what is wrong with it.
 
@@ -638,9 +644,9 @@ def check_files(step_dir: str | os.PathLike) -> str | None:
   back whole. The arrays are not decoded: `attnlab inspect --verify` restores them too.
   """
   step_dir = pathlib.Path(step_dir)
-  for name in REQUIRED_FILES:
-    if not (step_dir / name).is_file():
-      return f"file {step_dir / name} is missing"
+  missing = missing_file(step_dir)
+  if missing is not None:
+    return f"file {missing} is missing"
   for name in _JSON_FILES:
     try:
       data = json.loads((step_dir / name).read_bytes())

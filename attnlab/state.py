@@ -367,9 +367,8 @@ def check_init_from(config: ml_collections.ConfigDict) -> None:
   if problem is not None:  # raised outside the handler: this line is the one the CLI prints
     raise errors.ConfigError(f"config.init_from={init_from}: {problem}")
   tasks.get_task(config.task).check_pretrained(config, pretrained_config)
-  if not any(all((path / checkpoint.CHECKPOINT_DIR / str(step) / name).is_file()
-                 for name in checkpoint.REQUIRED_FILES)
-             for step in checkpoint.finished_steps(path)):
+  if all(checkpoint.missing_file(path / checkpoint.CHECKPOINT_DIR / str(step))
+         for step in checkpoint.finished_steps(path)):
     raise errors.ConfigError(
         f"config.init_from={init_from} holds no finished checkpoint (in "
         f"{path / checkpoint.CHECKPOINT_DIR}); let that run save one, or give another run")
