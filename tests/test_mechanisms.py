@@ -112,6 +112,19 @@ def test_alibi_slopes_powers_of_two_and_interleaving():
     positions.alibi_slopes(0)
 
 
+def test_alibi_bias_is_float64_under_x64():
+  # 12 heads: slopes 2^-0.5 ... are not exact in float32 (a rounding of ~1e-8 relative)
+  want = -np.abs(np.arange(40)[None, :] - np.arange(40)[:, None])[None] * (
+      2.0 ** -np.concatenate([np.arange(1, 9), [0.5, 1.5, 2.5, 3.5]]))[:, None, None]
+  with jax.enable_x64(True):
+    got = positions.alibi_bias(40, 40, 12, causal=False)
+    lazy = positions.AlibiBias(positions.alibi_slopes(12)).materialize(40, 40)
+  for bias in (got, lazy):
+    assert bias.dtype == np.float64
+    np.testing.assert_allclose(bias, want, rtol=1e-14)
+  assert positions.alibi_bias(4, 4, 12, causal=False).dtype == np.float32  # x64 off
+
+
 def test_alibi_bias_values_offsets_and_extrapolation():
   slopes = positions.alibi_slopes(4)
   got = positions.alibi_bias(5, 7, 4, causal=False)

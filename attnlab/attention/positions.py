@@ -56,7 +56,13 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
   slopes = power_of_two(n)
   if n < num_heads:
     slopes += power_of_two(2 * n)[0::2][:num_heads - n]
-  return np.asarray(slopes, np.float32)
+  return np.asarray(slopes, np.float64)
+
+
+def _float_dtype() -> Any:
+  """The default float type: float64 under jax_enable_x64, else float32 (bf16 models promote
+  the bias to float32 when they add it)."""
+  return jax.dtypes.canonicalize_dtype(jnp.float64)
 
 
 def _distance(q_len: int, k_len: int, q_offset: Any) -> Array:
@@ -82,10 +88,10 @@ def alibi_bias(q_len: int, k_len: int, num_heads: int, *, causal: bool, q_offset
   slopes defaults to alibi_slopes(num_heads).
   """
   del causal  # same formula; documented for the caller (future keys are masked anyway)
-  m = jnp.asarray(alibi_slopes(num_heads) if slopes is None else slopes, jnp.float32)
+  m = jnp.asarray(alibi_slopes(num_heads) if slopes is None else slopes, _float_dtype())
   if m.shape != (num_heads,):
     raise ValueError(f"alibi slopes must have shape [num_heads={num_heads}]; got {m.shape}")
-  dist = jnp.abs(_distance(q_len, k_len, q_offset)).astype(jnp.float32)  # [..., q_len, k_len]
+  dist = jnp.abs(_distance(q_len, k_len, q_offset)).astype(m.dtype)  # [..., q_len, k_len]
   return _with_heads(-dist[..., None] * m)  # [..., heads, q_len, k_len]
 
 
@@ -158,7 +164,7 @@ class AlibiBias:
 
   def materialize(self, q_len: int, k_len: int) -> Array:
     """The full bias `[heads, q_len, k_len]`."""
-    m = jnp.asarray(self.slopes, jnp.float32)
+    m = jnp.asarray(self.slopes, _float_dtype())
     return alibi_bias(q_len, k_len, m.shape[0], causal=False, q_offset=self.q_offset, slopes=m)
 
   def tile(self, row_params: Array, dist: Array) -> Array:
@@ -167,7 +173,7 @@ class AlibiBias:
 
   def row_params(self) -> Array:
     """Per-head parameters `[heads, P]` that the kernel tiles along the rows."""
-    return jnp.asarray(self.slopes, jnp.float32)[:, None]  # [heads, 1]
+    return jnp.asarray(self.slopes, _float_dtype())[:, None]  # [heads, 1]
 
   def spec(self) -> "AlibiBias":
     """The static part (arrays dropped): hashable, for the blocked kernel's tiling."""
