@@ -363,9 +363,9 @@ def test_cli_prepare_and_show(tmp_path, shared_data, capsys):
 
 
 @pytest.mark.parametrize("argv, status, needle", [
-    (["show", "imdb"], 1, "valid names: anki_mar_eng"),
-    (["prepare", "sst2", "--manual_dir=/nonexistent", "--nodownload"], 1, "/nonexistent"),
-    (["show", "sst2", "--split=test"], 1, "valid splits: train, validation"),
+    (["show", "imdb"], 2, "valid names: anki_mar_eng"),
+    (["prepare", "sst2", "--manual_dir=/nonexistent", "--nodownload"], 2, "/nonexistent"),
+    (["show", "sst2", "--split=test"], 2, "valid splits: train, validation"),
     (["prepare"], 2, "required: name"),
     (["frobnicate"], 2, "invalid choice"),
     (["show", "sst2", "--examples=-1"], 2, "attnlab data: error: --examples must be >= 0, got -1"),

@@ -141,9 +141,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     message = str(e)
     print(message if message.startswith(prog) else f"{prog}: error: {message}", file=sys.stderr)
     return 2
-  except (DataError, OSError) as e:
+  except (DataError, OSError) as e:  # bad input exits 2 like the other tools; I/O failures 1
     print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
-    return 1
+    return 2 if isinstance(e, DataError) else 1
   return 0
 
 
