@@ -73,6 +73,14 @@ def _softmax(x, mask):
   return e / e.sum(-1, keepdims=True)
 
 
+def test_view_target_on_a_gpt_run_says_to_leave_it_out(gpt_run, tmp_path):
+  from attnlab import view  # pylint: disable=g-import-not-at-top
+  from attnlab.errors import UserError  # pylint: disable=g-import-not-at-top
+  with pytest.raises(UserError, match="leave the target out .--target of `attnlab view`"):
+    view.view_text(gpt_run, "12+", target="34", out=tmp_path / "v.html")
+  assert not (tmp_path / "v.html").exists()
+
+
 def test_gpt_capture_is_causal_and_extras_are_consistent(gpt_run):
   cap = analysis.capture_text(gpt_run, "12+34=", extras=True)
   assert cap.tokens == {"tokens": ["<start>", "1", "2", "+", "3", "4", "="]}

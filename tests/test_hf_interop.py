@@ -239,6 +239,12 @@ def test_bad_folders_get_one_line(tmp_path, capsys):
   assert "gpt2, bert" in _import_error(capsys, bad, work)
   (bad / "config.json").write_text((FIXTURES / "gpt2" / "config.json").read_text())
   assert "has no weights" in _import_error(capsys, bad, work)
+  run_dir = tmp_path / "attnlab_run"  # an attnlab run directory given by mistake
+  (run_dir / "checkpoints").mkdir(parents=True)
+  (run_dir / "config.json").write_text('{"task": "causal_lm", "model": {}}')
+  assert "is an attnlab run directory, not a Hugging Face checkpoint" in _import_error(
+      capsys, run_dir, work)
+  assert not work.exists()
 
 
 def _copy_with(tmp_path, name, edit_config=None, edit_tensors=None) -> pathlib.Path:

@@ -245,7 +245,8 @@ def _translation_text(run, text: str, target: str | None) -> dict[str, Any]:
 
 def _causal_lm_text(run, text: str, target: str | None) -> np.ndarray:
   if target is not None:
-    raise ValueError("a causal_lm run reads one text; pass target=None (append it to the text)")
+    raise ValueError("a causal_lm run reads one text; leave the target out (--target of "
+                     "`attnlab view`, target= of capture_text) and append it to the text")
   return run.task.encode_prompt(text)
 
 

@@ -630,6 +630,10 @@ def load_checkpoint(folder: PathLike) -> tuple[str, dict[str, Any], Any]:
   """(model_type, the attnlab run config, attnlab params) of a checkpoint folder."""
   hf = read_hf_config(folder)
   model_type = hf.get("model_type")
+  if model_type is None and (pathlib.Path(folder) / "checkpoints").is_dir():
+    raise HFError(f"{folder} is an attnlab run directory, not a Hugging Face checkpoint: use it "
+                  "as --workdir of generate, inspect or view directly, or write it as a Hugging "
+                  "Face checkpoint with `attnlab import-hf RUN_DIR --export_to=DIR`")
   if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
     raise HFError(f"unsupported model_type {model_type!r:.40} in config.json; attnlab imports: "
                   f"{', '.join(ARCHITECTURES)}")
