@@ -522,11 +522,29 @@ def validate(config: ConfigDict) -> None:
        f"optimizer.weight_decay={opt.weight_decay} is only used by adamw; set optimizer.name=adamw "
        f"or optimizer.weight_decay=0")
   check_choice("optimizer.decay", opt.get("decay", "all"), DECAYS)
+  _validate_lengths(config.get("data"))
   _validate_attention(config.get("model"))
   model = config.get("model")
   if isinstance(model, ConfigDict) and "dtype" in model:
     check_choice("model.dtype", model.dtype, DTYPES, "dtypes")
   _validate_mechanism(model, config.task)
+
+
+def _validate_lengths(data: ConfigDict | None) -> None:
+  """data.buckets (padded lengths) and data.length_bins (upper edges of source-length bins): ints
+  >= 1, the bins increasing (their defaults are empty, so check_types cannot check the items)."""
+  if not isinstance(data, ConfigDict):
+    return
+  for key, what in (("buckets", "padded lengths, e.g. (16, 32, 64)"),
+                    ("length_bins", "increasing upper edges of source lengths, e.g. (5, 10, 15)")):
+    values = data.get(key)
+    if not values:
+      continue
+    if (not isinstance(values, (list, tuple))
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values)):
+      raise ConfigError(f"data.{key} must be ints >= 1 ({what}), got {values!r:.80}")
+    if key == "length_bins" and any(a >= b for a, b in zip(values, values[1:])):
+      raise ConfigError(f"data.length_bins must increase ({what}), got {tuple(values)!r:.80}")
 
 
 def _validate_attention(model: ConfigDict | None) -> None:

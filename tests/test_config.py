@@ -72,6 +72,23 @@ def test_validate_and_unknown_task():
   assert tasks.get_task("regression").name == "regression"
 
 
+@pytest.mark.parametrize("key, value, expected", [
+    ("buckets", ("a",), "data.buckets must be ints >= 1"),
+    ("buckets", (8, 0), "data.buckets must be ints >= 1"),
+    ("buckets", (6.5,), "data.buckets must be ints >= 1"),
+    ("length_bins", (True,), "data.length_bins must be ints >= 1"),
+    ("length_bins", (10, 5), "data.length_bins must increase"),
+])
+def test_length_lists_are_checked_item_by_item(key, value, expected):
+  # Their defaults are empty, so the type check of config.json cannot see the items' type.
+  config = config_utils.load_config_file(SEQ2SEQ)
+  config.data[key] = value
+  with pytest.raises(config_utils.ConfigError, match=expected):
+    config_utils.validate(config)
+  config.data[key] = (4, 8)  # fine
+  config_utils.validate(config)
+
+
 def test_config_diff_lists_changed_keys():
   a = config_utils.load_config_file(NW)
   b = config_utils.load_config_file(f"{NW}:seed=3,allow_config_change=True")
