@@ -191,8 +191,9 @@ def _is_number(value: Any) -> bool:
 
 def _record_problem(record: Any) -> str | None:
   """None if `record` (a parsed line) is a metrics record the readers can use, else what is wrong:
-  a JSON object whose "step" is an int >= 0, whose "split" is a string, and whose "per_seed" (if
-  any) is {name: [a number per replica]}."""
+  a JSON object whose "step" is an int >= 0, whose "split" is a string, whose "per_seed" (if
+  any) is {name: [a number per replica]}, "seeds" (if any) [an int per replica], and whose other
+  values (the metrics, wall_time) are numbers (NaN included: a diverged loss is a number)."""
   if not isinstance(record, dict):
     return f"it is a JSON {type(record).__name__}, not a record (a JSON object)"
   step, split = record.get("step"), record.get("split")
@@ -204,6 +205,13 @@ def _record_problem(record: Any) -> str | None:
   if per_seed is not None and not (isinstance(per_seed, dict) and all(
       isinstance(v, list) and all(map(_is_number, v)) for v in per_seed.values())):
     return f"'per_seed' is {per_seed!r:.40}, not {{name: [a number per seed]}}"
+  seeds = record.get("seeds")
+  if seeds is not None and not (isinstance(seeds, list) and all(
+      isinstance(s, int) and not isinstance(s, bool) for s in seeds)):
+    return f"'seeds' is {seeds!r:.40}, not [a seed number per replica]"
+  for key, value in record.items():
+    if key not in ("step", "split", "per_seed", "seeds") and not _is_number(value):
+      return f"{key!r:.40} is {value!r:.40}, not a number (every metric is one)"
   return None
 
 

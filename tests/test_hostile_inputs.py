@@ -831,6 +831,10 @@ BAD_METRICS_LINES = {
     "split_list": (b'{"step": 10, "split": ["eval"]}\n', "'split' is ['eval'], not a split name"),
     "per_seed": (b'{"step": 10, "split": "eval", "per_seed": {"mse": "x"}}\n',
                  "'per_seed' is {'mse': 'x'}, not {name: [a number per seed]}"),
+    "metric_str": (b'{"step": 10, "split": "eval", "mse": "low"}\n',
+                   "'mse' is 'low', not a number"),
+    "metric_null": (b'{"step": 10, "split": "eval", "mse": null}\n', "'mse' is None, not a number"),
+    "seeds": (b'{"step": 10, "split": "eval", "seeds": [0, "1"]}\n', "'seeds' is [0, '1'], not"),
     "list": (b"[10, 20]\n", "it is a JSON list, not a record"),
     "not_json": (b"step 10\n", "it is not JSON"),
 }
