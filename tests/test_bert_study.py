@@ -216,3 +216,48 @@ def test_imdb_arm_plateau_and_label_efficiency_end_to_end(study, shared_data, tm
   timings = json.loads((root / "timings.json").read_text())
   assert study.main(argv) == 0  # everything finished: skipped, the plateau-stopped run too
   assert json.loads((root / "timings.json").read_text()) == timings
+
+
+def _hand_made_study(folder, pretrain_seed, arm_values, scratch_values, label=None):
+  folder.mkdir(parents=True)
+  seeds = list(range(len(arm_values)))
+  (folder / "results.json").write_text(json.dumps({
+      "imdb_sst2vocab": {"seeds": seeds, "sst2_val": arm_values},
+      "scratch": {"seeds": seeds, "sst2_val": scratch_values}}))
+  (folder / "details.json").write_text(json.dumps({"arms": {
+      "imdb_sst2vocab": {"lr": 3e-4, "pretrain": {str(pretrain_seed): {"mlm_accuracy": 0.42}}},
+      "scratch": {"lr": 3e-4, "pretrain": {}}}}))
+  if label:
+    (folder / "label_efficiency.json").write_text(json.dumps({"arm": "imdb_sst2vocab", "arms": {
+        a: {"0.01": {"sst2_val": v}} for a, v in label.items()}}))
+  return folder
+
+
+def test_pool_pairs_seeds_within_each_study(tmp_path, capsys):
+  spec = importlib.util.spec_from_file_location("bert_sst2_pool", SCRIPT.parent / "pool.py")
+  pool = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(pool)
+  a = _hand_made_study(tmp_path / "a", 0, [0.83, 0.84, 0.85], [0.82, 0.81, 0.80],
+                       label={"imdb_sst2vocab": [0.70, 0.72], "scratch": [0.60, 0.62]})
+  b = _hand_made_study(tmp_path / "b", 1, [0.84, 0.82, 0.86], [0.81, 0.83, 0.80],
+                       label={"imdb_sst2vocab": [0.74], "scratch": [0.64]})
+  out = tmp_path / "pooled"
+  assert pool.main([f"--studies={a},{b}", f"--out={out}"]) == 0
+  pooled = json.loads((out / "pooled.json").read_text())
+  diffs = np.array([0.83, 0.84, 0.85, 0.84, 0.82, 0.86]) - [0.82, 0.81, 0.80, 0.81, 0.83, 0.80]
+  d = pooled["pooled"]["difference"]
+  np.testing.assert_allclose([d["mean"], d["std"]], [diffs.mean(), diffs.std(ddof=1)])
+  assert (d["positive"], d["n"]) == (5, 6)  # study b's seed 1 is below its scratch
+  np.testing.assert_allclose(pooled["label"]["0.01"]["difference"], np.mean([0.70, 0.72, 0.74])
+                             - np.mean([0.60, 0.62, 0.64]))
+  table = (out / "pooled.md").read_text()
+  assert "| b | 1 | 42.0 |" in table and "+3.0, -1.0, +6.0 | +2.67 |" in table
+  assert "5 of 6 positive" in table
+  assert "Target: +2.0 points with every pair positive: not met." in table
+  assert (out / "pooled.png").stat().st_size > 0
+  capsys.readouterr()
+  # The same pretraining seed twice is refused, in one line.
+  assert pool.main([f"--studies={a},{a}", f"--out={out}"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err == (f"pool.py: error: pretraining seed 0 is in both {a} and {a}: pool studies of "
+                 "different pretraining seeds")
