@@ -46,6 +46,9 @@ def test_dates_targets_match_sources():
   for ex in ds:
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", ex["target"])
     assert _parse_date(ex["source"]).isoformat() == ex["target"], ex
+    weekday = datetime.date.fromisoformat(ex["target"]).strftime("%A").lower()
+    named = re.findall(r"[a-z]+day", ex["source"].lower())
+    assert named in ([], [weekday]), ex  # a weekday, where written, is the date's
     formats_seen.add(re.sub(r"\d", "9", ex["source"].split()[0] if " " in ex["source"]
                             else ex["source"]))
   years = [int(ex["target"][:4]) for ex in ds]

