@@ -135,6 +135,25 @@ def test_masked_softmax_properties(x, m, c):
   assert np.all(g[~has_key] == 0.0)
 
 
+def test_masked_softmax_rows_of_minus_inf_logits_and_no_keys_give_zeros():
+  # A row whose allowed logits are all -inf has no key to weight, as a fully masked row: zeros
+  # and zero gradients whether or not the row also holds masked entries.
+  x = np.array([[-np.inf, -np.inf, -np.inf], [-np.inf, 0.0, 1.0]], np.float32)
+  for m in (np.ones((2, 3), bool), np.array([[True, True, False], [True, True, True]])):
+    w, g = _softmax_and_grad(x, m, np.ones((2, 3), np.float32))
+    np.testing.assert_allclose(w, np_softmax(x, m), **TOL)
+    assert np.all(np.asarray(w)[0] == 0.0) and np.all(np.isfinite(g))
+  # no keys at all (k_len 0): attend with a padding mask gives the zero context that it gives
+  # without one (and that the fused implementations give)
+  q, k, v = np.ones((2, 3, 4), np.float32), np.ones((2, 0, 4), np.float32), np.ones((2, 0, 5))
+  for mask in (None, masks.padding_mask(np.array([0, 0]), 0)):
+    ctx, w = core.attend(q, k, v, mask=mask, implementation="reference")
+    assert ctx.shape == (2, 3, 5) and w.shape == (2, 3, 0)
+    np.testing.assert_array_equal(ctx, 0.0)
+  with pytest.raises(ValueError, match=r"hard attention .* needs k_len >= 1"):
+    core.hard_attend(jax.random.PRNGKey(0), q, k, v)
+
+
 # ----------------------------------------------------------------------------- attend
 
 

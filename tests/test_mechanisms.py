@@ -363,6 +363,14 @@ def test_normalizers_match_numpy_with_masks(logits_and_mask, name):
   assert np.all(np.isfinite(g)) and np.all(np.asarray(g)[0, :, 2] == 0)
 
 
+@pytest.mark.parametrize("name", NORM_NAMES)
+def test_normalizers_of_no_keys_give_empty_weights(name):
+  # k_len 0 (no keys), with or without a mask: weights of shape [..., q_len, 0], no error
+  x = np.zeros((2, 3, 4, 0), np.float32)
+  for mask in (None, np.ones((2, 1, 4, 0), bool)):
+    assert normalizers.normalize(name, x, mask).shape == (2, 3, 4, 0)
+
+
 def test_normalizers_hand_made():
   # sparsemax([1, 0.5, -1]): support {1, 0.5}, tau = (1.5 - 1) / 2
   np.testing.assert_allclose(normalizers.sparsemax(jnp.array([1.0, 0.5, -1.0])),

@@ -163,6 +163,41 @@ def test_cosine_zero_vectors_finite_values_and_gradients():
   assert np.all(np.isfinite(gq)) and np.all(np.isfinite(gk))
 
 
+def test_scaled_dot_of_integer_inputs_is_scaled_in_float():
+  # The scale 1/sqrt(d) must not be cast to the integer dtype (it would be 0).
+  q = np.array([[1, 0], [0, 3]], np.int32)
+  k = np.array([[2, 0], [0, 1], [1, 1]], np.int32)
+  logits = scores.scaled_dot(q, k)
+  assert logits.dtype == jnp.float32
+  np.testing.assert_allclose(logits, np_scaled_dot(q.astype(np.float64), k), rtol=1e-6)
+
+
+def test_float16_scaled_dot_does_not_overflow_before_the_scale():
+  # q·k = 64 * 40 * 41 overflows float16 (max 65504); q·k / sqrt(64) does not.
+  r = np.random.default_rng(3)
+  q = (40.0 + r.uniform(size=(2, 3, 64))).astype(np.float16)
+  k = (40.0 + r.uniform(size=(2, 4, 64))).astype(np.float16)
+  logits = scores.scaled_dot(q, k)
+  assert logits.dtype == jnp.float16
+  np.testing.assert_allclose(np.asarray(logits, np.float64),
+                             np_scaled_dot(q.astype(np.float64), k.astype(np.float64)), rtol=1e-3)
+
+
+def test_half_precision_cosine_matches_float64():
+  # A float16 squared norm under- or overflows for |x| < 8e-3 or |x| > 256, where the cosine
+  # is still defined.
+  z = np.random.default_rng(4).normal(size=(2, 3, 8))
+  for scale in (1e-3, 1.0, 1e3):
+    for dtype in (np.float16, jnp.bfloat16):
+      a = np.asarray(z * scale, dtype)
+      b = np.asarray(z[:, ::-1] * scale, dtype)
+      got = scores.cosine(a, b, beta=2.0)
+      assert got.dtype == dtype
+      np.testing.assert_allclose(np.asarray(got, np.float64),
+                                 np_cosine(np.asarray(a, np.float64), np.asarray(b, np.float64),
+                                           2.0), atol=2e-2, err_msg=f"{dtype} x{scale}")
+
+
 def test_init_score_params_shapes_and_parametric_set():
   rng = jax.random.PRNGKey(0)
   init = jax.jit(scores.init_score_params, static_argnums=(0, 2, 3),

@@ -43,8 +43,9 @@ def _large_negative(dtype: Any) -> Array:
 def masked_softmax(logits: Array, mask: Array | None = None, axis: int = -1) -> Array:
   """Softmax over `axis` restricted to allowed entries (mask True).
 
-  Masked entries get exactly 0; a row with no allowed entry gets all zeros (never NaN) and
-  finite (zero) gradients. Computed in at least float32, returned in the logits' float dtype.
+  Masked entries get exactly 0; a row with no allowed entry (k_len 0 included), or whose
+  allowed logits are all -inf, gets all zeros (never NaN) and finite (zero) gradients.
+  Computed in at least float32, returned in the logits' float dtype.
   """
   logits = jnp.asarray(logits)
   ct = _compute_dtype(logits.dtype)
@@ -54,7 +55,8 @@ def masked_softmax(logits: Array, mask: Array | None = None, axis: int = -1) -> 
     return jax.nn.softmax(x, axis=axis).astype(out_dtype)
   mask = masks_lib.check_mask(mask, logits.shape)
   x = jnp.where(mask, x, _large_negative(ct))  # finite fill: no inf - inf anywhere
-  x_max = jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
+  x_max = jnp.max(x, axis=axis, keepdims=True, initial=-jnp.inf)  # -inf: no keys at all
+  x_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(x_max), x_max, 0.0))  # all -inf: 0
   e = jnp.where(mask, jnp.exp(x - x_max), 0.0)
   denom = jnp.sum(e, axis=axis, keepdims=True)
   weights = e / jnp.where(denom > 0, denom, 1.0)  # empty rows: 0 / 1
@@ -359,10 +361,13 @@ def hard_attend(rng: Array, q: Array, k: Array, v: Array, *, score: str | Callab
   (one_hot + w - stop_gradient(w)); v still gets the gradient of the hard selection.
   Otherwise the context gives no gradient to the scores: train them with
   `reinforce_loss(log_prob, reward)`. Queries with no allowed key get a zero
-  context and log_prob 0.
+  context and log_prob 0. No keys at all (k_len 0) is a ValueError: there is no index to return.
   """
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
   check_qkv(q, k, v)
+  if k.shape[-2] == 0:
+    raise ValueError(f"hard attention samples one key per query and needs k_len >= 1; got keys "
+                     f"{k.shape}")
   logits = _score_logits(q, k, score, params)  # [..., q_len, k_len]
   full_mask = _attention_mask(mask, causal, logits.shape)
   weights = masked_softmax(logits, full_mask)  # [..., q_len, k_len]

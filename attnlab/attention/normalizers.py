@@ -68,7 +68,7 @@ def softmax_sink(logits: Array, mask: Any = None, *, sink: Any = None) -> Array:
   s = jnp.zeros((), x.dtype) if sink is None else _head_param(sink, x)
   if mask is not None:
     x = jnp.where(mask, x, core._large_negative(x.dtype))  # pylint: disable=protected-access
-  m = jnp.maximum(jnp.max(x, axis=-1, keepdims=True), s)  # [..., q_len, 1]
+  m = jnp.maximum(jnp.max(x, axis=-1, keepdims=True, initial=-jnp.inf), s)  # [..., q_len, 1]
   m = jax.lax.stop_gradient(m)
   e = jnp.exp(x - m)  # [..., q_len, k_len]
   if mask is not None:
@@ -108,7 +108,7 @@ def sparsemax(logits: Array, mask: Any = None) -> Array:
     # masked entries sorted last (below every allowed one), and never counted in the support:
     # min - 1, or -inf when an allowed logit is -inf (a finite fill would sort above it and
     # enter the support), or -1 for a row with no allowed key
-    low = jnp.min(jnp.where(mask, x, jnp.inf), axis=-1, keepdims=True)
+    low = jnp.min(jnp.where(mask, x, jnp.inf), axis=-1, keepdims=True, initial=jnp.inf)
     low = jax.lax.stop_gradient(
         jnp.where(jnp.isfinite(low), low - 1.0, jnp.where(low < 0, low, -1.0)))
     x = jnp.where(mask, x, low)

@@ -75,10 +75,27 @@ def dot(q: Array, k: Array) -> Array:
   return jnp.matmul(q, _keys_t(k))  # [..., q_len, k_len]
 
 
+def _float_dtypes(q: Array, k: Array) -> tuple[Any, Any]:
+  """(output dtype, dtype of the products): the inputs' float dtype (float32 for integer inputs);
+  float32 products for float16 (whose range ends at 65504), the inputs' own dtype otherwise
+  (bfloat16 has float32's range: the mixed-precision policy keeps its matmuls in bfloat16)."""
+  dtype = jnp.result_type(q, k)
+  out = dtype if jnp.issubdtype(dtype, jnp.floating) else jnp.dtype(jnp.float32)
+  return out, (jnp.dtype(jnp.float32) if out == jnp.float16 else out)
+
+
 def scaled_dot(q: Array, k: Array) -> Array:
-  """Scaled dot-product score q·k / sqrt(d) (Vaswani et al., 2017). Needs d_q == d_k."""
-  logits = dot(q, k)  # [..., q_len, k_len]
-  return logits * jnp.asarray(1.0 / math.sqrt(q.shape[-1]), logits.dtype)
+  """Scaled dot-product score q·k / sqrt(d) (Vaswani et al., 2017). Needs d_q == d_k.
+
+  Returned in the inputs' float dtype (float32 for integer inputs); float16 inputs are summed
+  and scaled in float32, so their logits overflow only where q·k / sqrt(d) does, not where q·k
+  does.
+  """
+  _check_qk(q, k, same_dim=True)
+  out_dtype, ct = _float_dtypes(q, k)
+  q, k = jnp.asarray(q, out_dtype), jnp.asarray(k, out_dtype)
+  logits = jnp.matmul(q, _keys_t(k), preferred_element_type=ct)  # [..., q_len, k_len]
+  return (logits * (1.0 / math.sqrt(q.shape[-1]))).astype(out_dtype)
 
 
 def _safe_normalize(x: Array) -> Array:
@@ -93,13 +110,18 @@ def cosine(q: Array, k: Array, beta: Any = 1.0) -> Array:
   """Content-based score beta·cos(q, k) (Graves et al., 2014); beta is the key strength.
 
   A zero query or key has cosine 0 with everything (finite values and gradients).
-  beta is a scalar or an array broadcastable to the logits (e.g. `[heads, 1, 1]`).
+  beta is a scalar or an array broadcastable to the logits (e.g. `[heads, 1, 1]`). The norms
+  are taken in at least float32 (a float16 squared norm under- or overflows from |x| < 8e-3 or
+  |x| > 256); the logits come back in the inputs' float dtype (float32 for integer inputs).
   """
   _check_qk(q, k, same_dim=True)
-  if not jnp.issubdtype(jnp.result_type(q, k), jnp.floating):
-    q, k = q.astype(jnp.float32), k.astype(jnp.float32)
-  logits = jnp.matmul(_safe_normalize(q), _keys_t(_safe_normalize(k)))  # [..., q_len, k_len]
-  return jnp.asarray(beta, logits.dtype) * logits
+  out_dtype, _ = _float_dtypes(q, k)
+  ct = jnp.promote_types(out_dtype, jnp.float32)
+  # unit vectors (entries in [-1, 1]) back in the inputs' dtype: the matmul stays in it
+  qn = _safe_normalize(jnp.asarray(q, ct)).astype(out_dtype)
+  kn = _safe_normalize(jnp.asarray(k, ct)).astype(out_dtype)
+  logits = jnp.matmul(qn, _keys_t(kn))  # [..., q_len, k_len]
+  return jnp.asarray(beta, out_dtype) * logits
 
 
 def general(q: Array, k: Array, w: Array) -> Array:
