@@ -39,7 +39,9 @@ def filter_logits(logits: jax.Array, top_k: int | None = None,
                   top_p: float | None = None) -> jax.Array:
   """Keeps the `top_k` largest logits and/or the smallest set with probability >= `top_p`.
 
-  The others are set to a large negative value, so sampling never picks them.
+  The others are set to a large negative value, so sampling never picks them. Logits tied with
+  the last kept one are kept too, and top-p always keeps the most likely token (even when
+  top_p <= 0).
   """
   if top_k is not None and top_k > 0:
     kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][..., -1:]  # [batch, 1]
@@ -47,8 +49,10 @@ def filter_logits(logits: jax.Array, top_k: int | None = None,
   if top_p is not None and top_p < 1.0:
     sorted_logits = -jnp.sort(-logits, axis=-1)  # [batch, vocab], descending
     probs = jax.nn.softmax(sorted_logits, axis=-1)
-    # A token stays when the tokens ranked above it hold less than top_p of the mass.
-    keep = jnp.cumsum(probs, axis=-1) - probs < top_p
+    # A token stays when the tokens ranked above it hold less than top_p of the mass; the first
+    # always stays (with top_p <= 0 none would, and sampling would pick token 0).
+    first = jnp.arange(logits.shape[-1]) == 0  # [vocab]
+    keep = (jnp.cumsum(probs, axis=-1) - probs < top_p) | first
     threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
     logits = jnp.where(logits < threshold, NEG_INF, logits)
   return logits
@@ -95,16 +99,20 @@ def sample(step_fn: StepFn, state, start_tokens: jax.Array, rng: jax.Array, *, n
   temperature 0 means greedy. `banned_ids` are never picked (e.g. special tokens that a text
   stream never holds). `scores` are log-probabilities under the unfiltered model.
   """
-  if isinstance(temperature, (int, float)) and temperature < 0:
+  if isinstance(temperature, (int, float)) and not temperature >= 0:
     raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+
+  def ban(logits):
+    if not banned_ids:
+      return logits
+    return logits.at[:, jnp.asarray(banned_ids, jnp.int32)].set(NEG_INF)  # [batch, vocab]
 
   def pick(logits, step_rng):
     logits = logits.astype(jnp.float32)
-    if banned_ids:
-      logits = logits.at[:, jnp.asarray(banned_ids, jnp.int32)].set(NEG_INF)  # [batch, vocab]
     safe_t = jnp.maximum(temperature, 1e-6)
-    sampled = jax.random.categorical(step_rng, filter_logits(logits / safe_t, top_k, top_p))
-    return jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1))
+    # Banned after the division: a large temperature would shrink NEG_INF into reach.
+    sampled = jax.random.categorical(step_rng, filter_logits(ban(logits / safe_t), top_k, top_p))
+    return jnp.where(temperature > 0, sampled, jnp.argmax(ban(logits), axis=-1))
 
   return _decode(step_fn, state, start_tokens, rng, num_steps, pick, end_id, pad_id)
 

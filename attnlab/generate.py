@@ -64,7 +64,7 @@ def _check(fv: flags.FlagValues) -> str | None:
     return f"--num_tokens must be between 1 and {MAX_NEW_TOKENS}, got {fv.num_tokens}"
   if len(fv.prompt) > MAX_PROMPTS:
     return f"at most {MAX_PROMPTS} --prompt flags are sampled as one batch, got {len(fv.prompt)}"
-  if fv.temperature < 0:
+  if not fv.temperature >= 0:  # NaN too
     return f"--temperature must be >= 0 (0 = greedy), got {fv.temperature}"
   if fv.top_k < 0:
     return f"--top_k must be >= 0 (0: no top-k filter), got {fv.top_k}"

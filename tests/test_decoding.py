@@ -175,6 +175,33 @@ def test_filter_logits_against_numpy():
       np.testing.assert_array_equal(keep_row, ref)
 
 
-def test_negative_temperature_is_rejected():
+def test_top_p_at_or_below_zero_keeps_the_most_likely_token():
+  # The smallest set holding >= top_p of the mass is never empty: at least the likeliest token.
+  logits = np.array([[0.0, 1.0, 5.0, -1.0], [2.0, -3.0, 0.5, 2.5]], np.float32)
+  for top_p in (0.0, -0.5, 1e-9):
+    kept = np.asarray(decoding.filter_logits(jnp.asarray(logits), top_p=top_p)) > -1e8
+    np.testing.assert_array_equal(kept, np.eye(4, dtype=bool)[logits.argmax(-1)])
+  step = lambda state, tok: (jnp.broadcast_to(logits[0], (tok.shape[0], 4)), state, ())
+  out = decoding.sample(step, (), jnp.zeros(500, jnp.int32), jax.random.key(0), num_steps=1,
+                        top_p=0.0)
+  np.testing.assert_array_equal(out.tokens, 2)
+
+
+@pytest.mark.parametrize("temperature", [1e10, float("inf")])
+def test_banned_tokens_stay_banned_at_huge_temperatures(temperature):
+  # logits / temperature -> 0: uniform over the tokens that are not banned.
+  logits = np.array([0.0, 1.0, 2.0, -1.0], np.float32)
+  n = 6000
+  step = lambda state, tok: (jnp.broadcast_to(logits, (tok.shape[0], 4)), state, ())
+  out = decoding.sample(step, (), jnp.zeros(n, jnp.int32), jax.random.key(1), num_steps=1,
+                        temperature=temperature, banned_ids=(2,))
+  freq = np.bincount(np.asarray(out.tokens[:, 0]), minlength=4) / n
+  assert freq[2] == 0
+  np.testing.assert_allclose(freq[[0, 1, 3]], 1 / 3, atol=0.03)
+
+
+@pytest.mark.parametrize("temperature", [-1.0, float("nan")])
+def test_negative_or_nan_temperature_is_rejected(temperature):
   with pytest.raises(ValueError, match="temperature must be >= 0"):
-    decoding.sample(toy_step, _state(3), START, jax.random.key(0), num_steps=2, temperature=-1.0)
+    decoding.sample(toy_step, _state(3), START, jax.random.key(0), num_steps=2,
+                    temperature=temperature)

@@ -153,6 +153,24 @@ def test_sampling_options_and_bad_prompts(model_and_params):
     gpt.size_config("huge")
 
 
+def test_generate_cli_rejects_a_nan_temperature(tmp_path, capsys):
+  # Checked with the other flags, before the run is read: one line, status 2.
+  argv = ["attnlab generate", f"--workdir={tmp_path / 'run'}", "--temperature=nan"]
+  assert generate_cli.main(argv) == 2
+  err = capsys.readouterr().err.strip()
+  assert err == "attnlab generate: error: --temperature must be >= 0 (0 = greedy), got nan"
+
+
+def test_generate_with_huge_temperature_never_samples_banned_ids(model_and_params):
+  model, params = model_and_params
+  banned = (0, 1, 2, 3, 4)
+  out = gpt.generate(model, params, [[5, 6], [7]], jax.random.key(0), num_tokens=40,
+                     temperature=1e12, banned_ids=banned)
+  tokens = np.asarray(out.tokens)
+  assert not np.isin(tokens, banned).any()
+  assert len(set(tokens.ravel().tolist())) > 4  # near-uniform over the other ids
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("score", ["scaled_dot", "dot", "cosine", "general", "additive",
                                    "location"])

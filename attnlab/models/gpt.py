@@ -359,7 +359,7 @@ def generate(model: GPT, params: Any, prompt: Any, rng: Array, *, num_tokens: in
   keep = model.block_size // 2 if keep is None else int(keep)
   if not 1 <= keep < model.block_size:
     raise ValueError(f"keep must be in [1, block_size={model.block_size}), got {keep}")
-  if isinstance(temperature, (int, float)) and temperature < 0:
+  if isinstance(temperature, (int, float)) and not temperature >= 0:
     raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
   return _generate(model, params, prompt, lengths, rng, jnp.asarray(temperature, jnp.float32),
                    num_tokens=int(num_tokens), top_k=top_k, top_p=top_p, use_cache=use_cache,
