@@ -450,9 +450,14 @@ def test_local_window_and_local_attend(qkv):
     return ([core.local_attend(q, k, v, center=center, half_width=2, mask=pad,
                                window_softmax=window_softmax) for window_softmax in (True, False)]
             + [core.local_attend(q, k, v, center=core.monotonic_centers(Q, K), half_width=1),
+               core.local_attend(q, k, v, center=core.monotonic_centers(Q, K), half_width=1,
+                                 gaussian=False),
+               core.local_attend(q, k, v, center=core.monotonic_centers(Q, K), half_width=1,
+                                 gaussian=False, window_softmax=False),
                core.local_window_weights(w, center, 2)])
 
-  *windowed, (_, wm), scaled = local_variants(q, k, v, center, pad, w)
+  *windowed, (_, wm), (ctx_m, plain_m), (_, cut_m), scaled = local_variants(q, k, v, center, pad,
+                                                                             w)
   np.testing.assert_allclose(scaled, np_local_weights(w, center, 2), **TOL)
   for window_softmax, (ctx, got_w) in zip((True, False), windowed):
     m = pad & (np.abs(dist) <= 2) if window_softmax else pad
@@ -465,6 +470,11 @@ def test_local_window_and_local_attend(qkv):
   m = np.abs(np.arange(K)[None, :] - np.arange(Q)[:, None]) <= 1
   np.testing.assert_allclose(wm, np_local_weights(np_softmax(logits, m), np.arange(Q), 1),
                              **TOL)
+  # Luong's local-m proper: the softmax over the window [t - D, t + D], no Gaussian
+  np.testing.assert_allclose(plain_m, np_softmax(logits, m), **TOL)
+  np.testing.assert_allclose(ctx_m, np_softmax(logits, m) @ v, **TOL)
+  # no Gaussian, softmax over every key: the weights outside the window are cut (not renormalised)
+  np.testing.assert_allclose(cut_m, np.where(m, np_softmax(logits, np.ones_like(m)), 0.0), **TOL)
   with pytest.raises(ValueError, match="half_width D must be > 0"):
     core.local_window_weights(w, center, 0)
   with pytest.raises(ValueError, match=r"center of shape \(4,\) does not broadcast to the "

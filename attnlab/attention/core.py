@@ -473,13 +473,16 @@ def local_window_weights(weights: Array, center: Any, half_width: Any) -> Array:
 
 def local_attend(q: Array, k: Array, v: Array, *, center: Any, half_width: Any,
                  score: str | Callable = "scaled_dot", params: Any = None, mask: Any = None,
-                 causal: bool = False, window_softmax: bool = True) -> tuple[Array, Array]:
+                 causal: bool = False, window_softmax: bool = True,
+                 gaussian: bool = True) -> tuple[Array, Array]:
   """Luong local-p attention: soft attention inside [p_t - D, p_t + D] times a Gaussian.
 
   window_softmax=True (default, as in the paper) normalises the softmax over the keys inside
   the window; False takes the softmax over all allowed keys first. Either way the Gaussian-
-  scaled weights no longer sum to 1. local-m is `center=monotonic_centers(q_len, k_len)`.
-  Returns (context `[..., q_len, d_v]`, weights `[..., q_len, k_len]`).
+  scaled weights no longer sum to 1. gaussian=False leaves the Gaussian out (the window's
+  softmax alone). Luong et al. 2015's local-m is `center=monotonic_centers(q_len, k_len),
+  gaussian=False` (p_t = t, the plain softmax over the window); local-p is a predicted centre
+  with the Gaussian. Returns (context `[..., q_len, d_v]`, weights `[..., q_len, k_len]`).
   """
   _check_half_width(half_width)
   q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
@@ -491,7 +494,12 @@ def local_attend(q: Array, k: Array, v: Array, *, center: Any, half_width: Any,
                             _compute_dtype(logits.dtype))
     full_mask = masks_lib.combine(full_mask, jnp.abs(dist) <= half_width)
   weights = masked_softmax(logits, full_mask)  # [..., q_len, k_len]
-  weights = local_window_weights(weights, center, half_width)  # [..., q_len, k_len]
+  if gaussian:
+    weights = local_window_weights(weights, center, half_width)  # [..., q_len, k_len]
+  elif not window_softmax:  # no Gaussian and no window yet: the window still bounds the keys
+    dist = _center_distance(center, weights.shape[:-1], weights.shape[-1],
+                            _compute_dtype(weights.dtype))
+    weights = jnp.where(jnp.abs(dist) <= half_width, weights, 0.0).astype(weights.dtype)
   return jnp.matmul(weights, v), weights  # [..., q_len, d_v]
 
 
