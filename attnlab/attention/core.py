@@ -419,7 +419,10 @@ def reinforce_loss(log_prob: Array, reward: Any, baseline: Any = None, *,
 
 
 def predict_position(h: Array, w_p: Array, v_p: Array, src_len: Any) -> Array:
-  """Luong local-p aligned position p_t = S · sigmoid(v_pᵀ tanh(W_p h)) in [0, S).
+  """Luong local-p aligned position p_t = S · sigmoid(v_pᵀ tanh(W_p h)), in [0, S].
+
+  The float32 sigmoid reaches 1 from about 17 on, so p_t = S occurs; a window of half-width
+  D >= 1 around it still holds the last key.
 
   h `[..., q_len, d]`, w_p `[d, d_p]`, v_p `[d_p]`; src_len S is a scalar or per-example
   lengths `[batch]` (broadcast over q_len) or `[..., q_len]`. Returns `[..., q_len]`.
