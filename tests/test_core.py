@@ -579,3 +579,20 @@ def test_auto_uses_the_real_blocked_module_when_present(qkv):
   assert w is None
   want = np_attend(q, k, v, mask=np.asarray(mask)[:, 0] & np_causal(Q, K))[0]
   np.testing.assert_allclose(ctx, want, **TOL)
+
+
+def test_hard_attention_row_of_minus_inf_logits_picks_nothing():
+  # Row 0's allowed keys (the first two) all score -inf; its other keys are masked out: no key
+  # to pick, so a zero context and log_prob 0, as for a fully masked row (never a masked key).
+  def score(q, k):
+    logits = jnp.matmul(q, jnp.swapaxes(k, -1, -2))  # [q_len, k_len]
+    return logits.at[0].set(-jnp.inf)
+
+  r = np.random.default_rng(9)
+  q, k, v = r.normal(size=(2, 3)), r.normal(size=(4, 3)), 1.0 + r.uniform(size=(4, 2))
+  mask = np.array([[True, True, False, False]] * 2)
+  for seed in range(4):
+    out = core.hard_attend(jax.random.PRNGKey(seed), q, k, v, score=score, mask=mask)
+    np.testing.assert_array_equal(out.context[0], 0.0)
+    assert out.log_prob[0] == 0.0 and np.all(np.asarray(out.weights)[0] == 0.0)
+    assert out.index[1] < 2 and np.all(np.asarray(out.context)[1] > 0)

@@ -372,11 +372,10 @@ def hard_attend(rng: Array, q: Array, k: Array, v: Array, *, score: str | Callab
   full_mask = _attention_mask(mask, causal, logits.shape)
   weights = masked_softmax(logits, full_mask)  # [..., q_len, k_len]
   x = logits.astype(_compute_dtype(logits.dtype))
-  if full_mask is None:
-    row_ok = jnp.ones(logits.shape[:-1], bool)  # [..., q_len]
-  else:
+  if full_mask is not None:
     x = jnp.where(full_mask, x, _large_negative(x.dtype))
-    row_ok = jnp.any(jnp.broadcast_to(full_mask, logits.shape), axis=-1)  # [..., q_len]
+  # a row with a key to pick: an allowed key with a finite logit (a row of -inf logits has none)
+  row_ok = jnp.any(weights > 0, axis=-1)  # [..., q_len]
   index = jax.random.categorical(rng, jax.lax.stop_gradient(x), axis=-1)  # [..., q_len]
   log_probs = jax.nn.log_softmax(x, axis=-1)  # [..., q_len, k_len]
   log_prob = jnp.take_along_axis(log_probs, index[..., None], axis=-1)[..., 0]  # [..., q_len]
