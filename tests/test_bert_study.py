@@ -108,6 +108,30 @@ def test_linked_arms_bring_their_runs_seconds(study, tmp_path):
                    "renamed/pretrain_s0": 373.5, "renamed/select_lr1e-4": 26.0}
 
 
+def test_an_interrupted_run_keeps_its_seconds(study, tmp_path, monkeypatch):
+  """A run stopped by a signal still adds the seconds it trained to timings.json, so a run that
+  resumes over several sessions sums its parts (they were lost before)."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from attnlab import train  # pylint: disable=g-import-not-at-top
+  from attnlab.errors import TrainingInterrupted  # pylint: disable=g-import-not-at-top
+  clock = iter([100.0, 160.5, 200.0, 230.0])  # start and end of each of two sessions
+  monkeypatch.setattr(study.time, "time", lambda: next(clock))
+
+  def stopped_by_sigterm(config, workdir):
+    raise TrainingInterrupted("stopped by SIGTERM", 15)
+
+  monkeypatch.setattr(train, "train_and_evaluate", stopped_by_sigterm)
+  root = tmp_path / "study"
+  root.mkdir()
+  run = {"workdir": root / "arm" / "finetune_s0",
+         "config": ml_collections.ConfigDict({"num_train_steps": 10})}
+  timings = {}
+  for _ in range(2):
+    with pytest.raises(TrainingInterrupted):
+      study._run(run, timings, root)  # pylint: disable=protected-access
+  assert json.loads((root / "timings.json").read_text()) == {"arm/finetune_s0": 90.5}
+
+
 def test_pretraining_curve_figure_only_for_pretrained_arms(study, tmp_path):
   """pretraining_curves.png is drawn from details.json's held-out curves; a study of scratch
   arms alone has no curve and writes none."""

@@ -430,15 +430,28 @@ def _write_plots(workdir: pathlib.Path) -> None:
 
 def _run(run: dict, timings: dict[str, float], root: pathlib.Path) -> dict[str, float]:
   """Trains (or resumes/skips) one run; adds the seconds spent to timings unless the run was
-  already complete (re-running the study to publish adds nothing); returns its last eval
+  already complete (re-running the study to publish adds nothing), also when it stops early (a
+  signal, an error: a run resumed over several sessions sums its parts); returns its last eval
   record."""
   from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
-  from attnlab import train  # pylint: disable=g-import-not-at-top
-  from attnlab.errors import TrainingInterrupted  # pylint: disable=g-import-not-at-top
   plateau = run.get("plateau", False)
   stopped = plateau and plateau_reached(run["workdir"], run["config"].num_train_steps)
   done = stopped or checkpoint.is_complete(run["workdir"], run["config"].num_train_steps)
   start = time.time()
+  try:
+    _train(run, plateau, stopped)
+  finally:
+    if not done:
+      name = str(run["workdir"].relative_to(root))
+      timings[name] = timings.get(name, 0.0) + time.time() - start
+      _timings_path(root).write_text(json.dumps(timings, indent=2) + "\n")
+  return checkpoint.last_records(checkpoint.read_metrics(run["workdir"]))["eval"]
+
+
+def _train(run: dict, plateau: bool, stopped: bool) -> None:
+  """The training part of `_run` (nothing when the plateau rule stopped the run already)."""
+  from attnlab import train  # pylint: disable=g-import-not-at-top
+  from attnlab.errors import TrainingInterrupted  # pylint: disable=g-import-not-at-top
   if not stopped:
     if plateau:
       with _PlateauWatch(run["workdir"], run["config"].num_train_steps) as watch:
@@ -454,11 +467,6 @@ def _run(run: dict, timings: dict[str, float], root: pathlib.Path) -> dict[str, 
   if plateau and not (run["workdir"] / "head_view.png").is_file() and plateau_reached(
       run["workdir"], run["config"].num_train_steps):
     _write_plots(run["workdir"])  # stopped by the rule now or earlier: the trainer wrote none
-  if not done:
-    name = str(run["workdir"].relative_to(root))
-    timings[name] = timings.get(name, 0.0) + time.time() - start
-    _timings_path(root).write_text(json.dumps(timings, indent=2) + "\n")
-  return checkpoint.last_records(checkpoint.read_metrics(run["workdir"]))["eval"]
 
 
 def _preload() -> None:
