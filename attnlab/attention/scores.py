@@ -75,13 +75,10 @@ def dot(q: Array, k: Array) -> Array:
   return jnp.matmul(q, _keys_t(k))  # [..., q_len, k_len]
 
 
-def _float_dtypes(q: Array, k: Array) -> tuple[Any, Any]:
-  """(output dtype, dtype of the products): the inputs' float dtype (float32 for integer inputs);
-  float32 products for float16 (whose range ends at 65504), the inputs' own dtype otherwise
-  (bfloat16 has float32's range: the mixed-precision policy keeps its matmuls in bfloat16)."""
+def _float_dtype(q: Array, k: Array) -> Any:
+  """The dtype of the logits: the inputs' float dtype (float32 for integer inputs)."""
   dtype = jnp.result_type(q, k)
-  out = dtype if jnp.issubdtype(dtype, jnp.floating) else jnp.dtype(jnp.float32)
-  return out, (jnp.dtype(jnp.float32) if out == jnp.float16 else out)
+  return dtype if jnp.issubdtype(dtype, jnp.floating) else jnp.dtype(jnp.float32)
 
 
 def scaled_dot(q: Array, k: Array) -> Array:
@@ -92,7 +89,10 @@ def scaled_dot(q: Array, k: Array) -> Array:
   does.
   """
   _check_qk(q, k, same_dim=True)
-  out_dtype, ct = _float_dtypes(q, k)
+  out_dtype = _float_dtype(q, k)
+  # float32 products for float16 (whose range ends at 65504); bfloat16 has float32's range and
+  # the mixed-precision policy keeps its matmuls in bfloat16
+  ct = jnp.dtype(jnp.float32) if out_dtype == jnp.float16 else out_dtype
   q, k = jnp.asarray(q, out_dtype), jnp.asarray(k, out_dtype)
   logits = jnp.matmul(q, _keys_t(k), preferred_element_type=ct)  # [..., q_len, k_len]
   return (logits * (1.0 / math.sqrt(q.shape[-1]))).astype(out_dtype)
@@ -115,7 +115,7 @@ def cosine(q: Array, k: Array, beta: Any = 1.0) -> Array:
   |x| > 256); the logits come back in the inputs' float dtype (float32 for integer inputs).
   """
   _check_qk(q, k, same_dim=True)
-  out_dtype, _ = _float_dtypes(q, k)
+  out_dtype = _float_dtype(q, k)
   ct = jnp.promote_types(out_dtype, jnp.float32)
   # unit vectors (entries in [-1, 1]) back in the inputs' dtype: the matmul stays in it
   qn = _safe_normalize(jnp.asarray(q, ct)).astype(out_dtype)
