@@ -387,6 +387,40 @@ def test_normalizers_hand_made():
                              [0.0, e[0], e[1]], rtol=1e-6)
 
 
+@pytest.mark.parametrize("name", NORM_NAMES)
+def test_normalizers_without_a_mask_give_zeros_for_a_row_of_minus_inf_logits(name):
+  # no mask, one row all -inf (e.g. an additive -inf bias): zeros and finite gradients, the
+  # other row as NumPy (softmax used to return NaN here, through jax.nn.softmax)
+  x = np.array([[[-np.inf] * 4, [0.3, -1.2, 2.0, 0.5]]], np.float32)  # [heads=1, q=2, k=4]
+  params = {"sink": np.array([0.7], np.float32)} if name == "softmax_sink" else None
+  got = normalizers.normalize(name, x, params=params, topk=2)
+  want = np_normalize(name, x, np.isfinite(x), sink=np.array([0.7]), k=2)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  assert np.all(np.asarray(got)[0, 0] == 0)
+  g = jax.grad(lambda y: jnp.sum(normalizers.normalize(name, y, params=params, topk=2)
+                                 * jnp.arange(4.0)))(jnp.asarray(x))
+  assert np.all(np.isfinite(g))
+
+
+def test_sparsemax_of_large_logits_is_shift_invariant():
+  # sparsemax(z + c) = sparsemax(z): rows of logits near 1e3..1e5 still sum to 1 and match the
+  # float64 NumPy projection of the same float32 inputs (the unshifted cumulative sums in
+  # float32 were off by up to ~1e-2 at 1e5)
+  z = rand(51, 3, 9)
+  allowed = np.random.default_rng(52).random((3, 9)) > 0.3
+  allowed[:, 0] = True
+  for c in (1e3, 1e4, 1e5):
+    x = z + np.float32(c)
+    for mask in (None, allowed):
+      ok = np.ones(x.shape, bool) if mask is None else allowed
+      want = np.zeros(x.shape)
+      for r in range(3):
+        want[r, ok[r]] = np_sparsemax_bisect(x[r, ok[r]])
+      got = np.asarray(normalizers.sparsemax(x, mask))
+      np.testing.assert_allclose(got, want, atol=1e-5)
+      np.testing.assert_allclose(got.sum(-1), 1.0, rtol=1e-5)
+
+
 def test_sparsemax_jacobian_and_sink_gradient():
   # Martins & Astudillo 2016, eq. 13: J = diag(s) - s sᵀ / |S| with s the support indicator
   z = jnp.array([0.9, 0.7, -0.3, 0.6])

@@ -51,13 +51,14 @@ def masked_softmax(logits: Array, mask: Array | None = None, axis: int = -1) -> 
   ct = _compute_dtype(logits.dtype)
   out_dtype = logits.dtype if jnp.issubdtype(logits.dtype, jnp.floating) else ct
   x = logits.astype(ct)
-  if mask is None:
-    return jax.nn.softmax(x, axis=axis).astype(out_dtype)
-  mask = masks_lib.check_mask(mask, logits.shape)
-  x = jnp.where(mask, x, _large_negative(ct))  # finite fill: no inf - inf anywhere
+  if mask is not None:
+    mask = masks_lib.check_mask(mask, logits.shape)
+    x = jnp.where(mask, x, _large_negative(ct))  # finite fill: no inf - inf anywhere
   x_max = jnp.max(x, axis=axis, keepdims=True, initial=-jnp.inf)  # -inf: no keys at all
   x_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(x_max), x_max, 0.0))  # all -inf: 0
-  e = jnp.where(mask, jnp.exp(x - x_max), 0.0)
+  e = jnp.exp(x - x_max)  # all -inf row (with or without a mask): exp(-inf) = 0
+  if mask is not None:
+    e = jnp.where(mask, e, 0.0)
   denom = jnp.sum(e, axis=axis, keepdims=True)
   weights = e / jnp.where(denom > 0, denom, 1.0)  # empty rows: 0 / 1
   return weights.astype(out_dtype)
