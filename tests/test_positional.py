@@ -37,6 +37,9 @@ def test_sinusoidal_properties_dtype_and_jit():
   np.testing.assert_allclose(jitted[1], np_sinusoidal(6, 4), rtol=1e-6, atol=1e-6)
   with pytest.raises(ValueError, match="dim >= 1"):
     positional.sinusoidal(3, 0)
+  for length, dim in ((3.5, 4), (3, 2.5), (True, 4)):  # np.arange(3.5) would give 4 rows
+    with pytest.raises(ValueError, match="integers"):
+      positional.sinusoidal(length, dim)
 
 
 def test_plot_sinusoidal(tmp_path):

@@ -17,8 +17,10 @@ def sinusoidal(length: int, dim: int, base: float = 10000.0, dtype: Any = jnp.fl
   Column c uses the frequency of pair j = c // 2. An odd `dim` ends with a sine column
   (pair j = (dim - 1) / 2) that has no cosine partner.
   """
-  if length < 0 or dim < 1:
-    raise ValueError(f"sinusoidal needs length >= 0 and dim >= 1; got length={length}, dim={dim}")
+  if (not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) for n in (length, dim))
+      or length < 0 or dim < 1):
+    raise ValueError(f"sinusoidal needs integers length >= 0 and dim >= 1; got length={length!r}, "
+                     f"dim={dim!r}")
   # Computed in float64 numpy (length and dim are static) for accuracy at long lengths.
   pos = np.arange(length, dtype=np.float64)[:, None]  # [length, 1]
   col = np.arange(dim)  # [dim]
