@@ -40,6 +40,14 @@ def _large_negative(dtype: Any) -> Array:
   return jnp.asarray(-0.7 * jnp.finfo(dtype).max, dtype)
 
 
+def row_shift(x: Array, axis: int = -1) -> Array:
+  """The max of x along `axis` (kept as a size-1 axis, no gradient), 0 where it is not finite
+  (a row of -inf, or no entries): the shift that keeps exp(x - shift) and cumulative sums in
+  range, for normalisers that do not change when a row is shifted."""
+  x_max = jnp.max(x, axis=axis, keepdims=True, initial=-jnp.inf)
+  return jax.lax.stop_gradient(jnp.where(jnp.isfinite(x_max), x_max, 0.0))
+
+
 def masked_softmax(logits: Array, mask: Array | None = None, axis: int = -1) -> Array:
   """Softmax over `axis` restricted to allowed entries (mask True).
 
@@ -54,9 +62,7 @@ def masked_softmax(logits: Array, mask: Array | None = None, axis: int = -1) -> 
   if mask is not None:
     mask = masks_lib.check_mask(mask, logits.shape)
     x = jnp.where(mask, x, _large_negative(ct))  # finite fill: no inf - inf anywhere
-  x_max = jnp.max(x, axis=axis, keepdims=True, initial=-jnp.inf)  # -inf: no keys at all
-  x_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(x_max), x_max, 0.0))  # all -inf: 0
-  e = jnp.exp(x - x_max)  # all -inf row (with or without a mask): exp(-inf) = 0
+  e = jnp.exp(x - row_shift(x, axis))  # all -inf row (with or without a mask): exp(-inf) = 0
   if mask is not None:
     e = jnp.where(mask, e, 0.0)
   denom = jnp.sum(e, axis=axis, keepdims=True)
@@ -492,17 +498,15 @@ def local_attend(q: Array, k: Array, v: Array, *, center: Any, half_width: Any,
   check_qkv(q, k, v)
   logits = _score_logits(q, k, score, params)  # [..., q_len, k_len]
   full_mask = _attention_mask(mask, causal, logits.shape)
+  in_window = jnp.abs(_center_distance(center, logits.shape[:-1], logits.shape[-1],
+                                       _compute_dtype(logits.dtype))) <= half_width
   if window_softmax:
-    dist = _center_distance(center, logits.shape[:-1], logits.shape[-1],
-                            _compute_dtype(logits.dtype))
-    full_mask = masks_lib.combine(full_mask, jnp.abs(dist) <= half_width)
+    full_mask = masks_lib.combine(full_mask, in_window)
   weights = masked_softmax(logits, full_mask)  # [..., q_len, k_len]
   if gaussian:
     weights = local_window_weights(weights, center, half_width)  # [..., q_len, k_len]
   elif not window_softmax:  # no Gaussian and no window yet: the window still bounds the keys
-    dist = _center_distance(center, weights.shape[:-1], weights.shape[-1],
-                            _compute_dtype(weights.dtype))
-    weights = jnp.where(jnp.abs(dist) <= half_width, weights, 0.0).astype(weights.dtype)
+    weights = jnp.where(in_window, weights, 0.0).astype(weights.dtype)
   return jnp.matmul(weights, v), weights  # [..., q_len, d_v]
 
 

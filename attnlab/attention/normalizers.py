@@ -113,9 +113,8 @@ def sparsemax(logits: Array, mask: Any = None) -> Array:
         jnp.where(jnp.isfinite(low), low - 1.0, jnp.where(low < 0, low, -1.0)))
     x = jnp.where(mask, x, low)
   # shifted by the row max (sparsemax(z + c) = sparsemax(z)), so the cumulative sums below stay
-  # accurate for large logits; a row with no finite max is left as it is
-  x_max = jnp.max(x, axis=-1, keepdims=True, initial=-jnp.inf)  # [..., q_len, 1]
-  x = x - jax.lax.stop_gradient(jnp.where(jnp.isfinite(x_max), x_max, 0.0))
+  # accurate for large logits
+  x = x - core.row_shift(x)
   z = -jnp.sort(-x, axis=-1)  # [..., q_len, k_len] descending
   ks = jnp.arange(1, x.shape[-1] + 1, dtype=x.dtype)  # [k_len]
   cums = jnp.cumsum(z, axis=-1)
