@@ -84,7 +84,10 @@ SMOKE = dict(n_layer=2, n_head=2, n_embd=64, block_size=128, batch_size=4, vocab
 
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--parts", default="train,attention", help="train and/or attention")
+  p.add_argument("--parts", default="train,attention",
+                 help="train, profile (where the attnlab step's device time goes) and/or "
+                 "attention")
+  p.add_argument("--profile_steps", type=int, default=5, help="train steps traced by profile")
   p.add_argument("--rounds", type=int, default=3, help="alternating rounds")
   p.add_argument("--iters", type=int, default=50, help="train iterations per process and round")
   p.add_argument("--skip", type=int, default=10,
@@ -120,8 +123,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.seq, args.attn_tokens, args.heads, args.head_dim = "128", 256, 2, 16
     args.compile = "False"
   args.parts = [x for x in args.parts.split(",") if x]
-  if set(args.parts) - {"train", "attention"}:
-    p.error(f"--parts takes train and/or attention; got {args.parts}")
+  if not args.parts or set(args.parts) - {"train", "profile", "attention"}:
+    p.error(f"--parts takes train, profile and/or attention; got {args.parts}")
   args.seq = [int(x) for x in args.seq.split(",") if x]
   return args
 
@@ -135,7 +138,7 @@ def uptime() -> str:
 
 def _worker(args, kind: str, *extra: str) -> dict:
   """Runs this script as a worker in a fresh process; its RESULT line as a dict."""
-  keys = (*GPT2, "iters", "dtype", "attn_tokens", "heads", "head_dim", "reps")
+  keys = (*GPT2, "iters", "dtype", "attn_tokens", "heads", "head_dim", "reps", "profile_steps")
   flags = [f"--{k}={getattr(args, k)}" for k in keys] + [f"--seq={','.join(map(str, args.seq))}"]
   path = os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH")) if x)
   proc = subprocess.run([sys.executable, __file__, f"--worker={kind}", *flags, *extra],
@@ -167,7 +170,8 @@ def attnlab_train_arg(args, impl: str) -> str:
 
 def train_worker(args) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
-  from attnlab import config_utils, tasks  # pylint: disable=g-import-not-at-top
+  from attnlab import config_utils, parallel, tasks  # pylint: disable=g-import-not-at-top
+  parallel.enable_compilation_cache()  # as `attnlab train`: later rounds skip the compile
   config = config_utils.load_config_file(
       f"{REPO / 'configs' / 'gpt.py'}:{attnlab_train_arg(args, args.impl)}")
   times = gpt_vs_nanogpt.time_train_steps(config, args.iters)
@@ -178,8 +182,92 @@ def train_worker(args) -> dict:
   return {"times": times, "params": params - position, "vocab": task.model.vocab_size}
 
 
+# Device-time categories of the profile part: the first whose keywords occur in an op's name
+# (lower case) takes it; the rest is "fusions and other kernels" (element-wise work: softmax
+# outside a fused kernel, layer norms, GELU, the loss, AdamW's update).
+PROFILE_CATEGORIES = (
+    ("attention (fused kernels)", ("fmha", "flash", "cudnn", "attention")),
+    ("matmuls (cuBLAS/cuDNN GEMMs)", ("gemm", "cublas", "matmul", "dot", "convolution")),
+    ("collectives", ("all-reduce", "all-gather", "nccl")),
+    ("copies and transposes", ("copy", "transpose", "memcpy", "memset")),
+)
+
+
+def profile_worker(args) -> dict:
+  """Device time per category over --profile_steps traced steps of the attnlab train step."""
+  import glob  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
+  from attnlab import config_utils, parallel, tasks, train  # pylint: disable=g-import-not-at-top
+  from attnlab import state as state_lib  # pylint: disable=g-import-not-at-top
+  parallel.enable_compilation_cache()
+  config = config_utils.load_config_file(
+      f"{REPO / 'configs' / 'gpt.py'}:{attnlab_train_arg(args, args.impl)}")
+  mesh = parallel.make_mesh(config)
+  task = tasks.build_task(config)
+  parts = state_lib.training(task, config, mesh)
+  state = state_lib.initial_state(task, parts.tx, parts.init_rng, 1, mesh, parts.shardings)
+  step = train.make_train_step(task, parts.tx, parts.schedule, mesh=mesh,
+                               state_shardings=parts.shardings)
+  for _ in range(5):  # compile and warm up
+    state, metrics = step(state, next(parts.batches), parts.train_rng)
+    float(metrics["loss"])
+  trace_dir = tempfile.mkdtemp(prefix="gpu_profile_")
+  n = args.profile_steps
+  t0 = time.perf_counter()
+  with jax.profiler.trace(trace_dir):
+    for _ in range(n):
+      state, metrics = step(state, next(parts.batches), parts.train_rng)
+      float(metrics["loss"])
+  wall_ms = (time.perf_counter() - t0) * 1e3 / n
+  files = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+  data = ProfileData.from_file(files[0])
+  planes = [pl for pl in data.planes if pl.name.startswith("/device:")]
+  ops: dict[str, float] = {}
+  lines_seen = []
+  for plane in planes[:1]:
+    lines = list(plane.lines)
+    lines_seen = [line.name for line in lines]
+    chosen = [l for l in lines if l.name == "XLA Ops"] or [
+        l for l in lines if l.name.startswith("Stream")]
+    for line in chosen:
+      for event in line.events:
+        ops[event.name] = ops.get(event.name, 0.0) + event.duration_ns / 1e6 / n
+  shutil.rmtree(trace_dir, ignore_errors=True)
+  categories: dict[str, float] = {}
+  for name, ms in ops.items():
+    low = name.lower()
+    cat = next((c for c, keys in PROFILE_CATEGORIES if any(k in low for k in keys)),
+               "fusions and other kernels")
+    categories[cat] = categories.get(cat, 0.0) + ms
+  top = sorted(ops.items(), key=lambda kv: -kv[1])[:12]
+  return {"wall_ms": wall_ms, "device": planes[0].name if planes else None,
+          "lines": lines_seen, "categories": categories, "top": top}
+
+
+def profile_part(args) -> None:
+  result = _worker(args, "profile", f"--impl={args.train_impls.split(',')[0]}")
+  if not result["device"]:
+    print("\nprofile: no device plane in the trace (a CPU run): nothing to split")
+    return
+  busy = sum(result["categories"].values())
+  wall = result["wall_ms"]
+  print(f"\nprofile of the attnlab train step ({result['device']}, {args.profile_steps} steps "
+        f"traced with jax.profiler; lines {', '.join(result['lines'])}): ms per step")
+  print("| where | ms/step | share of the step |")
+  print("|---|---|---|")
+  for cat, ms in sorted(result["categories"].items(), key=lambda kv: -kv[1]):
+    print(f"| {cat} | {ms:.2f} | {100 * ms / wall:.1f}% |")
+  print(f"| device idle (host, launch gaps, sync) | {max(wall - busy, 0.0):.2f} | "
+        f"{100 * max(wall - busy, 0.0) / wall:.1f}% |")
+  print(f"| whole step (wall, traced) | {wall:.2f} | 100% |")
+  print("top ops (ms/step): " + "; ".join(f"{name[:60]} {ms:.2f}" for name, ms in result["top"]),
+        flush=True)
+
+
 def _attention_fn(impl: str, causal: bool, heads: int, head_dim: int, seq: int):
-  """f(q, k, v) -> context for an attnlab implementation or `mech:NAME` of the registry."""
+  """f(q, k, v) -> context for an attnlab implementation, `mech:NAME` of the registry or
+  `alibi` (scaled-dot attention with ALiBi's lazy bias, implementation auto)."""
   import jax  # pylint: disable=g-import-not-at-top
   from attnlab.attention import core  # pylint: disable=g-import-not-at-top
   if impl.startswith("mech:"):
@@ -188,8 +276,19 @@ def _attention_fn(impl: str, causal: bool, heads: int, head_dim: int, seq: int):
     params = mechanism.init(jax.random.key(0), heads, head_dim, seq)
     return lambda q, k, v: mechanism.fn(q, k, v, mask=None, causal=causal, params=params,
                                         return_weights=False)[0]
+  if impl == "alibi":
+    from attnlab.attention import positions  # pylint: disable=g-import-not-at-top
+    bias = positions.AlibiBias(positions.alibi_slopes(heads))
+    return lambda q, k, v: core.attend(q, k, v, score="scaled_dot", causal=causal, bias=bias,
+                                       return_weights=False)[0]
   return lambda q, k, v: core.attend(q, k, v, score="scaled_dot", causal=causal,
                                      implementation=impl, return_weights=False)[0]
+
+
+def _exact(impl: str) -> bool:
+  """Whether `impl` computes plain causal softmax attention (checked against float64 NumPy);
+  the others (mechanisms, ALiBi) are checked against themselves in float32."""
+  return impl in ATTENTION_IMPLS
 
 
 def _reference(q, k, v, causal: bool) -> np.ndarray:
@@ -223,14 +322,20 @@ def attention_worker(args) -> dict:
 
       def fwd_bwd(q, k, v, do, f=f):
         y, vjp = jax.vjp(f, q, k, v)
-        return y, vjp(do)
+        return y, vjp(do.astype(y.dtype))  # a mechanism may return float32 from bf16 inputs
 
       step = jax.jit(fwd_bwd)
       arrays = [jnp.asarray(x, dtype) for x in _inputs(seq, args)]
       cell = {}
-      if i == 0:  # on the first batch row (the float64 reference is computed on the host)
-        y = np.asarray(jax.jit(f)(*arrays[:3])[:1], np.float64)
-        cell["err"] = float(np.max(np.abs(y - _reference(*(x[:1] for x in arrays[:3]), True))))
+      if i == 0:  # on the first batch row
+        row = [x[:1] for x in arrays[:3]]
+        y = np.asarray(jax.jit(f)(*row), np.float64)
+        if _exact(args.impl):  # float64 softmax attention, computed on the host
+          ref = _reference(*row, True)
+        else:  # the same function in float32 with full-precision matmuls
+          with jax.default_matmul_precision("highest"):
+            ref = np.asarray(jax.jit(f)(*(x.astype(jnp.float32) for x in row)), np.float64)
+        cell["err"] = float(np.max(np.abs(y - ref)))
       for _ in range(2):
         jax.block_until_ready(step(*arrays))
       times = []
@@ -282,7 +387,7 @@ def torch_attention_worker(args) -> dict:
 
 
 def run_worker(args) -> None:
-  result = {"probe": probe_worker, "train": train_worker,
+  result = {"probe": probe_worker, "train": train_worker, "profile": profile_worker,
             "attention": attention_worker}[args.worker](args)
   print("RESULT " + json.dumps(result), flush=True)
 
@@ -375,6 +480,7 @@ def attention_part(args) -> None:
                      if name != "full" and m.supports.causal]
     except ImportError:
       print("attnlab.attention.registry does not import: no mechanism columns")
+    contenders.append("alibi")
   if "torch" in wanted:
     contenders.append("torch")
   cells = {c: {s: [] for s in args.seq} for c in contenders}
@@ -396,7 +502,9 @@ def attention_part(args) -> None:
           flush=True)
   print(f"\nattention forward+backward, causal, {args.dtype}, H={args.heads}, D={args.head_dim}, "
         f"B x S = {args.attn_tokens}; median ms over {args.rounds} rounds of {args.reps} calls; "
-        f"GFLOP/s dense-equivalent (3 x 4·B·H·S²·D); max |error| vs float64 at S={args.seq[0]}")
+        f"GFLOP/s dense-equivalent (3 x 4·B·H·S²·D); max |error| at S={args.seq[0]}, first batch "
+        "row: the implementations against float64 softmax attention, the mechanisms and ALiBi "
+        "against themselves in float32")
   print("| S | contender | ms | GFLOP/s | torch ms / this ms | max error |")
   print("|---|---|---|---|---|---|")
   for s in args.seq:
@@ -435,6 +543,8 @@ def main(argv=None) -> int:
         flush=True)
   if "train" in args.parts:
     train_part(args, device, peak, scratch)
+  if "profile" in args.parts:
+    profile_part(args)
   if "attention" in args.parts:
     attention_part(args)
   print(f"uptime after: {uptime()}")
