@@ -20,6 +20,11 @@ def pytest_configure(config):
   del config
   import jax  # pylint: disable=g-import-not-at-top
   jax.devices()
+  # The tests compare float32 results with float64 NumPy references, with margins set for exact
+  # float32 products. A GPU multiplies float32 in TF32 by default (about 1e-3 relative error: 84
+  # tests failed on an H200); full precision there keeps the margins meaningful.
+  if jax.default_backend() != "cpu":
+    jax.config.update("jax_default_matmul_precision", "highest")
   # The tests' own compiles go to the persistent compilation cache too, as the trainer's runs do
   # (the user's cache folder; ATTNLAB_COMPILATION_CACHE=0 turns it off): a second suite run loads
   # the programs that took 0.1 s or more to compile instead of compiling them again.

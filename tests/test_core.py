@@ -1,6 +1,7 @@
 """masked_softmax, attend (every implementation), hard, local and multi-head attention
 against NumPy references; properties, jit/vmap, gradients, errors."""
 
+import functools
 import sys
 import types
 
@@ -246,7 +247,7 @@ def test_xla_dot_score(qkv):
 
 
 def test_choose_implementation():
-  choose = core.choose_implementation
+  choose = functools.partial(core.choose_implementation, backend="cpu")  # the CPU rows
   assert choose("scaled_dot", True) == "reference"
   assert choose("additive", False) == "reference"
   assert choose(scores.dot, False, blocked_available=True) == "reference"
@@ -277,9 +278,12 @@ def test_auto_choice_table_per_backend_and_shape():
   assert choose("gpu", dtype=jnp.bfloat16) == "cudnn"
   assert choose("gpu", dtype=jnp.float16, head_dim=128) == "cudnn"
   assert choose("gpu") == "xla"  # float32
-  assert choose("gpu", dtype=jnp.bfloat16, head_dim=36) == "xla"
-  assert choose("gpu", dtype=jnp.bfloat16, head_dim=256) == "xla"
-  assert choose("gpu", dtype=jnp.bfloat16, has_mask=True) == "xla"
+  # half precision off cudnn's ground: the reference path (measured faster than xla on a GPU)
+  assert choose("gpu", dtype=jnp.bfloat16, head_dim=36) == "reference"
+  assert choose("gpu", dtype=jnp.bfloat16, head_dim=256) == "reference"
+  assert choose("gpu", dtype=jnp.bfloat16, has_mask=True) == "reference"
+  assert choose("gpu", dtype=jnp.float32, has_mask=True) == "xla"
+  assert choose("rocm", dtype=jnp.bfloat16) == "reference"
   assert choose("tpu") == "xla"
   assert core.choose_implementation("scaled_dot", True, backend="gpu") == "reference"
 
@@ -572,6 +576,8 @@ def test_gradients(x64):
 
 def test_auto_uses_the_real_blocked_module_when_present(qkv):
   pytest.importorskip("attnlab.attention.blocked")
+  if jax.default_backend() != "cpu":
+    pytest.skip("auto picks blocked on a CPU only")
   q, k, v = qkv
   assert core.choose_implementation("scaled_dot", False) == "blocked"
   mask = masks.padding_mask(jnp.array([4, 0]), K)  # [B, 1, 1, K]; example 1 has no keys

@@ -17,8 +17,11 @@ from attnlab.attention import blocked
 from attnlab.attention import core
 from attnlab.attention import cpu_fused
 
-pytestmark = pytest.mark.skipif(cpu_fused.unavailable_reason() is not None,
-                                reason=f"fused CPU kernel: {cpu_fused.unavailable_reason()}")
+pytestmark = [
+    pytest.mark.skipif(jax.default_backend() != "cpu",
+                       reason="the fused kernel is CPU code (no GPU/TPU handler)"),
+    pytest.mark.skipif(cpu_fused.unavailable_reason() is not None,
+                       reason=f"fused CPU kernel: {cpu_fused.unavailable_reason()}")]
 
 # (rows, q_len, k_len, d, d_v)
 SHAPES = [(3, 5, 7, 8, 8), (2, 70, 70, 64, 64), (4, 130, 200, 33, 20), (1, 1, 1, 4, 4),

@@ -287,6 +287,8 @@ def test_choose_implementation_with_bias_and_normalizers():
   assert choose("scaled_dot", False, bias=np.zeros((2, 512, 512)), **big) == "reference"
   assert choose("scaled_dot", False, normalizer="sigmoid", **big) == "reference"
   assert choose("scaled_dot", False, bias=np.zeros(1), backend="gpu", dtype=jnp.bfloat16,
+                head_dim=64) == "reference"  # half precision with a bias: off cudnn
+  assert choose("scaled_dot", False, bias=np.zeros(1), backend="gpu", dtype=jnp.float32,
                 head_dim=64) == "xla"
   with pytest.raises(ValueError, match="softmax normalizer"):
     choose("scaled_dot", False, "blocked", normalizer="sparsemax")

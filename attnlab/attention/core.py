@@ -166,9 +166,14 @@ def choose_implementation(score: str | Callable, return_weights: bool,
   | --- | --- |
   | weights wanted, or a score other than dot/scaled_dot, or a normalizer other than softmax | reference |
   | a bias array (not a lazy positions.AlibiBias/T5Bias) on CPU | reference |
-  | a bias on GPU: cudnn is skipped | xla (bias materialised) |
-  | GPU, float16/bfloat16, head_dim <= 128 and a multiple of 8, no mask | cudnn (jax.nn.dot_product_attention(implementation="cudnn")) |
-  | GPU otherwise, TPU | xla (jax.nn.dot_product_attention(implementation="xla")) |
+  | GPU, float16/bfloat16, head_dim <= 128 and a multiple of 8, no mask, no bias | cudnn (jax.nn.dot_product_attention(implementation="cudnn")) |
+  | GPU, float16/bfloat16 otherwise (a mask, a bias, another head_dim) | reference |
+  | GPU, float32; TPU | xla (jax.nn.dot_product_attention(implementation="xla")) |
+
+  The GPU rows follow experiments/benchmarks/README.md's GPU table (an H200, causal bfloat16
+  forward+backward, H = 12, D = 64, S = 1K-8K): cudnn was the fastest attnlab path (0.8-0.9x
+  torch SDPA), and the reference path was 1.7-1.9x faster than xla at every length, so half
+  precision falls back to reference, not xla; float32 on a GPU was not measured.
   | CPU, q_len * k_len < AUTO_BLOCKED_MIN_SCORES (256 x 256; e.g. nano GPT's 64, decoding) | reference |
   | CPU, larger | blocked (attnlab.attention.blocked), else reference if it does not import |
 
@@ -203,8 +208,9 @@ def choose_implementation(score: str | Callable, return_weights: bool,
   if backend in ("gpu", "cuda", "rocm"):
     half = dtype is not None and jnp.dtype(dtype) in (jnp.float16, jnp.bfloat16)
     head_ok = head_dim is not None and head_dim <= 128 and head_dim % 8 == 0
-    return ("cudnn" if backend != "rocm" and half and head_ok and not has_mask and bias is None
-            else "xla")
+    if backend != "rocm" and half and head_ok and not has_mask and bias is None:
+      return "cudnn"
+    return "reference" if half else "xla"
   if backend == "tpu":
     return "xla"
   if q_len is not None and k_len is not None and q_len * k_len < AUTO_BLOCKED_MIN_SCORES:
