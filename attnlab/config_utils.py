@@ -181,11 +181,11 @@ def parse_arg(arg: str | None) -> list[tuple[str, str]]:
 # A shortcut stands for a config key ("size" -> "model.size"), or is a function
 # `apply(config, value_text)` that sets what the short key means in that config file (e.g. BERT's
 # `size=mini` sets four model fields) and raises ConfigError for a bad value.
-Shortcut = str | Callable[[ConfigDict, str], None]
+Shortcut = str | tuple[str, ...] | Callable[[ConfigDict, str], None]
 
 # The short keys that mean the same thing in every config file that offers them. A config file
 # takes the ones that apply to its family with `shortcut_table(...)` and passes it to `finalize`.
-SHORTCUTS: dict[str, str] = {
+SHORTCUTS: dict[str, str | tuple[str, ...]] = {
     # The data set (a config whose defaults depend on it reads it first with `arg_value`).
     "dataset": "data.name",
     # The same: `task=marathi` reads as "the marathi task" (where a file offers this shortcut, the
@@ -193,11 +193,14 @@ SHORTCUTS: dict[str, str] = {
     "task": "data.name",
     # Attention variant of the RNN decoder: none, bahdanau, luong.
     "attention": "model.attention",
-    # Attention score function (attnlab.attention.scores).
-    "score": "model.score",
+    # Attention score function (attnlab.attention.scores): the Transformer families' attention
+    # subtree, the RNN's model.score (a tuple: the first key the config has).
+    "score": ("model.attention.score", "model.score"),
     "size": "model.size",
     # attend() implementation: auto, reference, xla, blocked, cudnn.
-    "implementation": "model.implementation",
+    "implementation": ("model.attention.implementation", "model.implementation"),
+    # Attention mechanism (attnlab.attention.registry) of the Transformer families.
+    "mechanism": "model.attention.mechanism",
     "tokenizer": "data.tokenizer",
 }
 
@@ -230,7 +233,8 @@ def arg_value(arg: str | None, key: str, default: str,
   """
   value = default
   for name, text in parse_arg(arg):
-    if name == key or (table or {}).get(name) == key:
+    target = (table or {}).get(name)
+    if name == key or target == key or (isinstance(target, tuple) and key in target):
       value = text
   return value
 
@@ -263,6 +267,9 @@ def _unknown_key(key: str, config: ConfigDict,
   if key in RENAMED and RENAMED[key] in valid:
     return ConfigError(f"config key {key!r} is now called {RENAMED[key]!r}; write "
                        f"{RENAMED[key]}=... instead")
+  if key in MOVED_ATTENTION_KEYS and "model.attention.mechanism" in valid:
+    return ConfigError(f"config key {key!r} is now {MOVED_ATTENTION_KEYS[key]!r} (the attention "
+                       f"options live in model.attention)")
   close = difflib.get_close_matches(key, valid + list(table or {}), n=1)
   hint = f" (did you mean {close[0]!r}?)" if close else ""
   short = ", ".join(f"{name} (= {target})" if isinstance(target, str) else name
@@ -364,12 +371,20 @@ def apply_args(config: ConfigDict, pairs: Iterable[tuple[str, str]],
   function. An unknown key raises ConfigError naming the shortcuts and the valid keys.
   """
   for key, text in pairs:
-    target = (table or {}).get(key, key)
+    target = shortcut_target(config, (table or {}).get(key, key))
     if callable(target):
       target(config, text)
     else:
       set_value(config, target, text, table)
   return config
+
+
+def shortcut_target(config: ConfigDict, target: Shortcut) -> Shortcut:
+  """A shortcut's target in `config`: the first key of a tuple that the config has."""
+  if isinstance(target, tuple):
+    have = flatten(config)
+    return next((key for key in target if key in have), target[0])
+  return target
 
 
 def apply_overrides(config: ConfigDict, overrides: Mapping[str, Any]) -> ConfigDict:
@@ -527,7 +542,8 @@ def validate(config: ConfigDict) -> None:
   model = config.get("model")
   if isinstance(model, ConfigDict) and "dtype" in model:
     check_choice("model.dtype", model.dtype, DTYPES, "dtypes")
-  _validate_mechanism(model, config.task)
+  if isinstance(model, ConfigDict) and isinstance(model.get("attention"), ConfigDict):
+    validate_attention_tree(model, config.task)
 
 
 def _validate_lengths(data: ConfigDict | None) -> None:
@@ -548,13 +564,11 @@ def _validate_lengths(data: ConfigDict | None) -> None:
 
 
 def _validate_attention(model: ConfigDict | None) -> None:
-  """Checks model.score and model.implementation, where the model has them.
-
-  The one check of these names: models and layers take them as given (a bad name passed to them
-  directly still fails in attnlab.attention, naming the valid ones).
-  """
-  if not isinstance(model, ConfigDict) or ("score" not in model
-                                           and "implementation" not in model):
+  """Checks the RNN family's model.score and model.implementation (the Transformer families'
+  attention subtree: validate_attention_tree)."""
+  if not isinstance(model, ConfigDict) or isinstance(model.get("attention"), ConfigDict):
+    return
+  if "score" not in model and "implementation" not in model:
     return
   # Imported here: reading a config file stays free of JAX.
   from attnlab.attention import core  # pylint: disable=g-import-not-at-top
@@ -584,66 +598,31 @@ _TASK_MODELS = {"causal_lm": "GPT (causal)", "masked_lm": "BERT (bidirectional)"
                 "translation": "the Transformer (a causal decoder)"}
 
 
-def _validate_mechanism(model: ConfigDict | None, task: str) -> None:
-  """Checks the attention options (ATTENTION_DEFAULTS, model.position) where the model has them:
-  the names against attnlab.attention's registries, and the combinations against what the
-  mechanism's registry entry supports. One line says what to change."""
-  if not isinstance(model, ConfigDict) or "mechanism" not in model:
-    return
-  # Imported here: reading a config file stays free of JAX.
-  from attnlab.attention import normalizers  # pylint: disable=g-import-not-at-top
-  from attnlab.attention import positions  # pylint: disable=g-import-not-at-top
-  from attnlab.attention import registry  # pylint: disable=g-import-not-at-top
-  from attnlab.layers import POSITIONS  # pylint: disable=g-import-not-at-top
-  opt = {key: model.get(key, default) for key, default in ATTENTION_DEFAULTS.items()}
-  name, normalizer = opt["mechanism"], opt["normalizer"]
-  check_choice("model.mechanism", name, registry.MECHANISMS, "mechanisms")
-  check_choice("model.normalizer", normalizer, normalizers.NORMALIZERS, "normalizers")
+def validate_attention_tree(model: ConfigDict, task: str) -> None:
+  """Checks `model.attention` (and model.position's bias) with attnlab.attention.registry's one
+  validation; ConfigError with one line saying what to change."""
+  # pylint: disable=g-import-not-at-top
+  from attnlab.attention import config as attention_lib
+  from attnlab.attention import positions
   position = model.get("position")
-  if position is not None:
-    check_choice("model.position", position, POSITIONS + positions.POSITION_BIASES, "positions")
-  for key in ("num_kv_heads", "window", "num_features", "linformer_k", "sparse_block"):
-    if opt[key] < 0:
-      raise ConfigError(f"model.{key} must be >= 0 (0: the default), got {opt[key]}")
-  if opt["topk"] < 1:
-    raise ConfigError(f"model.topk must be >= 1 (keys kept per query), got {opt['topk']}")
-  heads, kv = model.get("num_heads", 0), opt["num_kv_heads"]
-  if heads and kv and heads % kv:
-    raise ConfigError(f"model.num_kv_heads={kv} must divide model.num_heads={heads} "
-                      f"(0: num_heads, 1: multi-query)")
-  implementation = model.get("implementation", "auto")
-  if (normalizer != "softmax" or opt["talking_heads"]) and implementation not in (
-      "auto", "reference"):
-    what = "talking_heads" if opt["talking_heads"] else f"model.normalizer={normalizer}"
-    raise ConfigError(f"{what} runs on the reference path; set model.implementation=auto or "
-                      f"reference (not {implementation})")
-  supports = registry.get_mechanism(name).supports
-  mech = f"model.mechanism={name}"
-  for direction in TASK_DIRECTIONS.get(task, ()):
-    if not getattr(supports, direction):
-      raise ConfigError(f"{mech} is not defined for {direction} attention, which "
-                        f"{_TASK_MODELS[task]} needs; valid mechanisms here: " + ", ".join(
-                            n for n, m in registry.MECHANISMS.items()
-                            if all(getattr(m.supports, d) for d in TASK_DIRECTIONS[task])))
-  from attnlab.layers.attention import forms_scores  # pylint: disable=g-import-not-at-top
-  if opt["talking_heads"] and not forms_scores(registry.get_mechanism(name)):
-    raise ConfigError(f"talking heads mix the score matrix, which {mech} never forms; use "
-                      f"mechanism=full or talking_heads=False")
-  if position in positions.POSITION_BIASES and not supports.bias:
-    raise ConfigError(f"model.position={position} adds a bias to the scores, which {mech} never "
-                      f"forms; use position=rotary (or learned, sinusoidal) with it")
-  # The defaults (softmax, scaled_dot) always pass: a mechanism with its own similarity or
-  # normalisation (linear) lists none and runs its own.
-  if normalizer != "softmax" and normalizer not in supports.normalizers:
-    raise ConfigError(f"{mech} runs the normalizers {', '.join(supports.normalizers) or 'of its own'}"
-                      f", not {normalizer!r}; use model.normalizer=softmax or mechanism=full")
-  score = model.get("score", "scaled_dot")
-  if score != "scaled_dot" and score not in supports.scores:
-    raise ConfigError(f"{mech} composes with the scores {', '.join(supports.scores) or 'of its own'}"
-                      f", not {score!r}; use model.score=scaled_dot or mechanism=full")
-  if model.get("attention_dropout_rate", 0.0) > 0 and not supports.weights:
-    raise ConfigError(f"attention dropout drops attention weights, which {mech} never forms; "
-                      f"set model.attention_dropout_rate=0")
+  try:
+    attention_lib.validate_tree(
+        model.attention, directions=TASK_DIRECTIONS.get(task, ()),
+        num_heads=model.get("num_heads", 0), position_bias=position in positions.POSITION_BIASES,
+        attention_dropout=model.get("attention_dropout_rate", 0.0) > 0,
+        where=_TASK_MODELS.get(task, ""))
+  except ConfigError:
+    raise
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f"model.attention: {e}") from None
+
+
+def add_attention(model: ConfigDict, arg: str | None) -> None:
+  """Adds the attention subtree of the Transformer families to `config.model`
+  (attnlab.attention.config: every registered mechanism's options, after importing the plugins
+  `arg` names in model.attention.plugins)."""
+  from attnlab.attention import config as attention_lib  # pylint: disable=g-import-not-at-top
+  model.attention = attention_lib.config_tree(arg_value(arg, "model.attention.plugins", ""))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -833,6 +812,20 @@ def run_defaults(data: Mapping[str, Any]) -> dict[str, Any]:
   return _merge(defaults, found) if found is not None else defaults
 
 
+# The flat attention keys of the Transformer families before model.attention existed (older
+# runs' config.json read through attention.config.migrate_flat_keys): for the error's hint.
+MOVED_ATTENTION_KEYS: dict[str, str] = {
+    "model.mechanism": "model.attention.mechanism", "model.score": "model.attention.score",
+    "model.implementation": "model.attention.implementation",
+    "model.normalizer": "model.attention.normalizer", "model.topk": "model.attention.topk",
+    "model.num_kv_heads": "model.attention.num_kv_heads",
+    "model.talking_heads": "model.attention.talking_heads",
+    "model.window": "model.attention.sliding_window.window",
+    "model.num_features": "model.attention.performer.num_features",
+    "model.linformer_k": "model.attention.linformer.projected_len",
+    "model.sparse_block": "model.attention.bigbird.block (or sliding_window.block)"}
+
+
 # Config keys renamed after runs existed: old key -> current key. A config.json holding an old key
 # reads with the current one (`from_jsonable`); an old key in an arg or flag gets one line naming
 # the current key.
@@ -869,43 +862,21 @@ def rename_old_keys(data: Mapping[str, Any]) -> dict[str, Any]:
       value = group.pop(leaf)
       target, new_leaf = group_of(new, create=True)
       target.setdefault(new_leaf, value)
+  model = out.get("model")
+  if isinstance(model, dict) and _transformer_family(out):
+    # Version 1 -> 2: the flat attention keys (model.mechanism, model.window, ...) move into
+    # model.attention (attnlab.attention.config).
+    from attnlab.attention import config as attention_lib  # pylint: disable=g-import-not-at-top
+    attention_lib.migrate_flat_keys(model)
   return out
 
 
-# The attention options of the Transformer families (GPT, BERT, Transformer), each one config key
-# `model.<name>`, with the value that means "as before they existed" (older runs lack the keys).
-ATTENTION_DEFAULTS: dict[str, Any] = {"num_kv_heads": 0, "talking_heads": False,
-                                      "normalizer": "softmax", "topk": 8, "mechanism": "full",
-                                      "window": 0, "num_features": 0, "linformer_k": 0,
-                                      "sparse_block": 0}
-
-def add_attention_options(model: ConfigDict) -> None:
-  """Adds the attention options every Transformer family shares to `config.model` (their defaults
-  are ATTENTION_DEFAULTS: today's multi-head softmax attention over every key)."""
-  # Key/value heads (grouped-query attention, Ainslie et al. 2023): 0 = num_heads (multi-head),
-  # 1 = multi-query (Shazeer 2019); must divide num_heads.
-  model.num_kv_heads = ATTENTION_DEFAULTS["num_kv_heads"]
-  # Talking-heads attention (Shazeer et al. 2020): learned [heads, heads] mixes of the logits
-  # before the normaliser and of the weights after it (reference attention path).
-  model.talking_heads = ATTENTION_DEFAULTS["talking_heads"]
-  # How scores become weights: softmax, softmax_sink (a learned sink logit per head), sigmoid
-  # (Ramapuram et al. 2024), sparsemax (Martins & Astudillo 2016), topk (Zhao et al. 2019).
-  model.normalizer = ATTENTION_DEFAULTS["normalizer"]
-  # Keys kept per query by normalizer=topk.
-  model.topk = ATTENTION_DEFAULTS["topk"]
-  # Self-attention mechanism: full (the score matrix), linear (Katharopoulos et al. 2020),
-  # performer (Choromanski et al. 2021), linformer (Wang et al. 2020; not causal),
-  # sliding_window, bigbird (Zaheer et al. 2020) (attnlab.attention.registry).
-  model.mechanism = ATTENTION_DEFAULTS["mechanism"]
-  # sliding_window: keys each side of a query (0: its default, 64).
-  model.window = ATTENTION_DEFAULTS["window"]
-  # bigbird: its block size in tokens (window, global and random blocks; 0: its default, 64);
-  # sliding_window: its tile length (0: the window rounded up to a multiple of 8).
-  model.sparse_block = ATTENTION_DEFAULTS["sparse_block"]
-  # performer: random features (0: its default).
-  model.num_features = ATTENTION_DEFAULTS["num_features"]
-  # linformer: projected length of keys and values (0: its default).
-  model.linformer_k = ATTENTION_DEFAULTS["linformer_k"]
+def _transformer_family(data: Mapping[str, Any]) -> bool:
+  """Whether a config (as JSON) is of GPT, BERT, the long-range classifier or the Transformer."""
+  task, model = data.get("task"), data.get("model")
+  if task == "translation":
+    return isinstance(model, Mapping) and model.get("name") == "transformer"
+  return task in TASK_DIRECTIONS
 
 
 # Fields added to base_config after runs existed: absent from an old config.json, they read as these
@@ -914,7 +885,6 @@ ADDED_DEFAULTS: dict[str, Any] = {"num_seeds": 1, "mesh.data": -1, "mesh.fsdp": 
                                   "mesh.fsdp_min_size": 1024, "mesh.cpu_devices": 1,
                                   "optimizer.decay": "all", "eval_batches": 0,
                                   "model.dtype": "float32",
-                                  **{f"model.{k}": v for k, v in ATTENTION_DEFAULTS.items()},
                                   # BERT's (GPT and the Transformer always had the key).
                                   "model.position": "learned", "data.vocab_corpus": "",
                                   # IMDB held-out sentences seen in training were kept before.

@@ -17,7 +17,8 @@ the command completes an interrupted sweep. At the end DIR/summary.csv and DIR/s
 row per setting with the final metrics as mean ± std (sample std, ddof=1) over the `seed` values.
 
 An axis is named by its config key or, as in the config arg, by a shared shortcut of it
-(config_utils.SHORTCUTS: `--sweep=score=dot,cosine` is model.score, in DIR/model.score=dot,...).
+(config_utils.SHORTCUTS: `--sweep=score=dot,cosine` is model.attention.score in a GPT config,
+in DIR/model.attention.score=dot,...).
 A sweep file (configs/sweeps/*.py) defines `get_sweep()` returning {"config": "path.py[:args]"
 (relative to the sweep file), "axes": {key: [values]}}; --config and --sweep flags add to it.
 With --parallel=N the members run as N concurrent subprocesses (logs in each member's log.txt);
@@ -196,8 +197,9 @@ def prepare(config: ConfigSpec | None = None, axes: Axes | None = None, *,
     if not isinstance(values, (str, Sequence)):
       raise UserError(f"sweep axis {key!r}: give a list of values or 'value1,value2' text, got "
                       f"{values!r}")
-    if config_utils.SHORTCUTS.get(key) in fields:
-      key = config_utils.SHORTCUTS[key]
+    if key in config_utils.SHORTCUTS:
+      target = config_utils.shortcut_target(base, config_utils.SHORTCUTS[key])
+      key = target if target in fields else key
     swept[key] = parse_axis(key, values, base) if isinstance(values, str) else list(values)
   if seeds is not None:
     if SEED_KEY in swept:

@@ -9,7 +9,8 @@ the names every config file uses):
                            seconds on a CPU, the runlocal default;
                            base = BERT-base 12x768, 12 heads, mlp 3072, model.max_len 512, for a
                            GPU): sets model.num_layers, d_model, num_heads, mlp_dim (and max_len)
-  score=NAME               = model.score (dot, scaled_dot, cosine, general, additive, location)
+  score=NAME               = model.attention.score (dot, scaled_dot, cosine, general, ...)
+  mechanism=NAME           = model.attention.mechanism (full, linear, performer, linformer, ...)
   pretrained=DIR           (finetune) start from the encoder of run DIR, e.g. a checkpoint imported
                            with `attnlab import-hf`: sets init_from=DIR and copies DIR's encoder
                            fields (model.*) and tokenizer fields (data.*) so that they match
@@ -45,11 +46,9 @@ MODES = {"pretrain": "masked_lm", "finetune": "classification"}
 SIZES = models.SIZES["bert"]
 # Fields that `pretrained=DIR` copies from DIR/config.json (when DIR's config has them).
 PRETRAINED_FIELDS = ("model.num_layers", "model.d_model", "model.num_heads", "model.mlp_dim",
-                     "model.max_len", "model.score", "model.activation", "model.norm_position",
+                     "model.max_len", "model.activation", "model.norm_position",
                      "model.layer_norm_epsilon", "model.type_vocab_size", "model.position",
-                     "model.num_kv_heads", "model.talking_heads", "model.normalizer",
-                     "model.topk", "model.mechanism", "model.window", "model.num_features",
-                     "model.linformer_k", "model.sparse_block", "data.corpus", "data.vocab_corpus",
+                     "model.attention", "data.corpus", "data.vocab_corpus",
                      "data.vocab_size", "data.max_documents", "data.max_extra_sentences",
                      "data.tokenizer_dir", "data.tokenizer", "data.tokenizer_path")
 
@@ -69,7 +68,9 @@ def _pretrained_fields(workdir: str) -> dict:
   if stored.get("task") != "masked_lm":
     raise ConfigError(f"pretrained={workdir} is a {stored.get('task')!r} run; a masked_lm run "
                       f"(BERT pretraining or import) is needed")
-  return {key: stored[key] for key in PRETRAINED_FIELDS if key in stored}
+  # A group of PRETRAINED_FIELDS (model.attention) copies all of its fields.
+  return {key: value for key, value in stored.items()
+          if any(key == f or key.startswith(f + ".") for f in PRETRAINED_FIELDS)}
 
 
 def _set_mode(config, mode: str) -> None:
@@ -89,16 +90,21 @@ def _set_pretrained(config, workdir: str) -> None:
     raise ConfigError("pretrained=DIR goes with mode=finetune")
   config.init_from = workdir
   for key, value in _pretrained_fields(workdir).items():
-    section, field = key.split(".")
-    config[section][field] = value  # adds the fields an imported run has
+    *groups, field = key.split(".")
+    node = config
+    for group in groups:
+      if group not in node:
+        node[group] = config_utils.ConfigDict()
+      node = node[group]
+    node[field] = value  # adds the fields an imported run has
   config.data.max_len = min(config.data.max_len, config.model.max_len)
 
 
 # Short arg keys (config_utils.shortcut_table; `score` and `size` mean what they mean in every
 # config file). Under runlocal=True, finalize applies them again after the runlocal overrides, so
 # a pretrained run's fields win over those.
-SHORTCUTS = config_utils.shortcut_table("score", mode=_set_mode, size=_set_size,
-                                        pretrained=_set_pretrained)
+SHORTCUTS = config_utils.shortcut_table("score", "implementation", "mechanism", mode=_set_mode,
+                                        size=_set_size, pretrained=_set_pretrained)
 
 
 def get_config(arg: str | None = None):
@@ -147,10 +153,6 @@ def get_config(arg: str | None = None):
   model.dropout_rate = 0.1
   # Dropout on the attention weights (runs the reference attention path while training).
   model.attention_dropout_rate = 0.1
-  # Attention score name (attnlab.attention.scores.SCORE_FNS).
-  model.score = "scaled_dot"
-  # attend() implementation: auto, reference, xla, blocked.
-  model.implementation = "auto"
   # MLP activation: gelu (BERT), gelu_tanh, relu.
   model.activation = "gelu"
   # LayerNorm placement: post (BERT) or pre.
@@ -161,8 +163,9 @@ def get_config(arg: str | None = None):
   # Position encoding: learned (BERT), sinusoidal, rotary, none, alibi (Press et al. 2022) or
   # t5_bias (Raffel et al. 2020; one table shared by the layers).
   model.position = "learned"
-  # Attention options (GQA/MQA, talking heads, normaliser, mechanism): config_utils.
-  config_utils.add_attention_options(model)
+  # The attention, one subtree (attnlab.attention.config): mechanism and its options, score,
+  # implementation, normaliser, kv heads (GQA/MQA), talking heads, plugins.
+  config_utils.add_attention(model, arg)
 
   data = config.data
   # TFDS data dir of the prepared datasets ("" = $TFDS_DATA_DIR or ~/tensorflow_datasets).

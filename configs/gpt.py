@@ -23,8 +23,9 @@ Shortcuts in the arg (besides any field; the same names as in the other config f
   size=nano|small|tiny|gpt2       = model.size (gpt2 = GPT-2 small, 124M: 12 layers, 12 heads,
                                   768 dims, block 1024, learned positions, vocabulary padded to a
                                   multiple of 64, nanoGPT's train_gpt2 optimizer recipe)
-  score=NAME                      = model.score (dot, scaled_dot, cosine, general, additive, ...)
-  implementation=NAME             = model.implementation (auto, reference, xla, blocked, cudnn)
+  score=NAME                      = model.attention.score (dot, scaled_dot, cosine, general, ...)
+  implementation=NAME             = model.attention.implementation (auto, reference, xla, ...)
+  mechanism=NAME                  = model.attention.mechanism (full, linear, performer, ...)
   dataset=NAME, or task=NAME      = data.name (tiny_shakespeare, addition, synthetic_tokens)
   tokenizer=char|subword          = data.tokenizer
 Tiny Shakespeare is read from data.manual_dir, else $ATTNLAB_DATA_DIR/tinyshakespeare/, else
@@ -35,8 +36,8 @@ of them, token-id "text") for throughput measurements without a corpus.
 from attnlab import config_utils
 
 # Short arg keys (config_utils.SHORTCUTS: one meaning in every config file).
-SHORTCUTS = config_utils.shortcut_table("size", "score", "implementation", "dataset", "task",
-                                        "tokenizer")
+SHORTCUTS = config_utils.shortcut_table("size", "score", "implementation", "mechanism",
+                                        "dataset", "task", "tokenizer")
 
 
 def get_config(arg: str | None = None):
@@ -88,10 +89,6 @@ def get_config(arg: str | None = None):
   config.model.block_size = 0
   # MLP hidden size as a multiple of d_model.
   config.model.mlp_ratio = 4
-  # Attention score: scaled_dot, dot, cosine, general, additive, location.
-  config.model.score = "scaled_dot"
-  # Attention implementation: auto, reference, xla, blocked (weights are computed only for plots).
-  config.model.implementation = "auto"
   # Position encoding: learned, sinusoidal, rotary (queries and keys rotated in attention), none,
   # alibi (Press et al. 2022) or t5_bias (Raffel et al. 2020; one table shared by the layers):
   # the last two are biases on the scores that extrapolate past block_size.
@@ -101,8 +98,9 @@ def get_config(arg: str | None = None):
   # Compute dtype: float32, bfloat16 or float16 (loss-scaled); parameters, softmax, layer-norm
   # statistics and losses stay float32 (attnlab/precision.py).
   config.model.dtype = "float32"
-  # Attention options (GQA/MQA, talking heads, normaliser, mechanism): config_utils.
-  config_utils.add_attention_options(config.model)
+  # The attention, one subtree (attnlab.attention.config): mechanism and its options, score,
+  # implementation, normaliser, kv heads (GQA/MQA), talking heads, plugins.
+  config_utils.add_attention(config.model, arg)
   # MLP activation: gelu_tanh (fast on CPU), gelu (exact), relu.
   config.model.activation = "gelu_tanh"
   # Biases in Dense layers and LayerNorms.

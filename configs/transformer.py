@@ -16,8 +16,9 @@ Per-layer, per-head attention grids of a sentence pair:
 Shortcuts in the arg (besides any field; the same names as in the other config files):
   task=NAME, or dataset=NAME      = data.name (dates, marathi, reverse, copy)
   size=tiny|small|medium|base     = model.size
-  score=NAME                      = model.score (dot, scaled_dot, cosine, general, additive, ...)
-  implementation=NAME             = model.implementation (auto, reference, xla, blocked, cudnn)
+  score=NAME                      = model.attention.score (dot, scaled_dot, cosine, general, ...)
+  implementation=NAME             = model.attention.implementation (auto, reference, xla, ...)
+  mechanism=NAME                  = model.attention.mechanism (full, linear, performer, ...)
 
 The dataset is chosen in the arg (`task=marathi`, `dataset=marathi` or `data.name=marathi`): it
 picks that dataset's data settings, the same as configs/seq2seq.py's (both come from
@@ -28,7 +29,8 @@ this file's model and training defaults for that dataset, then the other keys of
 from attnlab import config_utils
 
 # Short arg keys (config_utils.SHORTCUTS: one meaning in every config file).
-SHORTCUTS = config_utils.shortcut_table("task", "dataset", "size", "score", "implementation")
+SHORTCUTS = config_utils.shortcut_table("task", "dataset", "size", "score", "implementation",
+                                        "mechanism")
 
 # data.name -> {key: value} applied over the defaults below before the arg.
 PRESETS = {
@@ -91,16 +93,13 @@ def get_config(arg: str | None = None):
   config.model.d_model = 0
   # Hidden size of the position-wise MLPs (0: from size).
   config.model.mlp_dim = 0
-  # Score function of every attention layer: dot, scaled_dot, cosine, general, additive, location.
-  config.model.score = "scaled_dot"
-  # attend() implementation: auto, reference, xla, blocked (the last two for dot/scaled_dot only).
-  config.model.implementation = "auto"
   # Position encoding: sinusoidal, learned, rotary (queries and keys rotated in self-attention),
   # alibi or t5_bias (score biases of the self-attentions; T5: one table per stack, shared by
   # its layers).
   config.model.position = "sinusoidal"
-  # Attention options (GQA/MQA, talking heads, normaliser, mechanism): config_utils.
-  config_utils.add_attention_options(config.model)
+  # The attention, one subtree (attnlab.attention.config): mechanism of the self-attentions and
+  # its options, score and normaliser of every attention, implementation, kv heads, plugins.
+  config_utils.add_attention(config.model, arg)
   # none | target (target table = output layer) | all (one table for source, target and output).
   config.model.share_embeddings = "none"
   # LayerNorm placement: pre or post (Vaswani et al.).

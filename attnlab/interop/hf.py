@@ -35,6 +35,7 @@ Export (`export(run_or_dir, out_dir)`): the inverse, writing config.json + model
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -421,7 +422,7 @@ def gpt2_from_params(params: Any, hf: dict[str, Any]) -> dict[str, np.ndarray]:
 def _gpt2_run_config(hf: dict[str, Any]):
   # Every dimension is the checkpoint's; model.vocab_size: the rows of its token table.
   config = _base_config("gpt.py", "", dict(_gpt2_dims(hf), size="tiny", position="learned",
-                                           use_bias=True, score="scaled_dot"))
+                                           use_bias=True))
   config.data.name = "tiny_shakespeare"
   return config
 
@@ -443,11 +444,14 @@ def _gpt2_export_config(config: Any, params: Any) -> dict[str, Any]:
 
 
 def _attention_option_problems(m: Any, name: str) -> list[str]:
-  """The attention options (config_utils.ATTENTION_DEFAULTS) of `m` that differ from plain
-  multi-head softmax attention, which `name` has."""
-  from attnlab.config_utils import ATTENTION_DEFAULTS  # pylint: disable=g-import-not-at-top
-  return [f"model.{key}={m.get(key)} ({name} has plain multi-head softmax attention)"
-          for key, default in ATTENTION_DEFAULTS.items() if m.get(key, default) != default]
+  """The attention options of `m` (its model.attention) that differ from plain multi-head
+  softmax attention with the scaled dot score, which `name` has."""
+  from attnlab import models as models_lib  # pylint: disable=g-import-not-at-top
+  from attnlab.attention.config import AttentionConfig  # pylint: disable=g-import-not-at-top
+  have = dataclasses.asdict(models_lib.attention_config(m))
+  plain = dataclasses.asdict(AttentionConfig())
+  return [f"model.attention.{key}={have[key]} ({name} has plain multi-head softmax attention)"
+          for key in plain if key != "implementation" and have[key] != plain[key]]
 
 
 def _check_gpt_exportable(config: Any) -> None:
@@ -457,12 +461,10 @@ def _check_gpt_exportable(config: Any) -> None:
     problems.append(f"model.position={m.position} (GPT-2 has a learned position table)")
   if not m.use_bias:
     problems.append("model.use_bias=False (GPT-2 has biases)")
-  if m.score != "scaled_dot":
-    problems.append(f"model.score={m.score} (GPT-2 uses scaled_dot)")
   problems += _attention_option_problems(m, "GPT-2")
   if problems:
     raise HFError(f"this GPT run cannot be written as GPT-2: {'; '.join(problems)}; only runs "
-                  f"with position=learned, use_bias=True, score=scaled_dot can")
+                  f"with position=learned, use_bias=True and the default attention can")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -561,7 +563,7 @@ def _bert_run_config(hf: dict[str, Any]):
   model = _bert_dims(hf)
   vocab_size = model.pop("vocab_size")
   config = _base_config("bert.py", "mode=pretrain",
-                        dict(model, score="scaled_dot", norm_position="post"))
+                        dict(model, norm_position="post"))
   config.data.max_len = min(config.data.max_len, model["max_len"])
   config.data.vocab_size = vocab_size
   return config
@@ -588,8 +590,6 @@ def _check_bert_exportable(config: Any) -> None:
   problems = []
   if m.norm_position != "post":
     problems.append(f"model.norm_position={m.norm_position} (BERT is post-LN)")
-  if m.score != "scaled_dot":
-    problems.append(f"model.score={m.score} (BERT uses scaled_dot)")
   if m.get("position", "learned") != "learned":
     problems.append(f"model.position={m.position} (BERT has a learned position table)")
   problems += _attention_option_problems(m, "BERT")

@@ -76,6 +76,7 @@ from attnlab.attention import positional
 from attnlab.attention import positions as positions_lib
 from attnlab.attention import registry
 from attnlab.attention import scores as scores_lib
+from attnlab.attention.config import AttentionConfig
 from attnlab.layers.dense import Dense
 from attnlab.layers.dense import default_kernel_init
 from attnlab.layers.dense import matmul
@@ -165,10 +166,9 @@ class MultiHeadAttention(nn.Module):
   qkv_features: int | None = None
   # Output size; None: the query features.
   out_features: int | None = None
-  # Score function name (attnlab.attention.scores.SCORE_FNS).
-  score: str = "scaled_dot"
-  # attend() implementation: auto, reference, xla (jax.nn.dot_product_attention) or blocked.
-  implementation: str = "auto"
+  # What it computes: mechanism and its options, score, implementation, normaliser, kv heads,
+  # talking heads (attnlab.attention.config; passed whole from the model config).
+  attention: AttentionConfig = AttentionConfig()
   # Dropout on the attention weights (training only; forces the reference path).
   dropout_rate: float = 0.0
   # Whether the projections have biases.
@@ -184,27 +184,8 @@ class MultiHeadAttention(nn.Module):
   rotary: bool = False
   # Initial key strength of the cosine score (None: sqrt(head_dim)).
   cosine_beta: float | None = None
-  # Key/value heads (grouped-query attention); 0 or None: num_heads; 1: multi-query.
-  num_kv_heads: int | None = None
-  # Talking heads: learned [heads, heads] mixes of the logits and of the weights.
-  talking_heads: bool = False
   # Score bias of the self-attention: None, "alibi" or "t5_bias" (attnlab.attention.positions).
   position_bias: str | None = None
-  # Scores -> weights (attnlab.attention.normalizers): softmax, softmax_sink, sigmoid, ...
-  normalizer: str = "softmax"
-  # Keys kept per query by the topk normalizer.
-  topk: int = 8
-  # Attention mechanism (attnlab.attention.registry): full, linear, performer, linformer, ...
-  mechanism: str = "full"
-  # Sliding-window width (keys each side) of the block-sparse mechanisms (0: its default).
-  window: int = 0
-  # Random features of Performer (0: its default).
-  num_features: int = 0
-  # Projected length of Linformer's keys and values (0: its default).
-  linformer_k: int = 0
-  # Block length of the block-sparse mechanisms (bigbird: its block size; sliding_window: its
-  # tile length; 0: the mechanism's default, 64 for bigbird).
-  sparse_block: int = 0
   # Seed of the mechanism's fixed random draws (Performer's features, BigBird's random blocks).
   mechanism_seed: int = 0
   # Initialiser of the query/key/value kernels.
@@ -216,33 +197,27 @@ class MultiHeadAttention(nn.Module):
 
   @property
   def kv_heads(self) -> int:
-    """Number of key/value heads (num_kv_heads, 0/None meaning num_heads)."""
-    kv = self.num_kv_heads or self.num_heads
-    if kv < 1 or self.num_heads % kv:
-      raise ValueError(f"num_kv_heads={self.num_kv_heads} must divide num_heads="
-                       f"{self.num_heads} (1: multi-query, num_heads: multi-head)")
-    return kv
+    """Number of key/value heads (attention.num_kv_heads, 0 meaning num_heads)."""
+    return self.attention.kv_heads(self.num_heads)
 
   def _score_params(self, head_dim: int) -> dict[str, Array] | None:
     """The score's parameters (created on first use), per head."""
-    if self.score == "cosine":
+    if self.attention.score == "cosine":
       beta0 = math.sqrt(head_dim) if self.cosine_beta is None else self.cosine_beta
       return self.param("score_params",
                         lambda rng: {"beta": jnp.full((self.num_heads, 1, 1), beta0, jnp.float32)})
-    if self.score not in scores_lib.PARAMETRIC_SCORES:
+    if self.attention.score not in scores_lib.PARAMETRIC_SCORES:
       return None
-    if self.score == "location" and self.max_len is None:
+    if self.attention.score == "location" and self.max_len is None:
       raise ValueError("the 'location' score needs max_len (the longest key sequence): set "
                        "MultiHeadAttention(max_len=...) / model.max_len in the config")
     return self.param("score_params", lambda rng: scores_lib.init_score_params(
-        self.score, rng, head_dim, head_dim, d_attn=self.d_attn or head_dim,
+        self.attention.score, rng, head_dim, head_dim, d_attn=self.d_attn or head_dim,
         max_len=self.max_len, num_heads=self.num_heads))
 
-  def _mechanism_options(self) -> dict[str, int]:
-    """The mechanism's knobs from the fields (0 = the mechanism's default, left out)."""
-    options = {"window": self.window, "num_features": self.num_features,
-               "linformer_k": self.linformer_k, "block": self.sparse_block}
-    return {**{k: v for k, v in options.items() if v}, "rng_seed": self.mechanism_seed}
+  def _mechanism_options(self) -> dict[str, Any]:
+    """The mechanism's options as keyword arguments, with the seed of its random draws."""
+    return {**self.attention.option_values(), "rng_seed": self.mechanism_seed}
 
   def _position_bias(self, q_len: int, k_len: int, offset: Array | None,
                      t5_table: Array | None) -> Any:
@@ -268,9 +243,9 @@ class MultiHeadAttention(nn.Module):
                      f"{', '.join(POSITION_BIASES)}")
 
   def _normalizer_params(self) -> Any:
-    if self.normalizer == "softmax":
+    if self.attention.normalizer == "softmax":
       return None
-    init = lambda rng: normalizers.init_normalizer_params(self.normalizer, rng, self.num_heads)
+    init = lambda rng: normalizers.init_normalizer_params(self.attention.normalizer, rng, self.num_heads)
     if jax.eval_shape(init, jax.random.key(0)) is None:
       return None
     return self.param("normalizer_params", init)
@@ -308,7 +283,7 @@ class MultiHeadAttention(nn.Module):
     self_attention = inputs_kv is None
     precomputed = isinstance(inputs_kv, Mapping)  # {"key", "value"} from project_kv
     kv_dim = d_model if self_attention or precomputed else inputs_kv.shape[-1]
-    mechanism = registry.get_mechanism(self.mechanism)
+    mechanism = registry.get_mechanism(self.attention.mechanism)
     self._check_mechanism(mechanism, decode and self_attention)
 
     # Projections. Self-attention: one [d, inner + 2 * kv_inner] matmul over the concatenated
@@ -378,7 +353,7 @@ class MultiHeadAttention(nn.Module):
     params = self._score_params(head_dim)
     norm_params = self._normalizer_params()
     need_weights = bool(sow_weights) or dropout
-    if self.talking_heads:
+    if self.attention.talking_heads:
       context, weights = self._talking_heads(qh, kh, vh, params=params, mask=mask, causal=causal,
                                              bias=score_bias, normalizer_params=norm_params)
     else:
@@ -387,9 +362,9 @@ class MultiHeadAttention(nn.Module):
                                            options)
       call = functools.partial(
           mechanism.fn, causal=causal, params=mech_params, return_weights=need_weights,
-          score=self.score, score_params=params, normalizer=self.normalizer,
-          normalizer_params=norm_params, topk=self.topk,
-          implementation="reference" if need_weights else self.implementation, **options)
+          score=self.attention.score, score_params=params, normalizer=self.attention.normalizer,
+          normalizer_params=norm_params, topk=self.attention.topk,
+          implementation="reference" if need_weights else self.attention.implementation, **options)
       if offset is None:
         context, weights = call(qh, kh, vh, mask=mask, bias=score_bias)
       elif qh.shape[2] == 1 or forms_scores(mechanism):
@@ -436,32 +411,20 @@ class MultiHeadAttention(nn.Module):
     return out
 
   def _check_mechanism(self, mechanism: Any, decoding: bool) -> None:
-    """ValueError when this module's options ask what `mechanism` does not support."""
-    supports = mechanism.supports
-    name = f"mechanism {self.mechanism!r}"
-    if decoding and not supports.cache:
-      raise ValueError(f"{name} does not support KV-cache decoding; generate without the cache "
-                       f"(use_cache=False) or use a mechanism that supports it "
-                       f"({', '.join(n for n, m in registry.MECHANISMS.items() if m.supports.cache)})")
-    if self.causal and not supports.causal:
-      raise ValueError(f"{name} is not causal; use it in encoders (BERT, the Transformer's "
-                       f"encoder) only")
-    if not self.causal and not supports.bidirectional:
-      raise ValueError(f"{name} is causal-only; use it in decoders (GPT) only")
-    # The defaults (scaled_dot, softmax) always pass: a mechanism with its own similarity or
-    # normalisation (linear) lists none and runs its own.
-    if self.score != "scaled_dot" and self.score in SCORES and self.score not in supports.scores:
-      raise ValueError(f"{name} supports the scores {', '.join(supports.scores)}, not "
-                       f"{self.score!r}")
-    if self.position_bias is not None and not supports.bias:
-      raise ValueError(f"{name} takes no score bias, so position {self.position_bias!r} cannot "
-                       f"be used with it; use rotary, learned or sinusoidal positions")
-    if self.normalizer != "softmax" and self.normalizer not in supports.normalizers:
-      raise ValueError(f"{name} runs the normalizers {', '.join(supports.normalizers)}, not "
-                       f"{self.normalizer!r}")
-    if self.talking_heads and not forms_scores(mechanism):
-      raise ValueError(f"talking heads mix the score matrix, which {name} never forms; use "
-                       f"mechanism 'full'")
+    """ValueError when this module asks what `mechanism` does not support (registry.validate,
+    the same check the config gets where it is read; plus KV-cache decoding)."""
+    if decoding and not mechanism.supports.cache:
+      raise ValueError(
+          f"mechanism {mechanism.name!r} does not support KV-cache decoding; generate without "
+          f"the cache (use_cache=False) or use a mechanism that supports it "
+          f"({', '.join(n for n, m in registry.MECHANISMS.items() if m.supports.cache)})")
+    try:
+      self.attention.validate(directions=("causal",) if self.causal else ("bidirectional",),
+                              position_bias=self.position_bias is not None,
+                              where="this layer (causal)" if self.causal else
+                              "this layer (bidirectional)")
+    except Exception as e:  # ConfigError: a layer built in code gets a ValueError
+      raise ValueError(str(e)) from e
 
   def _talking_heads(self, q: Array, k: Array, v: Array, *, params: Any, mask: Array | None,
                      causal: bool, bias: Array | None,
@@ -471,7 +434,7 @@ class MultiHeadAttention(nn.Module):
     eye = lambda rng: jnp.eye(self.num_heads, dtype=jnp.float32)
     mix_logits = self.param("talking_heads_logits", eye)  # [heads, heads]
     mix_weights = self.param("talking_heads_weights", eye)  # [heads, heads]
-    logits = scores_lib.get_score_fn(self.score)(q, k, **(params or {}))  # [b, heads, q, k]
+    logits = scores_lib.get_score_fn(self.attention.score)(q, k, **(params or {}))  # [b, heads, q, k]
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     if bias is not None:
       logits = logits + positions_lib.materialize(bias, *logits.shape[-2:])  # [(b,) h, q, k]
@@ -481,11 +444,11 @@ class MultiHeadAttention(nn.Module):
       mask = masks_lib.combine(mask, masks_lib.causal_mask(q_len, k_len, offset=None))
     if mask is not None:
       mask = jnp.broadcast_to(mask, logits.shape)
-    if self.normalizer == "softmax":
+    if self.attention.normalizer == "softmax":
       weights = core.masked_softmax(logits, mask)  # [batch, heads, q_len, k_len]
     else:
-      weights = normalizers.normalize(self.normalizer, logits, mask, params=normalizer_params,
-                                      topk=self.topk)  # [batch, heads, q_len, k_len]
+      weights = normalizers.normalize(self.attention.normalizer, logits, mask, params=normalizer_params,
+                                      topk=self.attention.topk)  # [batch, heads, q_len, k_len]
     weights = mix_heads(weights, mix_weights)  # [batch, heads, q_len, k_len]
     context = jnp.matmul(weights, v.astype(weights.dtype))  # [batch, heads, q_len, head_dim]
     return context.astype(v.dtype), weights

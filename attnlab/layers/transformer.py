@@ -21,6 +21,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 
+from attnlab.attention.config import AttentionConfig
 from attnlab.layers.attention import MultiHeadAttention
 from attnlab.layers.dense import Dense
 from attnlab.layers.dense import default_kernel_init
@@ -87,10 +88,9 @@ class TransformerBlock(nn.Module):
   dropout_rate: float = 0.0
   # Dropout on the attention weights.
   attention_dropout_rate: float = 0.0
-  # Attention score name (attnlab.attention.scores).
-  score: str = "scaled_dot"
-  # attend() implementation: auto, reference, xla, blocked.
-  implementation: str = "auto"
+  # The attention config, passed whole to the self-attention (the cross-attention takes its
+  # `cross()`: the full mechanism, the rest the same).
+  attention: AttentionConfig = AttentionConfig()
   # Look-ahead mask in the self-attention (decoders).
   causal: bool = False
   # Add a cross-attention branch over `encoded` (encoder-decoder decoders).
@@ -107,27 +107,8 @@ class TransformerBlock(nn.Module):
   max_len: int | None = None
   # Rotary position encoding of the self-attention's queries and keys.
   rotary: bool = False
-  # Key/value heads of every attention (grouped-query; 0 or None: num_heads, 1: multi-query).
-  num_kv_heads: int | None = None
-  # Talking heads (learned mixes across heads of the logits and of the weights).
-  talking_heads: bool = False
   # Score bias of the self-attention: None, "alibi" or "t5_bias".
   position_bias: str | None = None
-  # Scores -> weights of every attention (attnlab.attention.normalizers).
-  normalizer: str = "softmax"
-  # Keys kept per query by the topk normalizer.
-  topk: int = 8
-  # Self-attention mechanism (attnlab.attention.registry); cross-attention is always full.
-  mechanism: str = "full"
-  # Sliding-window width (keys each side; 0: the mechanism's default).
-  window: int = 0
-  # Performer's random features (0: default).
-  num_features: int = 0
-  # Linformer's projected length (0: default).
-  linformer_k: int = 0
-  # Block length of the block-sparse mechanisms (bigbird: its block size; sliding_window: its
-  # tile length; 0: the mechanism's default, 64 for bigbird).
-  sparse_block: int = 0
   # Seed of the mechanism's fixed random draws.
   mechanism_seed: int = 0
   # Initialiser of the input kernels (q/k/v, first MLP layer).
@@ -138,17 +119,14 @@ class TransformerBlock(nn.Module):
   dtype: Any = None
 
   def _attention(self, name: str, causal: bool, self_attention: bool) -> MultiHeadAttention:
-    own = dict(position_bias=self.position_bias, mechanism=self.mechanism, window=self.window,
-               num_features=self.num_features, linformer_k=self.linformer_k,
-               sparse_block=self.sparse_block,
+    own = dict(position_bias=self.position_bias,
                mechanism_seed=self.mechanism_seed) if self_attention else {}
     return MultiHeadAttention(
-        num_heads=self.num_heads, score=self.score, implementation=self.implementation,
+        num_heads=self.num_heads,
+        attention=self.attention if self_attention else self.attention.cross(),
         dropout_rate=self.attention_dropout_rate, use_bias=self.use_bias, causal=causal,
-        max_len=self.max_len, rotary=self.rotary, num_kv_heads=self.num_kv_heads,
-        talking_heads=self.talking_heads, normalizer=self.normalizer, topk=self.topk,
-        kernel_init=self.kernel_init, out_kernel_init=self.out_kernel_init, dtype=self.dtype,
-        name=name, **own)
+        max_len=self.max_len, rotary=self.rotary, kernel_init=self.kernel_init,
+        out_kernel_init=self.out_kernel_init, dtype=self.dtype, name=name, **own)
 
   def _norm(self, name: str) -> LayerNorm:
     return LayerNorm(epsilon=self.layer_norm_epsilon, use_bias=self.use_bias, dtype=self.dtype,

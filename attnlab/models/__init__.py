@@ -106,13 +106,20 @@ def shared_fields(module: Any, base: type) -> dict[str, Any]:
           if f.name not in ("parent", "name")}
 
 
-def attention_options(model_config: Any) -> dict[str, Any]:
-  """The attention options of a `config.model` (config_utils.ATTENTION_DEFAULTS: num_kv_heads,
-  talking_heads, normalizer, topk, mechanism, window, num_features, linformer_k, sparse_block)
-  as keyword arguments of the models and TransformerBlock; keys an older run's config lacks take
-  their defaults."""
-  from attnlab.config_utils import ATTENTION_DEFAULTS  # pylint: disable=g-import-not-at-top
-  return {key: model_config.get(key, default) for key, default in ATTENTION_DEFAULTS.items()}
+def attention_config(model_config: Any) -> Any:
+  """The AttentionConfig of a `config.model` (its `attention` subtree, read once; the models hand
+  it whole to their blocks). Absent fields take their defaults."""
+  from attnlab.attention import config as attention_lib  # pylint: disable=g-import-not-at-top
+  return attention_lib.from_config(model_config.get("attention"))
+
+
+def score_name(model_config: Any) -> str:
+  """The score of a `config.model`: the Transformer families' `attention.score`, the RNN's
+  `score`."""
+  attention = model_config.get("attention")
+  if not isinstance(attention, str) and hasattr(attention, "get"):
+    return attention.get("score", "scaled_dot")
+  return model_config.get("score", "scaled_dot")
 
 
 def count_params(params: Any) -> int:

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from attnlab import models as models_lib
 from attnlab import precision
+from attnlab.attention.config import AttentionConfig
 from attnlab.errors import ConfigError
 from attnlab.attention import masks as masks_lib
 from attnlab.layers import Dense
@@ -66,10 +67,8 @@ class BertHyperparameters(nn.Module):
   dropout_rate: float = 0.1
   # Dropout on the attention weights (training only; forces the reference attention path).
   attention_dropout_rate: float = 0.0
-  # Attention score name (attnlab.attention.scores).
-  score: str = "scaled_dot"
-  # attend() implementation: auto, reference, xla, blocked.
-  implementation: str = "auto"
+  # The attention config, handed whole to every block (attnlab.attention.config).
+  attention: AttentionConfig = AttentionConfig()
   # MLP activation: gelu (BERT), gelu_tanh, relu.
   activation: str = "gelu"
   # LayerNorm placement in the blocks: post (BERT) or pre.
@@ -80,25 +79,6 @@ class BertHyperparameters(nn.Module):
   type_vocab_size: int = NUM_SEGMENTS
   # Position encoding: learned (BERT), sinusoidal, rotary, none, alibi, t5_bias.
   position: str = "learned"
-  # Key/value heads (grouped-query attention; 0: num_heads, 1: multi-query).
-  num_kv_heads: int = 0
-  # Talking heads (learned mixes across heads of the logits and of the weights).
-  talking_heads: bool = False
-  # Scores -> weights (attnlab.attention.normalizers).
-  normalizer: str = "softmax"
-  # Keys kept per query by the topk normalizer.
-  topk: int = 8
-  # Self-attention mechanism (attnlab.attention.registry).
-  mechanism: str = "full"
-  # Sliding-window width (keys each side; 0: the mechanism's default).
-  window: int = 0
-  # Performer's random features (0: default).
-  num_features: int = 0
-  # Linformer's projected length (0: default).
-  linformer_k: int = 0
-  # Block length of the block-sparse mechanisms (bigbird: its block size; sliding_window: its
-  # tile length; 0: the mechanism's default, 64 for bigbird).
-  sparse_block: int = 0
   # Compute dtype (None: float32).
   dtype: Any = None
 
@@ -124,15 +104,11 @@ class BertEncoder(BertHyperparameters):
     self.blocks = [
         TransformerBlock(
             num_heads=self.num_heads, mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
-            attention_dropout_rate=self.attention_dropout_rate, score=self.score,
-            implementation=self.implementation, causal=False, norm_position=self.norm_position,
+            attention_dropout_rate=self.attention_dropout_rate, attention=self.attention,
+            causal=False, norm_position=self.norm_position,
             activation=self.activation, use_bias=True,
             layer_norm_epsilon=self.layer_norm_epsilon, max_len=self.max_len,
             rotary=self.position == "rotary", position_bias=bias,
-            num_kv_heads=self.num_kv_heads, talking_heads=self.talking_heads,
-            normalizer=self.normalizer, topk=self.topk, mechanism=self.mechanism,
-            window=self.window, num_features=self.num_features, linformer_k=self.linformer_k,
-            sparse_block=self.sparse_block,
             mechanism_seed=i, dtype=self.dtype, name=f"block_{i}")
         for i in range(self.num_layers)]
     # A pre-LN stack needs a final LayerNorm; a post-LN one ends normalised already.
@@ -261,15 +237,17 @@ def config_kwargs(config: Any, vocab_size: int) -> dict[str, Any]:
   if config.data.max_len < 8:
     raise ConfigError(f"data.max_len must be >= 8, got {config.data.max_len}")
   fields = ("num_layers", "d_model", "num_heads", "mlp_dim", "max_len", "dropout_rate",
-            "attention_dropout_rate", "score", "implementation", "activation", "norm_position")
+            "attention_dropout_rate", "activation", "norm_position")
   position = m.get("position", "learned")
   models_lib.check_choices({"position": position},
                            {"position": POSITIONS + POSITION_BIASES})
-  if m.get("num_kv_heads", 0) and m.num_heads % m.num_kv_heads:
-    raise ConfigError(f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads="
-                      f"{m.num_heads} (0: num_heads, 1: multi-query)")
+  attention = models_lib.attention_config(m)
+  try:
+    attention.kv_heads(m.num_heads)
+  except ValueError as e:
+    raise ConfigError(f"model.attention: {e}") from None
   return dict(vocab_size=vocab_size, **{key: m[key] for key in fields}, position=position,
-              **models_lib.attention_options(m),
+              attention=attention,
               # Written by attnlab import-hf; absent from older configs (BERT's values).
               layer_norm_epsilon=m.get("layer_norm_epsilon", 1e-12),
               type_vocab_size=m.get("type_vocab_size", NUM_SEGMENTS),

@@ -4,13 +4,12 @@ Model: token + position embeddings -> `num_layers` pre-LN causal TransformerBloc
 LayerNorm -> logits through the transposed token table (the LM head is tied to the embedding).
 Residual-output kernels start at std 0.02 / sqrt(2 * num_layers) (GPT-2).
 
-Attention options (config keys of the same names, checked by config_utils.validate):
-`position` alibi / t5_bias add a bias to the scores instead of a position table (T5's table is one
-`t5_bias` parameter shared by the layers), so the model runs at lengths past block_size;
-`num_kv_heads` (grouped-query / multi-query), `talking_heads`, `normalizer` (+ `topk`) and
-`mechanism` (+ `window`, `num_features`, `linformer_k`, `sparse_block`) go to every block's
-attention (attnlab.layers.MultiHeadAttention), which asks attnlab.attention.registry what a
-mechanism supports.
+Attention: `attention` (an attnlab.attention.config.AttentionConfig, the config's
+`model.attention` subtree: mechanism and its options, score, implementation, normaliser, kv
+heads, talking heads) goes whole to every block's MultiHeadAttention, which asks
+attnlab.attention.registry what a mechanism supports. `position` alibi / t5_bias add a bias to
+the scores instead of a position table (T5's table is one `t5_bias` parameter shared by the
+layers), so the model runs at lengths past block_size.
 
 Generation (`generate`) runs through `attnlab.decoding.sample` (temperature 0 = greedy) with a
 step function over one of two states:
@@ -51,6 +50,7 @@ from attnlab import decoding
 from attnlab import models as models_lib
 from attnlab import precision
 from attnlab.errors import ConfigError
+from attnlab.attention.config import AttentionConfig
 from attnlab.layers import Embeddings
 from attnlab.layers import LayerNorm
 from attnlab.layers import POSITION_BIASES
@@ -85,32 +85,11 @@ class GPT(nn.Module):
   dropout_rate: float = 0.0
   # Dropout on the attention weights (training only; forces the reference attention path).
   attention_dropout_rate: float = 0.0
-  # Attention score name (attnlab.attention.scores).
-  score: str = "scaled_dot"
-  # attend() implementation: auto, reference, xla, blocked.
-  implementation: str = "auto"
+  # The attention config, handed whole to every block (attnlab.attention.config).
+  attention: AttentionConfig = AttentionConfig()
   # Position encoding: learned, sinusoidal, rotary, none, alibi, t5_bias (score biases: the
   # model then runs at any length, past block_size).
   position: str = "learned"
-  # Key/value heads (grouped-query attention; 0: num_heads, 1: multi-query).
-  num_kv_heads: int = 0
-  # Talking heads (learned mixes across heads of the logits and of the weights).
-  talking_heads: bool = False
-  # Scores -> weights (attnlab.attention.normalizers).
-  normalizer: str = "softmax"
-  # Keys kept per query by the topk normalizer.
-  topk: int = 8
-  # Self-attention mechanism (attnlab.attention.registry).
-  mechanism: str = "full"
-  # Sliding-window width (keys each side; 0: the mechanism's default).
-  window: int = 0
-  # Performer's random features (0: default).
-  num_features: int = 0
-  # Linformer's projected length (0: default).
-  linformer_k: int = 0
-  # Block length of the block-sparse mechanisms (bigbird: its block size; sliding_window: its
-  # tile length; 0: the mechanism's default, 64 for bigbird).
-  sparse_block: int = 0
   # MLP activation: gelu_tanh, gelu, relu.
   activation: str = "gelu_tanh"
   # Biases in Dense layers and LayerNorms (nanoGPT's recipe: none).
@@ -135,15 +114,10 @@ class GPT(nn.Module):
         TransformerBlock(
             num_heads=self.num_heads, mlp_dim=self.mlp_ratio * self.d_model,
             dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
-            score=self.score, implementation=self.implementation, causal=True,
+            attention=self.attention, causal=True,
             norm_position="pre", activation=self.activation, use_bias=self.use_bias,
             layer_norm_epsilon=self.layer_norm_epsilon, max_len=self.block_size,
-            rotary=self.position == "rotary", position_bias=bias,
-            num_kv_heads=self.num_kv_heads, talking_heads=self.talking_heads,
-            normalizer=self.normalizer, topk=self.topk, mechanism=self.mechanism,
-            window=self.window, num_features=self.num_features, linformer_k=self.linformer_k,
-            sparse_block=self.sparse_block,
-            mechanism_seed=i, kernel_init=init, out_kernel_init=out_init,
+            rotary=self.position == "rotary", position_bias=bias, mechanism_seed=i, kernel_init=init, out_kernel_init=out_init,
             dtype=self.dtype, name=f"block_{i}")
         for i in range(self.num_layers)]
     self.ln_f = LayerNorm(epsilon=self.layer_norm_epsilon, use_bias=self.use_bias, dtype=self.dtype)
@@ -172,16 +146,14 @@ def _init_t5_table(rng: Array, num_buckets: int, num_heads: int) -> Array:
 def check_config(model: GPT) -> None:
   """Raises ValueError (listing the valid choices) for a GPT that cannot be built.
 
-  The score and implementation names are not checked here: config_utils.validate checks them
-  where the config is read.
+  The attention config is checked by attnlab.attention.registry.validate (where the config is
+  read, and again by each attention layer).
   """
   get_activation(model.activation)
   if model.position not in POSITIONS + POSITION_BIASES:
     raise ValueError(f"unknown position encoding {model.position!r}; valid: "
                      f"{', '.join(POSITIONS + POSITION_BIASES)}")
-  if model.num_kv_heads < 0 or model.num_heads % (model.num_kv_heads or model.num_heads):
-    raise ValueError(f"num_kv_heads={model.num_kv_heads} must divide num_heads="
-                     f"{model.num_heads} (0: num_heads, 1: multi-query)")
+  model.attention.kv_heads(model.num_heads)  # ValueError unless num_kv_heads divides num_heads
   for name in ("vocab_size", "num_layers", "num_heads", "d_model", "block_size", "mlp_ratio"):
     if getattr(model, name) < 1:
       raise ValueError(f"{name} must be >= 1, got {getattr(model, name)}")
@@ -202,11 +174,11 @@ def from_config(model_cfg: Any, vocab_size: int) -> GPT:
   is the compute dtype (attnlab.precision).
   """
   dims = models_lib.config_dims("gpt", model_cfg)
-  fields = ("mlp_ratio", "dropout_rate", "attention_dropout_rate", "score", "implementation",
-            "position", "activation", "use_bias")
+  fields = ("mlp_ratio", "dropout_rate", "attention_dropout_rate", "position", "activation",
+            "use_bias")
   try:
     model = GPT(vocab_size=vocab_size, **dims, **{key: model_cfg[key] for key in fields},
-                **models_lib.attention_options(model_cfg),
+                attention=models_lib.attention_config(model_cfg),
                 layer_norm_epsilon=model_cfg.get("layer_norm_epsilon", 1e-5),
                 dtype=precision.compute_dtype(model_cfg, "gpt"))
     check_config(model)
@@ -221,7 +193,7 @@ def from_config(model_cfg: Any, vocab_size: int) -> GPT:
 def supports_cache(model: GPT) -> bool:
   """Whether the model's attention mechanism supports KV-cache decoding (its registry entry)."""
   from attnlab.attention import registry  # pylint: disable=g-import-not-at-top
-  return bool(registry.get_mechanism(model.mechanism).supports.cache)
+  return bool(registry.get_mechanism(model.attention.mechanism).supports.cache)
 
 
 def init_cache(model: GPT, batch_size: int) -> Any:
@@ -353,7 +325,8 @@ def generate(model: GPT, params: Any, prompt: Any, rng: Array, *, num_tokens: in
   if use_cache is None:
     use_cache = supports_cache(model)
   elif use_cache and not supports_cache(model):
-    raise ConfigError(f"mechanism {model.mechanism!r} does not support KV-cache decoding; "
+    raise ConfigError(f"mechanism {model.attention.mechanism!r} does not support KV-cache "
+                      f"decoding; "
                       f"generate without it (use_cache=False, attnlab generate --nouse_cache)")
   prompt, lengths = _prompt_rows(prompt, model.block_size)
   keep = model.block_size // 2 if keep is None else int(keep)

@@ -48,6 +48,7 @@ import numpy as np
 from attnlab import decoding
 from attnlab import models as models_lib
 from attnlab import precision
+from attnlab.attention.config import AttentionConfig
 from attnlab.attention import masks as masks_lib
 from attnlab.layers import Dense
 from attnlab.layers import Embeddings
@@ -90,10 +91,9 @@ class Transformer(nn.Module):
   dropout_rate: float = 0.0
   # Dropout on the attention weights (training only).
   attention_dropout_rate: float = 0.0
-  # Score function name (attnlab.attention.scores.SCORE_FNS) of every attention layer.
-  score: str = "scaled_dot"
-  # attend() implementation: auto, reference, xla or blocked.
-  implementation: str = "auto"
+  # The attention config, handed whole to every block (attnlab.attention.config); its mechanism
+  # runs the encoder and decoder self-attentions, the cross-attentions are full.
+  attention: AttentionConfig = AttentionConfig()
   # Position encoding: sinusoidal, learned, rotary, alibi or t5_bias (self-attention biases; T5:
   # one table for the encoder's layers, one for the decoder's).
   position: str = "sinusoidal"
@@ -109,26 +109,6 @@ class Transformer(nn.Module):
   weights_layer: int = -1
   # Compute dtype (None: float32; parameters stay float32, logits are float32; attnlab.precision).
   dtype: Any = None
-  # Key/value heads of every attention (grouped-query; 0: num_heads, 1: multi-query).
-  num_kv_heads: int = 0
-  # Talking heads in every attention.
-  talking_heads: bool = False
-  # Scores -> weights of every attention (attnlab.attention.normalizers).
-  normalizer: str = "softmax"
-  # Keys kept per query by the topk normalizer.
-  topk: int = 8
-  # Mechanism of the encoder and decoder self-attentions (attnlab.attention.registry);
-  # cross-attention is full.
-  mechanism: str = "full"
-  # Sliding-window width (keys each side; 0: the mechanism's default).
-  window: int = 0
-  # Performer's random features (0: default).
-  num_features: int = 0
-  # Linformer's projected length (0: default).
-  linformer_k: int = 0
-  # Block length of the block-sparse mechanisms (bigbird: its block size; sliding_window: its
-  # tile length; 0: the mechanism's default, 64 for bigbird).
-  sparse_block: int = 0
 
   def setup(self):
     if self.position not in TRANSFORMER_POSITIONS:
@@ -156,14 +136,10 @@ class Transformer(nn.Module):
       self.src_embed = embed(self.src_vocab_size, "src_embed")
       self.tgt_embed = embed(self.tgt_vocab_size, "tgt_embed")
     block = dict(num_heads=self.num_heads, mlp_dim=self.mlp_dim, dropout_rate=self.dropout_rate,
-                 attention_dropout_rate=self.attention_dropout_rate, score=self.score,
-                 implementation=self.implementation, norm_position=self.norm_position,
-                 activation=self.activation, max_len=self.max_len,
-                 rotary=self.position == "rotary", position_bias=bias,
-                 num_kv_heads=self.num_kv_heads, talking_heads=self.talking_heads,
-                 normalizer=self.normalizer, topk=self.topk, mechanism=self.mechanism,
-                 window=self.window, num_features=self.num_features,
-                 linformer_k=self.linformer_k, sparse_block=self.sparse_block, dtype=self.dtype)
+                 attention_dropout_rate=self.attention_dropout_rate, attention=self.attention,
+                 norm_position=self.norm_position, activation=self.activation,
+                 max_len=self.max_len, rotary=self.position == "rotary", position_bias=bias,
+                 dtype=self.dtype)
     self.encoder_layers = [TransformerBlock(**block, mechanism_seed=i, name=f"encoder_layer_{i}")
                            for i in range(self.num_layers)]
     self.decoder_layers = [TransformerBlock(**block, causal=True, cross_attention=True,
@@ -259,7 +235,7 @@ class Transformer(nn.Module):
   def supports_cache(self) -> bool:
     """Whether the self-attention mechanism supports KV-cache decoding (its registry entry)."""
     from attnlab.attention import registry  # pylint: disable=g-import-not-at-top
-    return bool(registry.get_mechanism(self.mechanism).supports.cache)
+    return bool(registry.get_mechanism(self.attention.mechanism).supports.cache)
 
   def encode(self, src: Array, src_lengths: Array) -> dict[str, Any]:
     """The decoding state: cross keys/values per layer, source mask, an empty KV cache (the
@@ -326,7 +302,8 @@ def _init_t5_table(rng: Array, num_buckets: int, num_heads: int) -> Array:
 def make_step_fn(model: Transformer, params: Any, *, use_cache: bool = True):
   """A `step_fn(state, tokens) -> (logits, state, cross weights)` for attnlab.decoding."""
   if use_cache and not model.supports_cache:
-    raise ValueError(f"mechanism {model.mechanism!r} does not support KV-cache decoding; use "
+    raise ValueError(f"mechanism {model.attention.mechanism!r} does not support KV-cache "
+                     f"decoding; use "
                      f"use_cache=False")
   method = Transformer.decode_step if use_cache else Transformer.decode_step_uncached
 
@@ -339,7 +316,8 @@ def init_decode_state(model: Transformer, params: Any, src: Array, src_lengths: 
                       use_cache: bool = True) -> dict[str, Any]:
   """The `state` for make_step_fn(model, params, use_cache=use_cache)."""
   if use_cache and not model.supports_cache:
-    raise ValueError(f"mechanism {model.mechanism!r} does not support KV-cache decoding; use "
+    raise ValueError(f"mechanism {model.attention.mechanism!r} does not support KV-cache "
+                     f"decoding; use "
                      f"use_cache=False")
   method = Transformer.encode if use_cache else Transformer.encode_uncached
   return model.apply({"params": params}, src, src_lengths, method=method)
@@ -373,24 +351,25 @@ def from_config(model_config: Any, src_vocab_size: int, tgt_vocab_size: int,
   models_lib.check_choices(model_config, {"position": TRANSFORMER_POSITIONS,
                                           "share_embeddings": SHARE_EMBEDDINGS,
                                           "norm_position": NORM_POSITIONS})
-  try:  # model.score and model.implementation: checked by config_utils.validate
+  try:  # model.attention: checked by registry.validate where the config is read
     get_activation(model_config.activation)
   except ValueError as e:
     raise ConfigError(f"model: {e}") from None
   if dims["d_model"] % dims["num_heads"]:
     raise ConfigError(f"model.d_model={dims['d_model']} must be divisible by "
                       f"model.num_heads={dims['num_heads']}")
-  attention = models_lib.attention_options(model_config)
-  if attention["num_kv_heads"] and dims["num_heads"] % attention["num_kv_heads"]:
-    raise ConfigError(f"model.num_kv_heads={attention['num_kv_heads']} must divide "
-                      f"model.num_heads={dims['num_heads']} (0: num_heads, 1: multi-query)")
+  attention = models_lib.attention_config(model_config)
+  try:
+    attention.kv_heads(dims["num_heads"])
+  except ValueError as e:
+    raise ConfigError(f"model.attention: {e}") from None
   max_len = model_config.max_len or max(64, 2 * max_src_len + 2)
   if max_len < max_src_len:
     raise ConfigError(f"model.max_len={max_len} is shorter than the longest training source "
                       f"({max_src_len} tokens); raise it or set 0 (automatic)")
-  fields = ("dropout_rate", "attention_dropout_rate", "score", "implementation", "position",
-            "share_embeddings", "norm_position", "activation", "weights_layer")
+  fields = ("dropout_rate", "attention_dropout_rate", "position", "share_embeddings",
+            "norm_position", "activation", "weights_layer")
   return Transformer(src_vocab_size, tgt_vocab_size, **dims, max_len=max_len,
                      num_decoder_layers=model_config.num_decoder_layers or dims["num_layers"],
                      dtype=precision.compute_dtype(model_config, "transformer"),
-                     **{key: model_config[key] for key in fields}, **attention)
+                     **{key: model_config[key] for key in fields}, attention=attention)

@@ -36,6 +36,7 @@ import numpy as np
 
 from attnlab import data as data_lib
 from attnlab import losses as losses_lib
+from attnlab import models as models_lib
 from attnlab.data import hf_tokenizer
 from attnlab.data import pipeline
 from attnlab.data import tokenizers as tok_lib
@@ -336,5 +337,6 @@ class CausalLMTask(Task):
     weights = sown.stack_layers(sown.sown_values(inter))  # [layers, heads, len, len]
     labels = [repr(self.tokenizer.id_to_token(int(i)))[1:-1] for i in ids]
     plt.close(plotting.attention_grid(weights, x_labels=labels, y_labels=labels,
-                                      title=f"GPT self-attention ({self.config.model.score})",
+                                      title=("GPT self-attention "
+                                             f"({models_lib.score_name(self.config.model)})"),
                                       path=workdir / "attention.png"))

@@ -20,6 +20,7 @@ the same vocabulary as the pretrained model.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from typing import Any
 
@@ -31,6 +32,7 @@ import numpy as np
 from attnlab import config_utils
 from attnlab import data as data_lib
 from attnlab import losses
+from attnlab import models as models_lib
 from attnlab.data import assets as assets_lib
 from attnlab.data import pipeline
 from attnlab.errors import ConfigError
@@ -42,12 +44,12 @@ from attnlab.tasks.base import data_location
 from attnlab.tasks.base import ratios
 
 # Model fields that must agree between a pretraining run and the fine-tuning model.
-ENCODER_KEYS = ("num_layers", "d_model", "num_heads", "mlp_dim", "max_len", "score", "activation",
-                "norm_position", "layer_norm_epsilon", "type_vocab_size", "position",
-                *config_utils.ATTENTION_DEFAULTS)
+ENCODER_KEYS = ("num_layers", "d_model", "num_heads", "mlp_dim", "max_len", "activation",
+                "norm_position", "layer_norm_epsilon", "type_vocab_size", "position")
 # Defaults of the encoder keys that older configs lack (a run imported from Hugging Face has them).
 ENCODER_DEFAULTS = {"layer_norm_epsilon": 1e-12, "type_vocab_size": bert.NUM_SEGMENTS,
-                    "position": "learned", **config_utils.ATTENTION_DEFAULTS}
+                    "position": "learned"}
+# model.attention must agree too, but for its implementation (how it runs, not what it computes).
 NUM_CLASSES = 2
 
 
@@ -74,6 +76,11 @@ def pretraining_mismatch(pretrain: ml_collections.ConfigDict,
     a, b = pretrain.model.get(key, default), config.model.get(key, default)
     if a != b:
       diffs.append(f"model.{key}: {a!r} in the pretraining run, {b!r} here")
+  a, b = (dataclasses.asdict(dataclasses.replace(models_lib.attention_config(c.model),
+                                                 implementation="auto")) for c in (pretrain, config))
+  for key in sorted(a):
+    if a[key] != b[key]:
+      diffs.append(f"model.attention.{key}: {a[key]!r} in the pretraining run, {b[key]!r} here")
   a, b = masked_lm.tokenizer_options(pretrain.data), masked_lm.tokenizer_options(config.data)
   for key in sorted(a):
     if a[key] != b[key]:

@@ -16,10 +16,9 @@ Data sizes: `data.size` picks the builder config (runlocal, cpu, paper; imdb_byt
 reviews for cpu and paper, "full"). `data.num_train` / `data.num_eval` use only the first N
 examples (0 = all).
 
-Mechanism: `model.mechanism` ("full" = softmax attention over all pairs; the others from
-attnlab.attention.registry) goes to the encoder with its settings (`model.window`,
-`model.num_features`, `model.linformer_k`, `model.sparse_block`), as in every family
-(models.attention_options).
+Mechanism: `model.attention.mechanism` ("full" = softmax attention over all pairs; the others from
+attnlab.attention.registry) with its options (`model.attention.<mechanism>.*`) goes to the
+encoder whole, as in every family (models.attention_config).
 """
 
 from __future__ import annotations
@@ -57,8 +56,7 @@ SIZES = ("runlocal", "cpu", "paper")
 _BUILDER_CONFIG = {"imdb_bytes": {"runlocal": "runlocal", "cpu": "full", "paper": "full"}}
 # Encoder fields set from config.model (the mechanism's are added where the encoder has them).
 ENCODER_KEYS = ("num_layers", "d_model", "num_heads", "mlp_dim", "dropout_rate",
-                "attention_dropout_rate", "score", "implementation", "activation",
-                "norm_position", "position")
+                "attention_dropout_rate", "activation", "norm_position", "position")
 _LISTOPS_IDS = {token: i + classifier_lib.FIRST_ID for i, token in enumerate(listops_lib.VOCAB)}
 
 
@@ -137,7 +135,7 @@ class LongRangeTask(Task):
     kwargs = {key: model[key] for key in ENCODER_KEYS}
     self.model = classifier_lib.SequenceClassifier(
         vocab_size=self.vocab_size, max_len=self.seq_len, num_classes=self.num_classes,
-        pooling=model.pooling, **kwargs, **models_lib.attention_options(model))
+        pooling=model.pooling, **kwargs, attention=models_lib.attention_config(model))
     self._train: dict[str, np.ndarray] | None = None
     self._eval: list[dict[str, np.ndarray]] | None = None
 

@@ -320,7 +320,7 @@ class TranslationTask(Task):
     """The most source tokens `translate` and `view` take: the padded training width for the
     location score (its positions are learned), else MAX_INPUT_FACTOR x that width, within the
     model's position table (a Transformer's max_len)."""
-    if self.config.model.get("score") == "location":
+    if models.score_name(self.config.model) == "location":
       return self.src_width
     return min(MAX_INPUT_FACTOR * self.src_width,
                getattr(self.model, "max_decode_len", None) or MAX_INPUT_FACTOR * self.src_width)
@@ -337,7 +337,7 @@ class TranslationTask(Task):
     limit = self.max_source_len()
     if len(ids) > limit:
       why = ("its location score has learned positions for the training sources"
-             if self.config.model.get("score") == "location" else
+             if models.score_name(self.config.model) == "location" else
              f"{MAX_INPUT_FACTOR} x the longest training source, {self.src_width}")
       raise ValueError(f"{what} has {len(ids)} source tokens but this model reads at most "
                        f"{limit} ({why}); shorten it or split it into sentences")
