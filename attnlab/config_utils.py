@@ -415,6 +415,12 @@ def finalize(config: ConfigDict, arg: str | None,
     shrunk = {key: min(get_value(config, key), value) for key, value in RUNLOCAL.items()}
     apply_overrides(config, {**shrunk, **(runlocal or {})})
     apply_args(config, pairs, shortcuts)
+  attention = config.get("model", {}).get("attention")
+  if isinstance(attention, ConfigDict) and attention.get("plugins"):
+    # A plugin file is recorded by its absolute path: the run reloads it from anywhere.
+    attention.plugins = ",".join(
+        os.path.abspath(x) if x.endswith(".py") else x
+        for x in (y.strip() for y in attention.plugins.split(",")) if x)
   return config
 
 

@@ -324,7 +324,7 @@ def _attention_extras(next_fun, args, kwargs, context):
     positions = jnp.arange(qh.shape[2])  # [len]
     qh, kh = positional.rotary(qh, positions), positional.rotary(kh, positions)
   score_params = params.get("score_params") or {}
-  scores = scores_lib.get_score_fn(mdl.score)(qh, kh, **score_params)  # [b, heads, q, k]
+  scores = scores_lib.get_score_fn(mdl.attention.score)(qh, kh, **score_params)  # [b, h, q, k]
   weights = mdl.get_variable("intermediates", "attention_weights")[-1]  # [b, heads, q, k]
   context_h = jnp.matmul(weights.astype(jnp.float32), vh)  # [batch, heads, q_len, head_dim]
   for name, value in (("queries", qh), ("keys", kh), ("values", vh), ("scores", scores),

@@ -8,9 +8,9 @@
   python experiments/long_range/run.py --plan     # time a few steps, project the study's time
 
 1. Accuracy: for each task, the sweep runner (attnlab.sweep) trains configs/lra.py at CPU scale
-   (`task=<task>,data.eval_split=test`, then --arg) with `model.mechanism` = each mechanism, each
+   (`task=<task>,data.eval_split=test`, then --arg) with `model.attention.mechanism` = each mechanism, each
    member one run of `--num_seeds` vmapped replicas (seeds 0..N-1), in
-   WORKDIR/accuracy/<task>/model.mechanism=<m>/. Finished members are skipped, so the command can
+   WORKDIR/accuracy/<task>/model.attention.mechanism=<m>/. Finished members are skipped, so the command can
    be run in pieces (stop it any time; run it again). Reported: test accuracy (%) mean ± std
    (ddof=1) over the replicas, beside LRA's published figure for that mechanism where the paper
    has one (its Table 1, as quoted in the issue; LRA's test sets and model sizes differ: see
@@ -20,7 +20,7 @@
    scale: 2 layers, d_model 64; mean pooling so that the sequence has exactly L tokens) at each
    length L of --lengths (--arg applies here too, except num_train_steps, eval_every,
    checkpoint_every and what the table fixes: the task, L and mean pooling), for softmax
-   attention that forms the score matrix (`model.implementation=reference`: LRA's vanilla
+   attention that forms the score matrix (`model.attention.implementation=reference`: LRA's vanilla
    Transformer, the baseline), softmax through
    the blocked online-softmax kernel (`implementation=blocked`), and each other mechanism. The
    variants are timed alternately (a round of one step each, --reps rounds after a warm-up step)
@@ -170,12 +170,12 @@ def accuracy(args: argparse.Namespace, mechanisms: list[str],
   status = 0
   for task in args.tasks:
     spec = f"{CONFIG}:task={task},data.eval_split=test" + (f",{args.arg}" if args.arg else "")
-    result = sweep.run(spec, {"model.mechanism": mechanisms}, num_seeds=args.num_seeds,
+    result = sweep.run(spec, {"model.attention.mechanism": mechanisms}, num_seeds=args.num_seeds,
                        workdir=workdir / "accuracy" / task, parallel=args.parallel)
     status |= result.report("run.py", summary=False)
     results[task] = {}
     for member in result.members:
-      mechanism = member.values["model.mechanism"]
+      mechanism = member.values["model.attention.mechanism"]
       if member.status not in ("done", "skipped"):
         results[task][mechanism] = {"status": member.status, "error": member.error}
         continue
@@ -214,9 +214,9 @@ def accuracy_markdown(results: dict[str, Any], mechanisms: list[str]) -> str:
 
 def efficiency_variants(mechanisms: list[str]) -> list[tuple[str, dict[str, Any]]]:
   """(name, config overrides) of each timed variant; the BASELINE first."""
-  variants = [(BASELINE, {"model.mechanism": "full", "model.implementation": "reference"}),
-              ("softmax_blocked", {"model.mechanism": "full", "model.implementation": "blocked"})]
-  variants += [(m, {"model.mechanism": m}) for m in mechanisms if m != "full"]
+  variants = [(BASELINE, {"model.attention.mechanism": "full", "model.attention.implementation": "reference"}),
+              ("softmax_blocked", {"model.attention.mechanism": "full", "model.attention.implementation": "blocked"})]
+  variants += [(m, {"model.attention.mechanism": m}) for m in mechanisms if m != "full"]
   return variants
 
 
@@ -359,7 +359,7 @@ def efficiency_markdown(results: dict[str, Any], batch: int) -> str:
   header = "| variant | " + " | ".join(f"steps/s at {l} (x softmax) [LRA]"
                                        for l in lengths) + " | " + " | ".join(
       f"peak MB at {l} (x softmax) [LRA]" for l in lengths) + " |"
-  lines = [f"Batch {batch}; softmax = the score matrix formed (model.implementation=reference); "
+  lines = [f"Batch {batch}; softmax = the score matrix formed (model.attention.implementation=reference); "
            "[LRA] = the paper's ratio (Table 2) where transcribed, '-' otherwise.", "",
            header, "|---|" + "---|" * (2 * len(lengths))]
   for name in names:

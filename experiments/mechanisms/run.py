@@ -61,17 +61,17 @@ def gpt_arms() -> dict[str, dict[str, object]]:
   for name, mechanism in registry.MECHANISMS.items():
     if not mechanism.supports.causal:
       continue
-    keys: dict[str, object] = {"model.mechanism": name}
+    keys: dict[str, object] = {"model.attention.mechanism": name}
     if name == "sliding_window":
-      keys["model.window"] = WINDOW
+      keys["model.attention.sliding_window.window"] = WINDOW
     arms[name] = keys
   for position in ("learned", "sinusoidal", "alibi", "t5_bias", "none"):  # rotary: the baseline
     arms[position] = {"model.position": position}
   for normalizer in ("softmax_sink", "sigmoid", "sparsemax", "topk"):  # softmax: the baseline
-    arms[normalizer] = {"model.normalizer": normalizer}
-  arms["gqa"] = {"model.num_kv_heads": 2}  # 4 query heads share 2 key/value heads
-  arms["mqa"] = {"model.num_kv_heads": 1}
-  arms["talking_heads"] = {"model.talking_heads": True}
+    arms[normalizer] = {"model.attention.normalizer": normalizer}
+  arms["gqa"] = {"model.attention.num_kv_heads": 2}  # 4 query heads share 2 key/value heads
+  arms["mqa"] = {"model.attention.num_kv_heads": 1}
+  arms["talking_heads"] = {"model.attention.talking_heads": True}
   return arms
 
 
@@ -82,9 +82,9 @@ def bert_arms() -> dict[str, dict[str, object]]:
   for name, mechanism in registry.MECHANISMS.items():
     if not mechanism.supports.bidirectional or name == "bigbird":
       continue  # bigbird's 64-token blocks cover BERT's 64-token sequences: it equals full here
-    keys: dict[str, object] = {"model.mechanism": name}
+    keys: dict[str, object] = {"model.attention.mechanism": name}
     if name == "sliding_window":
-      keys["model.window"] = WINDOW
+      keys["model.attention.sliding_window.window"] = WINDOW
     arms["bert_" + name] = keys
   arms["bert_alibi"] = {"model.position": "alibi"}
   return arms

@@ -112,7 +112,7 @@ def main(argv=None) -> int:
   train_rows = [r for r in records if r["split"] == "train"]
   eval_rows = [r for r in records if r["split"] == "eval"]
   plot_losses(records, workdir / "loss_curve.png",
-              f"GPT {config.model.size} on Tiny Shakespeare ({config.model.score})")
+              f"GPT {config.model.size} on Tiny Shakespeare ({config.model.attention.score})")
   run = analysis.load_run(workdir)
   sample = run.task.sample_text(run.params, "ROMEO:", num_tokens=300, temperature=0.8,
                                 seed=config.seed)
