@@ -272,8 +272,8 @@ def _unknown_key(key: str, config: ConfigDict,
                        f"options live in model.attention)")
   close = difflib.get_close_matches(key, valid + list(table or {}), n=1)
   hint = f" (did you mean {close[0]!r}?)" if close else ""
-  short = ", ".join(f"{name} (= {target})" if isinstance(target, str) else name
-                    for name, target in (table or {}).items())
+  short = ", ".join(f"{name} (= {shortcut_target(config, target)})" if isinstance(
+      target, (str, tuple)) else name for name, target in (table or {}).items())
   short = f"; shortcuts: {short}" if short else ""
   return ConfigError(f"unknown config key {key!r}{hint}{short}; valid keys: {', '.join(valid)}")
 
@@ -611,6 +611,9 @@ def validate_attention_tree(model: ConfigDict, task: str) -> None:
   from attnlab.attention import config as attention_lib
   from attnlab.attention import positions
   position = model.get("position")
+  if position is not None:
+    check_choice("model.position", position,
+                 positions.EMBEDDING_POSITIONS + positions.POSITION_BIASES, "positions")
   try:
     attention_lib.validate_tree(
         model.attention, directions=TASK_DIRECTIONS.get(task, ()),

@@ -365,7 +365,8 @@ def test_init_from_loads_the_encoder_whatever_the_seeds_or_devices(pretrain_run,
 def test_config_shortcuts_and_errors():
   config = config_utils.load_config_file(f"{CONFIG}:mode=finetune,size=mini,score=additive")
   assert config.task == "classification" and config.init_from == ""
-  assert (config.model.num_layers, config.model.d_model, config.model.score) == (4, 256, "additive")
+  assert (config.model.num_layers, config.model.d_model, config.model.attention.score) == (
+      4, 256, "additive")
   with pytest.raises(config_utils.ConfigError, match="valid modes: pretrain, finetune"):
     config_utils.load_config_file(f"{CONFIG}:mode=train")
   with pytest.raises(config_utils.ConfigError, match="valid sizes"):

@@ -105,24 +105,31 @@ def test_config_diff_lists_changed_keys():
 
 # config file -> (an arg with shortcuts, the same arg with full keys).
 SHORTCUT_ARGS = {
-    "gpt.py": ("size=small,score=cosine,implementation=reference,dataset=addition,"
-               "tokenizer=subword",
-               "model.size=small,model.score=cosine,model.implementation=reference,"
-               "data.name=addition,data.tokenizer=subword"),
+    "gpt.py": ("size=small,score=cosine,implementation=reference,mechanism=sliding_window,"
+               "dataset=addition,tokenizer=subword",
+               "model.size=small,model.attention.score=cosine,"
+               "model.attention.implementation=reference,"
+               "model.attention.mechanism=sliding_window,data.name=addition,"
+               "data.tokenizer=subword"),
     "seq2seq.py": ("task=reverse,attention=luong,score=general",
                    "data.name=reverse,model.attention=luong,model.score=general"),
-    "transformer.py": ("dataset=reverse,size=tiny,score=additive,implementation=reference",
-                       "data.name=reverse,model.size=tiny,model.score=additive,"
-                       "model.implementation=reference"),
+    "transformer.py": ("dataset=reverse,size=tiny,score=additive,implementation=reference,"
+                       "mechanism=bigbird",
+                       "data.name=reverse,model.size=tiny,model.attention.score=additive,"
+                       "model.attention.implementation=reference,"
+                       "model.attention.mechanism=bigbird"),
     # mode= picks the task and its defaults: there is no full key for it.
-    "bert.py": ("mode=finetune,size=mini,score=additive",
+    "bert.py": ("mode=finetune,size=mini,score=additive,implementation=reference,"
+                "mechanism=sliding_window",
                 "mode=finetune,model.num_layers=4,model.d_model=256,model.num_heads=4,"
-                "model.mlp_dim=1024,model.score=additive"),
+                "model.mlp_dim=1024,model.attention.score=additive,"
+                "model.attention.implementation=reference,"
+                "model.attention.mechanism=sliding_window"),
     "nadaraya_watson.py": ("kernel=gaussian", "model.kernel=gaussian"),
     # scale= picks the defaults (like BERT's mode=): there is no full key for it.
     "lra.py": ("task=imdb_bytes,mechanism=full,score=cosine,implementation=reference",
-               "data.name=imdb_bytes,model.mechanism=full,model.score=cosine,"
-               "model.implementation=reference"),
+               "data.name=imdb_bytes,model.attention.mechanism=full,"
+               "model.attention.score=cosine,model.attention.implementation=reference"),
 }
 
 
@@ -139,9 +146,10 @@ def test_every_config_file_declares_its_shortcuts_with_the_shared_meanings():
     table = _config_module(name).SHORTCUTS
     assert table, name
     for short, target in table.items():
-      if short in config_utils.SHORTCUTS and isinstance(target, str):
+      if short in config_utils.SHORTCUTS and not callable(target):
         assert target == config_utils.SHORTCUTS[short], (name, short)
-  with pytest.raises(ValueError, match="means model.score in every config file"):
+  with pytest.raises(ValueError, match=r"shortcut 'score' means .*model\.attention\.score.* in "
+                                       r"every config file; give model\.kernel another"):
     config_utils.shortcut_table(score="model.kernel")
 
 
@@ -183,7 +191,7 @@ def test_unknown_shortcut_is_one_line_naming_shortcuts_and_keys():
   message = str(info.value)
   assert len(message.splitlines()) == 1
   assert message.startswith("unknown config key 'sise' (did you mean 'size'?); shortcuts: "
-                            "size (= model.size), score (= model.score), ")
+                            "size (= model.size), score (= model.attention.score), ")
   assert "; valid keys: " in message and "model.dropout_rate" in message
   with pytest.raises(config_utils.ConfigError, match="unknown mode 'train'; valid modes"):
     config_utils.load_config_file(f"{CONFIGS / 'bert.py'}:mode=train")
@@ -193,10 +201,13 @@ def test_unknown_shortcut_is_one_line_naming_shortcuts_and_keys():
 
 def test_score_and_implementation_are_validated_once_where_the_config_is_read():
   for arg, expected in [
-      ("score=fancy", "unknown model.score 'fancy'; valid scores: dot, scaled_dot, cosine"),
-      ("implementation=fast", "unknown model.implementation 'fast'; valid implementations: "),
-      ("score=cosine,model.implementation=xla",
-       "model.implementation=xla supports only the scores dot, scaled_dot, not 'cosine'"),
+      ("score=fancy",
+       "unknown model.attention.score 'fancy'; valid scores: dot, scaled_dot, cosine"),
+      ("implementation=fast",
+       "unknown model.attention.implementation 'fast'; valid implementations: "),
+      ("score=cosine,model.attention.implementation=xla",
+       "model.attention.implementation=xla supports only the scores dot, scaled_dot, not "
+       "'cosine'"),
   ]:
     config = config_utils.load_config_file(f"{GPT}:{arg}")  # reading does not check the name
     with pytest.raises(config_utils.ConfigError, match=expected):
@@ -258,7 +269,8 @@ def test_old_key_on_the_command_line_names_the_new_one():
                                         "shortcuts: kernel (= model.kernel); valid keys: "),
     ([f"--config={GPT}", "--config.model.dropout=0.1"],
      "config key 'model.dropout' is now called 'model.dropout_rate'"),
-    ([f"--config={GPT}:runlocal=True,score=fancy"], "unknown model.score 'fancy'; valid scores"),
+    ([f"--config={GPT}:runlocal=True,score=fancy"],
+     "unknown model.attention.score 'fancy'; valid scores"),
     (["--bogus=1"], "Unknown command line flag 'bogus'"),
 ])
 def test_cli_errors_are_one_line(flags_, expected, tmp_path, capsys):

@@ -14,6 +14,7 @@ from attnlab import analysis
 from attnlab import config_utils
 from attnlab import generate as generate_cli
 from attnlab import train
+from attnlab.attention.config import AttentionConfig
 from attnlab.config_utils import ConfigError
 from attnlab.models import gpt
 
@@ -176,7 +177,7 @@ def test_generate_with_huge_temperature_never_samples_banned_ids(model_and_param
                                    "location"])
 def test_each_score_trains(score):
   model = gpt.GPT(vocab_size=VOCAB, num_layers=1, num_heads=2, d_model=8, block_size=8,
-                  score=score)
+                  attention=AttentionConfig(score=score))
   x = jnp.asarray(np.tile(np.arange(9) % 5, (4, 1)))  # a repeating pattern
   inputs, targets = x[:, :-1], x[:, 1:]
   params = model.init(jax.random.key(0), inputs)["params"]
@@ -203,8 +204,8 @@ def test_each_score_trains(score):
 
 def test_config_aliases_sizes_and_errors():
   config = _load_config("size=small,score=cosine,dataset=addition")
-  assert (config.model.size, config.model.score, config.data.name) == ("small", "cosine",
-                                                                        "addition")
+  assert (config.model.size, config.model.attention.score, config.data.name) == (
+      "small", "cosine", "addition")
   assert config.batch_size == 12 and config.optimizer.b2 == 0.99
   assert config.optimizer.end_learning_rate == 1e-4 and config.optimizer.grad_clip == 1.0
   local = _load_config("runlocal=True")
@@ -304,7 +305,8 @@ def test_bad_config_values_raise_clear_errors(tmp_path):
     with pytest.raises(ConfigError, match=pattern):
       tasks.build_task(_load_config(f"runlocal=True,dataset=addition,{arg}"))
   # The score name is checked once, where the config is read (config_utils.validate).
-  with pytest.raises(ConfigError, match="unknown model.score 'fancy'; valid scores: dot, "):
+  with pytest.raises(ConfigError,
+                     match="unknown model.attention.score 'fancy'; valid scores: dot, "):
     config_utils.validate(_load_config("runlocal=True,dataset=addition,score=fancy"))
 
 

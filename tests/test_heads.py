@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from attnlab.attention.config import AttentionConfig
 from attnlab.layers import MultiHeadAttention
 from attnlab.layers import TransformerBlock
 
@@ -68,8 +69,8 @@ def _random_params(params, seed=1):
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
 @pytest.mark.parametrize("causal", [False, True])
 def test_grouped_query_attention_matches_numpy(kv_heads, causal):
-  layer = MultiHeadAttention(num_heads=H, num_kv_heads=kv_heads, causal=causal,
-                             implementation="reference")
+  layer = MultiHeadAttention(num_heads=H, causal=causal, attention=AttentionConfig(
+      num_kv_heads=kv_heads, implementation="reference"))
   x = _x(B, T, D)
   params = _random_params(layer.init(jax.random.key(0), x)["params"])
   hd = D // H
@@ -86,7 +87,7 @@ def test_gqa_equals_mha_with_kv_kernels_repeated_per_group():
   """GQA with 2 kv heads = MHA whose kv head h is a copy of GQA's kv head h // 2; and
   num_kv_heads = num_heads (or 0) is MHA itself, with the same parameters."""
   x = _x(B, T, D)
-  gqa = MultiHeadAttention(num_heads=H, num_kv_heads=2, causal=True)
+  gqa = MultiHeadAttention(num_heads=H, attention=AttentionConfig(num_kv_heads=2), causal=True)
   mha = MultiHeadAttention(num_heads=H, causal=True)
   p = _random_params(gqa.init(jax.random.key(0), x)["params"])
   hd = D // H
@@ -98,8 +99,8 @@ def test_gqa_equals_mha_with_kv_kernels_repeated_per_group():
     mapped[f"{name}_bias"] = jnp.asarray(np.repeat(b, 2, axis=0).reshape(H * hd))
   np.testing.assert_allclose(np.asarray(gqa.apply({"params": p}, x)),
                              np.asarray(mha.apply({"params": mapped}, x)), atol=1e-5)
-  full = MultiHeadAttention(num_heads=H, num_kv_heads=H, causal=True)
-  zero = MultiHeadAttention(num_heads=H, num_kv_heads=0, causal=True)
+  full = MultiHeadAttention(num_heads=H, attention=AttentionConfig(num_kv_heads=H), causal=True)
+  zero = MultiHeadAttention(num_heads=H, attention=AttentionConfig(num_kv_heads=0), causal=True)
   pm = mha.init(jax.random.key(3), x)["params"]
   assert jax.tree.map(jnp.shape, full.init(jax.random.key(3), x)["params"]) == \
       jax.tree.map(jnp.shape, pm)
@@ -109,7 +110,7 @@ def test_gqa_equals_mha_with_kv_kernels_repeated_per_group():
 
 
 def test_num_kv_heads_must_divide_num_heads():
-  layer = MultiHeadAttention(num_heads=H, num_kv_heads=3)
+  layer = MultiHeadAttention(num_heads=H, attention=AttentionConfig(num_kv_heads=3))
   with pytest.raises(ValueError, match="must divide num_heads"):
     layer.init(jax.random.key(0), _x(1, 3, D))
 
@@ -117,7 +118,8 @@ def test_num_kv_heads_must_divide_num_heads():
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_heads", [1, 2])
 def test_gqa_cache_holds_kv_heads_and_cached_decoding_equals_the_full_forward(kv_heads):
-  layer = MultiHeadAttention(num_heads=H, num_kv_heads=kv_heads, causal=True)
+  layer = MultiHeadAttention(num_heads=H, attention=AttentionConfig(num_kv_heads=kv_heads),
+                             causal=True)
   x = _x(B, T, D)
   params = _random_params(layer.init(jax.random.key(0), x)["params"])
   cache = layer.init(jax.random.key(0), x, decode=True)["cache"]
@@ -138,7 +140,7 @@ def test_gqa_cache_holds_kv_heads_and_cached_decoding_equals_the_full_forward(kv
 
 def test_gqa_cross_attention_with_precomputed_keys():
   from attnlab.layers import project_kv
-  layer = MultiHeadAttention(num_heads=H, num_kv_heads=2)
+  layer = MultiHeadAttention(num_heads=H, attention=AttentionConfig(num_kv_heads=2))
   xq, xkv = _x(B, 3, D), _x(B, 5, D)
   params = layer.init(jax.random.key(0), xq, xkv)["params"]
   memory = project_kv(params, xkv, H)
@@ -149,7 +151,8 @@ def test_gqa_cross_attention_with_precomputed_keys():
 
 @pytest.mark.parametrize("kv_heads", [2, 4])
 def test_talking_heads_matches_numpy(kv_heads):
-  layer = MultiHeadAttention(num_heads=H, num_kv_heads=kv_heads, talking_heads=True, causal=True)
+  layer = MultiHeadAttention(num_heads=H, attention=AttentionConfig(
+      num_kv_heads=kv_heads, talking_heads=True), causal=True)
   x = _x(B, T, D)
   params = layer.init(jax.random.key(0), x)["params"]
   np.testing.assert_array_equal(np.asarray(params["talking_heads_logits"]), np.eye(H))
@@ -167,7 +170,7 @@ def test_talking_heads_matches_numpy(kv_heads):
 
 def test_talking_heads_at_identity_equals_multi_head_and_masks_hold():
   x = _x(B, T, D)
-  th = MultiHeadAttention(num_heads=H, talking_heads=True)
+  th = MultiHeadAttention(num_heads=H, attention=AttentionConfig(talking_heads=True))
   mha = MultiHeadAttention(num_heads=H)
   p = th.init(jax.random.key(0), x)["params"]
   mask = jnp.asarray(np.arange(T)[None, None, None, :] < np.array([T, 0])[:, None, None, None])
@@ -180,8 +183,8 @@ def test_talking_heads_at_identity_equals_multi_head_and_masks_hold():
 
 
 def test_block_passes_the_head_options():
-  block = TransformerBlock(num_heads=H, mlp_dim=32, num_kv_heads=1, talking_heads=True,
-                           causal=True)
+  block = TransformerBlock(num_heads=H, mlp_dim=32, causal=True,
+                           attention=AttentionConfig(num_kv_heads=1, talking_heads=True))
   x = _x(B, T, D)
   p = block.init(jax.random.key(0), x)["params"]["self_attention"]
   assert p["key_kernel"].shape == (D, D // H)

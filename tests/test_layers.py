@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from attnlab import layers
+from attnlab.attention.config import AttentionConfig
 from attnlab.layers import Dense
 from attnlab.layers import Embeddings
 from attnlab.layers import MultiHeadAttention
@@ -180,7 +181,7 @@ def self_attn():
 @pytest.mark.parametrize("implementation", ["reference", "xla", "blocked", "auto"])
 def test_causal_self_attention_matches_numpy(self_attn, implementation):
   mod, params, x = self_attn
-  mod = mod.clone(implementation=implementation)
+  mod = mod.clone(attention=AttentionConfig(implementation=implementation))
   valid = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], bool)  # second row padded after 3
   mask = valid[:, None, None, :]  # [b, 1, 1, k]
   out = jax.jit(lambda p, x, m: mod.apply({"params": p}, x, mask=m))(params, x, mask)
@@ -215,7 +216,8 @@ def test_cross_attention_with_other_length_and_width():
 
 @pytest.mark.parametrize("score", ["dot", "general", "cosine", "additive", "location"])
 def test_every_score_matches_numpy(score):
-  mod = MultiHeadAttention(num_heads=H, score=score, max_len=T, causal=True)
+  mod = MultiHeadAttention(num_heads=H, attention=AttentionConfig(score=score), max_len=T,
+                           causal=True)
   x = _x(B, T, D)
   params = _random_params(mod.init(jax.random.key(0), x)["params"])
   if score == "cosine":
@@ -258,14 +260,18 @@ def test_attention_dropout_only_when_training(self_attn):
 def test_bad_names_raise_listing_valid_ones():
   x = _x(1, 3, D)
   with pytest.raises(ValueError, match="valid scores: .*scaled_dot"):
-    MultiHeadAttention(num_heads=H, score="nope").init(jax.random.key(0), x)
+    MultiHeadAttention(num_heads=H, attention=AttentionConfig(score="nope")).init(
+        jax.random.key(0), x)
   with pytest.raises(ValueError, match="valid implementations: .*reference"):
-    MultiHeadAttention(num_heads=H, implementation="fast").init(jax.random.key(0), x)
+    MultiHeadAttention(num_heads=H, attention=AttentionConfig(implementation="fast")).init(
+        jax.random.key(0), x)
   with pytest.raises(ValueError, match="supports only the scores"):
-    MultiHeadAttention(num_heads=H, score="cosine", implementation="xla").init(
+    MultiHeadAttention(num_heads=H, attention=AttentionConfig(score="cosine",
+                                                         implementation="xla")).init(
         jax.random.key(0), x)
   with pytest.raises(ValueError, match="max_len"):
-    MultiHeadAttention(num_heads=H, score="location").init(jax.random.key(0), x)
+    MultiHeadAttention(num_heads=H, attention=AttentionConfig(score="location")).init(
+        jax.random.key(0), x)
   with pytest.raises(ValueError, match="valid activations"):
     layers.get_activation("swish")
 

@@ -817,7 +817,7 @@ def test_every_mechanism_context_equals_its_weights_times_values(name):
   mech = registry.get_mechanism(name)
   b, h, s, d = 2, 2, 48, 8
   q, k, v = rand(37, b, h, s, d), rand(38, b, h, s, d), rand(39, b, h, s, d)
-  params = mech.init(jax.random.PRNGKey(0), h, d, 64, num_features=32, linformer_k=8)
+  params = mech.init(jax.random.PRNGKey(0), h, d, 64, num_features=32, projected_len=8)
   pad = (np.arange(s)[None] < np.array([48, 30])[:, None])[:, None, None, :]
   opts = dict(window=8, block=16)
   for causal in [c for c in (False, True) if (mech.supports.causal if c else True)]:

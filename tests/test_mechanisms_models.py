@@ -2,8 +2,10 @@
 extrapolate, KV-cache decoding, sown (implicit) weights, config keys and their one-line errors,
 and end-to-end sweeps (slow)."""
 
+import dataclasses
 import importlib.util
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +15,7 @@ import pytest
 
 from attnlab import config_utils
 from attnlab.attention import registry
+from attnlab.attention.config import AttentionConfig
 from attnlab.errors import ConfigError
 from attnlab.layers import MultiHeadAttention
 from attnlab.models import bert
@@ -31,10 +34,10 @@ def _config(name, arg=None):
 
 
 def _gpt(position, **kw):
+  """A tiny GPT; `kw`: keys of model.attention ("mechanism", "sliding_window.window", ...)."""
   cfg = _config("gpt", f"runlocal=True,model.position={position},model.block_size=64,"
                        "model.num_layers=2,model.num_heads=2,model.d_model=16")
-  for key, value in kw.items():
-    cfg.model[key] = value
+  config_utils.apply_overrides(cfg, {f"model.attention.{key}": value for key, value in kw.items()})
   config_utils.validate(cfg)
   return gpt.from_config(cfg.model, VOCAB)
 
@@ -132,9 +135,11 @@ def test_learned_positions_refuse_lengths_past_the_table():
 @pytest.mark.parametrize("kw", [
     dict(position="alibi", num_kv_heads=1),
     dict(position="t5_bias"),
-    dict(position="rotary", mechanism="sliding_window", window=5, num_kv_heads=1),
+    {"position": "rotary", "mechanism": "sliding_window", "sliding_window.window": 5,
+     "num_kv_heads": 1},
     dict(position="alibi", normalizer="softmax_sink", talking_heads=True),
-    dict(position="rotary", mechanism="performer", num_features=16, num_kv_heads=1),
+    {"position": "rotary", "mechanism": "performer", "performer.num_features": 16,
+     "num_kv_heads": 1},
 ], ids=["alibi-mqa", "t5", "sliding-mqa", "sink-talking", "performer-mqa"])
 @pytest.mark.slow
 def test_gpt_cached_decoding_equals_the_full_forward(kw):
@@ -195,12 +200,11 @@ def test_implicit_weights_are_sown_for_analysis(mechanism):
 def test_fixed_random_draws_of_a_mechanism_are_not_parameters(monkeypatch):
   """A mechanism naming init outputs as `fixed` (Performer's random features) gets them drawn
   from the layer's seed on every call: not in the parameters, so never trained or decayed."""
-  import types  # pylint: disable=g-import-not-at-top
   real = registry.get_mechanism("performer")
-  fake = types.SimpleNamespace(**{f: getattr(real, f) for f in ("name", "fn", "init", "supports")},
-                               fixed=("features",))
+  fake = dataclasses.replace(real, fixed=("features",))
   monkeypatch.setitem(registry.MECHANISMS, "performer", fake)
-  layer = MultiHeadAttention(num_heads=2, mechanism="performer", num_features=8)
+  layer = MultiHeadAttention(num_heads=2, attention=AttentionConfig(
+      mechanism="performer", options={"num_features": 8}))
   x = jnp.asarray(RNG.normal(size=(1, 5, 8)), jnp.float32)
   params = layer.init(jax.random.key(0), x)["params"]
   assert "mechanism_params" not in params
@@ -224,8 +228,10 @@ def test_fixed_random_draws_of_a_mechanism_are_not_parameters(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("mechanism", list(registry.MECHANISMS))
 def test_bert_runs_every_mechanism_with_padding(mechanism):
-  cfg = _config("bert", f"runlocal=True,model.mechanism={mechanism},model.window=4,"
-                        "model.linformer_k=8,model.num_features=16,model.num_kv_heads=1")
+  cfg = _config("bert", f"runlocal=True,model.attention.mechanism={mechanism},"
+                        "model.attention.sliding_window.window=4,"
+                        "model.attention.linformer.projected_len=8,"
+                        "model.attention.performer.num_features=16,model.attention.num_kv_heads=1")
   config_utils.validate(cfg)
   model = bert.from_config(cfg, 50)
   tokens = jnp.asarray(RNG.integers(1, 50, (2, 32)), jnp.int32).at[1, 20:].set(0)
@@ -239,8 +245,9 @@ def test_bert_runs_every_mechanism_with_padding(mechanism):
 
 
 @pytest.mark.parametrize("arg", [
-    "model.position=t5_bias,model.num_kv_heads=1,model.mechanism=sliding_window,model.window=3",
-    "model.position=alibi,model.mechanism=bigbird",
+    "model.position=t5_bias,model.attention.num_kv_heads=1,"
+    "model.attention.mechanism=sliding_window,model.attention.sliding_window.window=3",
+    "model.position=alibi,model.attention.mechanism=bigbird",
 ])
 @pytest.mark.slow
 def test_transformer_greedy_decoding_equals_its_uncached_reference(arg):
@@ -268,56 +275,74 @@ def test_transformer_greedy_decoding_equals_its_uncached_reference(arg):
 
   np.testing.assert_array_equal(np.asarray(default(params)), np.asarray(uncached(params)))
   assert ("cache" in model.apply({"params": params}, src, lengths, method="encode")) == \
-      registry.get_mechanism(model.mechanism).supports.cache
+      registry.get_mechanism(model.attention.mechanism).supports.cache
 
 
 # ------------------------------------------------------------------------------ config errors
 
 
 @pytest.mark.parametrize("name,arg,message", [
-    ("gpt", "model.mechanism=linformer",
-     "model.mechanism=linformer is not defined for causal attention, which GPT"),
-    ("transformer", "model.mechanism=linformer", "is not defined for causal attention"),
-    ("gpt", "model.mechanism=nope", "unknown model.mechanism 'nope'; valid mechanisms: full, "),
-    ("gpt", "model.normalizer=nope", "valid normalizers: softmax, softmax_sink"),
+    ("gpt", "model.attention.mechanism=linformer",
+     "model.attention.mechanism=linformer is not defined for causal attention, which GPT"),
+    ("transformer", "model.attention.mechanism=linformer", "is not defined for causal attention"),
+    ("gpt", "model.attention.mechanism=nope",
+     "unknown model.attention.mechanism 'nope'; valid mechanisms: full, "),
+    ("gpt", "model.attention.normalizer=nope", "valid normalizers: softmax, softmax_sink"),
     ("gpt", "model.position=nope", "valid positions: learned, sinusoidal, rotary, none, alibi"),
     ("bert", "model.position=nope", "valid positions: "),
-    ("bert", "model.mechanism=linear,model.talking_heads=True", "talking heads mix the score"),
-    ("gpt", "model.mechanism=performer,model.position=alibi", "adds a bias to the scores"),
-    ("gpt", "model.mechanism=linear,model.normalizer=sigmoid", "use model.normalizer=softmax"),
-    ("gpt", "model.mechanism=performer,model.score=cosine", "use model.score=scaled_dot"),
-    ("bert", "model.num_heads=4,model.num_kv_heads=3", "must divide model.num_heads=4"),
-    ("gpt", "model.normalizer=sigmoid,model.implementation=blocked", "reference path"),
-    ("gpt", "model.topk=0", "model.topk must be >= 1"),
+    ("bert", "model.attention.mechanism=linear,model.attention.talking_heads=True",
+     "talking heads mix the score"),
+    ("gpt", "model.attention.mechanism=performer,model.position=alibi",
+     "model.attention.mechanism=performer never forms the scores that position alibi/t5_bias "
+     "adds a bias to"),
+    ("gpt", "model.attention.mechanism=linear,model.attention.normalizer=sigmoid",
+     "use model.attention.normalizer=softmax"),
+    ("gpt", "model.attention.mechanism=performer,model.attention.score=cosine",
+     "use model.attention.score=scaled_dot"),
+    ("bert", "model.num_heads=4,model.attention.num_kv_heads=3",
+     "model.attention.num_kv_heads=3 must divide num_heads=4"),
+    ("gpt", "model.attention.normalizer=sigmoid,model.attention.implementation=blocked",
+     "runs on the reference path; set model.attention.implementation=auto or reference "
+     "(not blocked)"),
+    ("gpt", "model.attention.topk=0", "model.attention.topk must be >= 1"),
 ])
 def test_attention_options_are_validated_with_one_line(name, arg, message):
   cfg = _config(name, f"runlocal=True,{arg}")
-  with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")) as e:
+  with pytest.raises(ConfigError, match=re.escape(message)) as e:
     config_utils.validate(cfg)
   assert "\n" not in str(e.value)
 
 
 def test_gpt_num_kv_heads_must_divide_the_size_s_heads():
-  cfg = _config("gpt", "runlocal=True,model.num_kv_heads=3")  # tiny: 2 heads
+  cfg = _config("gpt", "runlocal=True,model.attention.num_kv_heads=3")  # tiny: 2 heads
   with pytest.raises(ConfigError, match="num_kv_heads=3 must divide num_heads=2"):
     gpt.from_config(cfg.model, VOCAB)
 
 
+def _before_attention_options(model):
+  """A `config.model` (as JSON) as runs wrote it before the attention options existed: the flat
+  model.score and model.implementation, no model.attention (nor the other options' keys)."""
+  attention = model["attention"]
+  old = {k: v for k, v in model.items() if k != "attention"}
+  return {**old, "score": attention["score"], "implementation": attention["implementation"]}
+
+
 def test_an_older_bert_run_resumes_without_a_config_change():
   cfg = config_utils.to_jsonable(_config("bert", "runlocal=True"))
-  old = {**cfg, "model": {k: v for k, v in cfg["model"].items()
-                          if k not in (*config_utils.ATTENTION_DEFAULTS, "position")}}
+  old = {**cfg, "model": {k: v for k, v in _before_attention_options(cfg["model"]).items()
+                          if k != "position"}}
   assert config_utils.config_diff(old, cfg) == []
 
 
 def test_older_configs_without_the_keys_build_the_same_models():
   cfg = _config("gpt", "runlocal=True")
-  old = config_utils.ConfigDict({k: v for k, v in cfg.model.items()
-                                 if k not in config_utils.ATTENTION_DEFAULTS})
-  assert gpt.from_config(old, VOCAB) == gpt.from_config(cfg.model, VOCAB)
-  assert config_utils.config_diff(config_utils.to_jsonable(
-      config_utils.ConfigDict({**cfg.to_dict(), "model": old.to_dict()})),
-      config_utils.to_jsonable(cfg)) == []
+  data = config_utils.to_jsonable(cfg)
+  old = config_utils.from_jsonable({**data, "model": _before_attention_options(data["model"])})
+  assert gpt.from_config(old.model, VOCAB) == gpt.from_config(cfg.model, VOCAB)
+  # a model group without the attention subtree at all builds the default attention too
+  bare = config_utils.ConfigDict({k: v for k, v in cfg.model.items() if k != "attention"})
+  assert gpt.from_config(bare, VOCAB) == gpt.from_config(cfg.model, VOCAB)
+  assert config_utils.config_diff(config_utils.to_jsonable(old), data) == []
 
 
 # ------------------------------------------------------------------------------ end to end (slow)
@@ -337,7 +362,7 @@ def test_gpt_sweep_over_positions_and_normalizers(tmp_path, shared_data):
   spec = f"configs/gpt.py:{FAST},data.manual_dir={shared_data}"
   status = sweep.main(["attnlab sweep", f"--config={spec}", f"--workdir={tmp_path}",
                        "--sweep=model.position=alibi,t5_bias,rotary",
-                       "--sweep=model.normalizer=softmax,sigmoid"])
+                       "--sweep=model.attention.normalizer=softmax,sigmoid"])
   assert status == 0
   assert len(_summary_rows(tmp_path)) == 6
 
@@ -348,7 +373,7 @@ def test_bert_sweep_over_the_efficient_mechanisms(tmp_path, shared_data):
   spec = f"configs/bert.py:mode=pretrain,{FAST},data.manual_dir={shared_data}"
   efficient = [n for n in registry.MECHANISMS if n != "full"]
   status = sweep.main(["attnlab sweep", f"--config={spec}", f"--workdir={tmp_path}",
-                       "--sweep=model.mechanism=" + ",".join(efficient)])
+                       "--sweep=model.attention.mechanism=" + ",".join(efficient)])
   assert status == 0
   assert len(_summary_rows(tmp_path)) == len(efficient)
 
@@ -359,7 +384,8 @@ def test_transformer_sweep_over_the_efficient_causal_mechanisms(tmp_path):
   both = [n for n, m in registry.MECHANISMS.items()
           if m.supports.causal and m.supports.bidirectional and n != "full"]
   status = sweep.main(["attnlab sweep", f"--config=configs/transformer.py:{FAST}",
-                       f"--workdir={tmp_path}", "--sweep=model.mechanism=" + ",".join(both)])
+                       f"--workdir={tmp_path}",
+                       "--sweep=model.attention.mechanism=" + ",".join(both)])
   assert status == 0
   assert len(_summary_rows(tmp_path)) == len(both)
 
@@ -372,7 +398,8 @@ def test_vmapped_seeds_on_a_two_device_mesh(tmp_path, shared_data):
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   arg = (f"mode=pretrain,{FAST},data.manual_dir={shared_data},num_seeds=2,mesh.cpu_devices=2,"
-         "model.mechanism=linformer,model.num_kv_heads=1,model.position=rotary")
+         "model.attention.mechanism=linformer,model.attention.num_kv_heads=1,"
+         "model.position=rotary")
   proc = subprocess.run([sys.executable, "-m", "attnlab.main", f"--config=configs/bert.py:{arg}",
                          f"--workdir={tmp_path}"], capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -384,12 +411,14 @@ def test_vmapped_seeds_on_a_two_device_mesh(tmp_path, shared_data):
   assert "mesh.cpu_devices=2: 2 CPU devices" in proc.stderr  # data axis over both (batch 8)
 
 
-def test_sparse_block_reaches_bigbird():
-  """model.sparse_block is BigBird's block size: with blocks of 4 tokens out of 16, the global
-  first block's queries still see every key (= full softmax attention, computed here in NumPy)
-  while later queries see only their window, global and random blocks (differ from it)."""
+def test_bigbird_block_reaches_bigbird():
+  """model.attention.bigbird.block is BigBird's block size: with blocks of 4 tokens out of 16,
+  the global first block's queries still see every key (= full softmax attention, computed here
+  in NumPy) while later queries see only their window, global and random blocks (differ from
+  it)."""
   x = RNG.normal(size=(1, 16, 8)).astype(np.float32)
-  layer = MultiHeadAttention(num_heads=2, mechanism="bigbird", sparse_block=4)
+  layer = MultiHeadAttention(num_heads=2, attention=AttentionConfig(mechanism="bigbird",
+                                                                    options={"block": 4}))
   params = layer.init(jax.random.key(0), jnp.asarray(x))["params"]
   params = jax.tree.map(lambda a: a + jax.random.normal(jax.random.key(1), a.shape), params)
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
@@ -403,11 +432,33 @@ def test_sparse_block_reaches_bigbird():
   np.testing.assert_allclose(got[0, :4], full[0, :4], rtol=1e-4, atol=1e-4)
   assert np.abs(got[0, 4:] - full[0, 4:]).max() > 0.1
   # a block as long as the sequence hides nothing: full attention everywhere
-  whole = np.asarray(layer.clone(sparse_block=16).apply({"params": params}, jnp.asarray(x)))
+  whole = np.asarray(layer.clone(attention=AttentionConfig(
+      mechanism="bigbird", options={"block": 16})).apply({"params": params}, jnp.asarray(x)))
   np.testing.assert_allclose(whole, full, rtol=1e-4, atol=1e-4)
 
 
-def test_sparse_block_config_key_is_checked():
-  cfg = _config("bert", "runlocal=True,model.mechanism=bigbird,model.sparse_block=-1")
-  with pytest.raises(ConfigError, match="model.sparse_block must be >= 0"):
+@pytest.mark.parametrize("arg,message", [
+    ("mechanism=bigbird,model.attention.bigbird.block=-1",
+     "model.attention.mechanism=bigbird: bigbird.block must be an int >= 1, got -1"),
+    # 0 no longer means "the default" (64): the options' defaults are their values
+    ("mechanism=bigbird,model.attention.bigbird.block=0",
+     "model.attention.mechanism=bigbird: bigbird.block must be an int >= 1, got 0"),
+    ("mechanism=sliding_window,model.attention.sliding_window.window=0",
+     "model.attention.mechanism=sliding_window: sliding_window.window must be an int >= 1, got 0"),
+    ("mechanism=sliding_window,model.attention.sliding_window.window=-2",
+     "sliding_window.window must be an int >= 1, got -2"),
+    ("mechanism=sliding_window,model.attention.sliding_window.block=-1",
+     "sliding_window.block must be an int >= 0 (0: from the window), got -1"),
+    ("mechanism=performer,model.attention.performer.num_features=0",
+     "model.attention.mechanism=performer: performer.num_features must be an int >= 1, got 0"),
+    ("mechanism=linformer,model.attention.linformer.projected_len=-1",
+     "model.attention.mechanism=linformer: linformer.projected_len must be an int >= 1, got -1"),
+    ("model.attention.num_kv_heads=-1", "model.attention.num_kv_heads must be >= 0"),
+])
+def test_mechanism_option_values_are_checked(arg, message):
+  """Each mechanism's option below its least value is refused in one line naming the key (the
+  flat keys' "0: the default" is gone: 0 is a value, refused where it means nothing)."""
+  cfg = _config("bert", f"runlocal=True,{arg}")
+  with pytest.raises(ConfigError, match=re.escape(message)) as e:
     config_utils.validate(cfg)
+  assert "\n" not in str(e.value)

@@ -96,6 +96,12 @@ def test_axes_may_use_the_shared_shortcuts_of_the_config_arg():
     flat = config_utils.flatten(member.config)
     assert {key: flat[key] for key in keys} == keys and member.values == keys
     assert flat["model.attention"] == "bahdanau" and flat["runlocal"] is True
+  # The same shortcut in a Transformer family's config is its model.attention.score.
+  gpt = str(REPO / "configs" / "gpt.py")
+  base, axes = sweep.prepare(f"{gpt}:runlocal=True", {"score": "dot,general"})
+  assert axes == {"model.attention.score": ["dot", "general"]}
+  assert [m.config.model.attention.score for m in sweep.expand(base, axes, "/tmp/unused")] == [
+      "dot", "general"]
   # A shortcut whose field the config lacks stays the key it is: `task` of nadaraya_watson.py.
   base, axes = sweep.prepare(SPEC, {"task": "regression"})
   assert axes == {"task": ["regression"]}

@@ -213,7 +213,7 @@ def test_dates_runlocal_reload_and_translate(tmp_path):
 def test_reverse_runlocal_variant(tmp_path):
   arg = ("runlocal=True,num_train_steps=1,eval_every=0,task=reverse,data.max_len=6,"
          "data.length_bins=(3,6),model.share_embeddings=all,model.position=learned,"
-         "model.norm_position=post,model.score=additive,write_plots=False")
+         "model.norm_position=post,model.attention.score=additive,write_plots=False")
   record = _train(tmp_path / "reverse", arg)
   assert np.isfinite(record["loss"]) and 0 <= record["exact_match_len_01_03"] <= 1
 

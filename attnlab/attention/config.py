@@ -110,11 +110,13 @@ def validate_tree(node: Any, *, prefix: str = "model.attention.", **context: Any
 
 
 def config_tree(plugins: str = "") -> ml_collections.ConfigDict:
-  """The defaults of `config.model.attention`: FIELDS and one group per registered mechanism with
-  options (after importing `plugins`, so that a user's mechanism has its keys too)."""
-  registry.load_plugins(plugins)
+  """The defaults of `config.model.attention`: FIELDS and one group per mechanism with options:
+  the built-in ones and those the modules named in `plugins` register (imported first)."""
+  modules = registry.plugin_modules(plugins)
   tree = ml_collections.ConfigDict(dict(FIELDS, plugins=plugins))
   for name, entry in registry.MECHANISMS.items():
+    if entry.module != "attnlab" and entry.module not in modules:
+      continue  # a plugin another config of this process imported: not this config's
     fields = dataclasses.fields(entry.options)
     if fields:
       tree[name] = ml_collections.ConfigDict({f.name: f.default for f in fields})
@@ -161,5 +163,13 @@ def migrate_flat_keys(model: dict[str, Any]) -> dict[str, Any]:
     attention["performer"] = {"num_features": knobs["num_features"]}
   if knobs.get("linformer_k"):
     attention["linformer"] = {"projected_len": knobs["linformer_k"]}
-  model["attention"] = attention
+  # The keys the old layout lacked (model.attention.plugins, every mechanism's options) take
+  # their defaults, as in a config built today: the run resumes without a config change.
+  tree = config_tree().to_dict()
+  for key, value in attention.items():
+    if isinstance(value, Mapping):
+      tree.setdefault(key, {}).update(value)
+    else:
+      tree[key] = value
+  model["attention"] = tree
   return model

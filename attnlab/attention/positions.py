@@ -29,6 +29,8 @@ Array = jax.Array
 
 # names of the position biases (so config validation can list every position kind)
 POSITION_BIASES: tuple[str, ...] = ("alibi", "t5_bias")
+# position encodings of the embeddings or of q/k (attnlab.layers.Embeddings; rotary in attention)
+EMBEDDING_POSITIONS: tuple[str, ...] = ("learned", "sinusoidal", "rotary", "none")
 # T5's defaults: number of relative-position buckets and the distance of the last bucket
 T5_NUM_BUCKETS = 32
 T5_MAX_DISTANCE = 128

@@ -449,6 +449,11 @@ def load_plugins(text: Any) -> tuple[str, ...]:
   return specs
 
 
+def plugin_modules(text: Any) -> set[str]:
+  """The module names (Mechanism.module) of the plugins named by `text`, imported first."""
+  return {_PLUGINS[spec].__name__ for spec in load_plugins(text)}
+
+
 def validate(mechanism: str, options: Any = None, *, directions: tuple[str, ...] = (),
              score: str = "scaled_dot", normalizer: str = "softmax",
              position_bias: bool = False, talking_heads: bool = False,

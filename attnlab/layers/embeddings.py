@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from attnlab.attention import positional
+from attnlab.attention import positions as positions_lib
 from attnlab.layers.dense import default_kernel_init
 from attnlab.layers.dense import matmul
 
@@ -23,7 +24,7 @@ Array = jax.Array
 Initializer = Callable[..., Array]
 
 # Position encodings an Embeddings module accepts.
-POSITIONS: tuple[str, ...] = ("learned", "sinusoidal", "rotary", "none")
+POSITIONS: tuple[str, ...] = positions_lib.EMBEDDING_POSITIONS
 
 
 class Embeddings(nn.Module):
