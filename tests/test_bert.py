@@ -201,18 +201,31 @@ def test_padding_never_receives_attention(tiny_pretrain_model):
 
 
 def test_mlm_head_is_tied_to_token_table(tiny_pretrain_model):
+  """The MLM logits are h · table[j] + bias[j] with the token table itself: moving row 20 by a
+  random delta changes logit 20 by h · delta and no other logit. (A constant delta, as this test
+  once used, is cancelled by the head's zero-mean LayerNorm: sum(h) = 0 up to rounding, #47.)"""
   model, params = tiny_pretrain_model
   assert "mlm_output" not in params and params["mlm_bias"].shape == (50,)
   tokens = jnp.asarray([[CLS, 9, 10, SEP, 0, 0, 0, 0, 0, 0]] * 2, jnp.int32)
   pos = jnp.asarray([[1, 2, 0]] * 2, jnp.int32)
-  base = model.apply({"params": params}, tokens, None, None, pos)[0]
+  base = np.asarray(model.apply({"params": params}, tokens, None, None, pos)[0], np.float64)
+  table = params["encoder"]["embed"]["token"]["embedding"]  # [vocab, d]
+  delta = np.random.default_rng(0).normal(size=table.shape[1]).astype(np.float32)  # [d]
   bumped = jax.tree.map(lambda x: x, params)
-  table = params["encoder"]["embed"]["token"]["embedding"]
-  bumped["encoder"]["embed"]["token"]["embedding"] = table.at[20].add(1.0)
+  bumped["encoder"]["embed"]["token"]["embedding"] = table.at[20].add(delta)
   # Token 20 is not in the input: only its output logit changes, through the tied table.
-  out = model.apply({"params": bumped}, tokens, None, None, pos)[0]
-  changed = np.abs(np.asarray(out - base)).max(axis=(0, 1)) > 1e-6
-  assert changed[20] and changed.sum() == 1
+  out = np.asarray(model.apply({"params": bumped}, tokens, None, None, pos)[0], np.float64)
+  # h [batch, P, d] recovered from the base logits by least squares on the table (50 x 32, full
+  # rank): the logits lie in the table's span (tied), and h predicts the change of logit 20
+  t64 = np.asarray(table, np.float64)  # [vocab, d]
+  y = (base - np.asarray(params["mlm_bias"])).reshape(-1, 50).T  # [vocab, batch * P]
+  h = np.linalg.lstsq(t64, y, rcond=None)[0]  # [d, batch * P]
+  np.testing.assert_allclose(t64 @ h, y, atol=1e-5)  # logits up to ~0.3; residual ~2e-8
+  want = (h.T @ delta.astype(np.float64)).reshape(base.shape[:2])  # [batch, P]
+  assert np.abs(want).min() > 0.5  # far above float32 rounding of the logits (~1e-6)
+  np.testing.assert_allclose(out[..., 20] - base[..., 20], want, rtol=1e-3, atol=1e-4)
+  others = np.delete(np.abs(out - base), 20, axis=-1)  # [batch, P, vocab - 1]
+  assert others.max() < 1e-5
 
 
 # ------------------------------------------------------------------------------ tasks

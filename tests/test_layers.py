@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from attnlab import layers
+from attnlab.attention import registry
 from attnlab.attention.config import AttentionConfig
 from attnlab.layers import Dense
 from attnlab.layers import Embeddings
@@ -244,6 +245,75 @@ def test_kv_cache_chunks_match_full_causal_attention(self_attn):
     outs.append(y)
   np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, rtol=1e-4, atol=1e-5)
   np.testing.assert_array_equal(cache["cache_index"], [T, T])
+
+
+def np_cached_causal_attention(mechanism, q, k, v, *, window=None, features=None):
+  """What cached decoding computes, float64: query p against the keys 0..p the cache holds then
+  (q, k, v `[b, h, t, d]`): softmax of q·k/sqrt(d) (sliding_window: keys p - window..p only),
+  linear (phi = elu + 1, Katharopoulos et al. 2020) or Performer (FAVOR+: phi(x) =
+  exp(wᵀx' - |x'|²/2 - c) / sqrt(m) + 1e-6, x' = x / d^(1/4); c the row max for a query, the max
+  over the cached keys and features for the keys)."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  d = q.shape[-1]
+  elu1 = lambda x: np.where(x > 0, x + 1.0, np.exp(x))
+  def favor(x, c):
+    x = x / d ** 0.25
+    proj = x @ np.asarray(features, np.float64).T  # [b, h, len, m]
+    return np.exp(proj - 0.5 * (x * x).sum(-1, keepdims=True) - c(proj)) / np.sqrt(
+        features.shape[0]) + 1e-6
+  out = np.zeros(q.shape[:3] + (v.shape[-1],))
+  for p in range(q.shape[2]):
+    qp, kp, vp = q[:, :, p:p + 1], k[:, :, :p + 1], v[:, :, :p + 1]  # [b, h, 1 | p + 1, d]
+    if mechanism in ("full", "sliding_window"):
+      s = qp @ np.swapaxes(kp, -1, -2) / np.sqrt(d)  # [b, h, 1, p + 1]
+      if mechanism == "sliding_window":
+        s = np.where(np.arange(p + 1) >= p - window, s, -np.inf)
+      a = np.exp(s - s.max(-1, keepdims=True))
+    elif mechanism == "linear":
+      a = elu1(qp) @ np.swapaxes(elu1(kp), -1, -2)
+    elif mechanism == "performer":
+      a = favor(qp, lambda x: x.max(-1, keepdims=True)) @ np.swapaxes(
+          favor(kp, lambda x: x.max(axis=(-1, -2), keepdims=True)), -1, -2)
+    else:
+      raise AssertionError(f"no NumPy reference for mechanism {mechanism!r}")
+    out[:, :, p] = ((a / a.sum(-1, keepdims=True)) @ vp)[:, :, 0]
+  return out
+
+
+@pytest.mark.parametrize(
+    "mechanism", [n for n, m in registry.MECHANISMS.items() if m.supports.cache])
+def test_kv_cache_decoding_under_x64_matches_numpy(mechanism):
+  """Cached decoding with JAX's 64-bit mode on (a float32 model): the cache write used to mix
+  the int32 cache index with int64 zeros in dynamic_update_slice (TypeError, #47). x64 is on only
+  inside this test."""
+  window, m = 2, 8
+  options = {"sliding_window": {"window": window}, "performer": {"num_features": m}}
+  mod = MultiHeadAttention(num_heads=H, causal=True, attention=AttentionConfig(
+      mechanism=mechanism, options=options.get(mechanism)))
+  with jax.enable_x64(True):
+    x = _x(B, T, D)
+    cache = mod.init(jax.random.key(0), x, decode=True)["cache"]
+    params = _random_params(mod.init(jax.random.key(0), x)["params"])
+    step = jax.jit(lambda p, c, x: mod.apply({"params": p, "cache": c}, x, decode=True,
+                                             mutable=["cache"]))
+    outs = []
+    for lo, hi in [(0, 2), (2, 3), (3, 4), (4, 5)]:  # a 2-token prefill, then one at a time
+      y, variables = step(params, cache, x[:, lo:hi])
+      cache = variables["cache"]
+      outs.append(np.asarray(y))
+    # the layer's fixed Performer features: this draw from its mechanism_seed (0), under x64
+    features = (registry.get_mechanism(mechanism).init(jax.random.key(0), H, D // H, T,
+                                                       num_features=m)["features"]
+                if mechanism == "performer" else None)
+  np.testing.assert_array_equal(cache["cache_index"], [T, T])
+  proj = lambda x, n: (np.asarray(x, np.float64) @ np.asarray(params[f"{n}_kernel"])
+                       + np.asarray(params[f"{n}_bias"]))  # [b, t, h*d]
+  heads = lambda y: y.reshape(B, T, H, D // H).transpose(0, 2, 1, 3)  # [b, h, t, d]
+  ctx = np_cached_causal_attention(mechanism, heads(proj(x, "query")), heads(proj(x, "key")),
+                                   heads(proj(x, "value")), window=window, features=features)
+  want = (ctx.transpose(0, 2, 1, 3).reshape(B, T, D) @ np.asarray(params["out"]["kernel"])
+          + np.asarray(params["out"]["bias"]))  # [b, t, d]
+  np.testing.assert_allclose(np.concatenate(outs, axis=1), want, rtol=1e-4, atol=1e-5)
 
 
 def test_attention_dropout_only_when_training(self_attn):

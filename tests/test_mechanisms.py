@@ -775,6 +775,31 @@ def test_sliding_window_and_bigbird_masks():
 
 
 @pytest.mark.parametrize("causal", [False, True])
+def test_bigbird_draws_its_random_blocks_outside_the_window_and_globals(causal):
+  """Every query block gets exactly num_random random key blocks where that many lie outside its
+  window (|a - b| <= 1) and the global blocks, all of them where fewer do, and none after it
+  when causal. Drawn among all key blocks, the draws landed on window or global blocks (#47:
+  (128, 128, block 16, 1 global, 2 random, seed 0) gave [0, 0, 1, 2, 0, 1, 1, 1])."""
+  cases = [(128, 128, 16, 1, 2, 0), (90, 90, 16, 1, 4, 2), (64, 96, 8, 2, 3, 1)]
+  cases += [(1024, 1024, 64, 1, 3, seed) for seed in range(10)]
+  for q_len, k_len, block, num_global, num_random, seed in cases:
+    table = efficient.bigbird_blocks(q_len, k_len, block=block, num_global=num_global,
+                                     num_random=num_random, rng_seed=seed, causal=causal)
+    nq, nk = -(-q_len // block), -(-k_len // block)
+    assert table.shape == (nq, nk)
+    a = np.arange(nq)[:, None] + max(k_len - q_len, 0) // block  # among the key blocks
+    b = np.arange(nk)[None, :]
+    fixed = (np.abs(a - b) <= 1) | (a < num_global) | (b < num_global)  # [q_blocks, k_blocks]
+    free = ~fixed & (b <= a) if causal else ~fixed
+    random_blocks = table & ~fixed
+    case = (q_len, k_len, block, num_global, num_random, seed)
+    assert table[fixed].all(), case
+    assert not (random_blocks & ~free).any(), case  # causal: none after the query block
+    np.testing.assert_array_equal(random_blocks.sum(1),
+                                  np.minimum(num_random, free.sum(1)), err_msg=str(case))
+
+
+@pytest.mark.parametrize("causal", [False, True])
 def test_block_sparse_equals_reference_attention_with_same_mask(causal):
   b, h, s, d = 2, 2, 90, 8  # 90: the last 16-block is partial
   q, k, v = rand(33, b, h, s, d), rand(34, b, h, s, d), rand(35, b, h, s, d)

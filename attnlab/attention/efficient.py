@@ -447,7 +447,8 @@ def bigbird_mask(q_len: int, k_len: int, *, block: int, num_global: int = 1,
 
   Positions are cut into blocks of `block`. Query block a sees key block b when
   |a - b| <= window_blocks (window), a < num_global or b < num_global (global blocks that
-  see and are seen by every block), or b is one of num_random key blocks drawn for a with
+  see and are seen by every block), or b is one of num_random key blocks drawn for a among
+  those outside its window and the global blocks (all of them where fewer are free) with
   numpy's generator seeded rng_seed (fixed for a given seed). causal ANDs the end-aligned
   look-ahead mask (and draws the random blocks among the earlier ones).
   """
@@ -522,9 +523,13 @@ def bigbird_blocks(q_len: int, k_len: int, *, block: int, num_global: int = 1,
   blocks = (np.abs(a - b) <= window_blocks) | (a < num_global) | (b < num_global)
   rng = np.random.default_rng(rng_seed)
   for row in range(nq):
+    # drawn among the key blocks this row does not see yet (outside its window and the global
+    # blocks, as BigBird's bigbird_block_rand_mask does), before it when causal: num_random of
+    # them wherever that many are free, all of them where fewer are
     hi = min(row + off + 1, nk) if causal else nk
-    if num_random and hi > 0:
-      picks = rng.choice(hi, size=min(num_random, hi), replace=False)
+    free = np.flatnonzero(~blocks[row, :hi])  # [free key blocks]
+    if num_random and free.size:
+      picks = rng.choice(free, size=min(num_random, free.size), replace=False)
       blocks[row, picks] = True
   return blocks
 

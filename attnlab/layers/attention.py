@@ -97,7 +97,9 @@ T5_NUM_BUCKETS = positions_lib.T5_NUM_BUCKETS
 def _write_cache(cache: Array, new: Array, index: Array) -> Array:
   """Writes new `[batch, heads, L, d]` into `[batch, heads, max_len, d]` at index `[batch]`."""
   def one(c, n, i):
-    return jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (0, i, 0))
+    # start indices of one dtype, the index's: a literal 0 is int64 under jax_enable_x64
+    zero = jnp.zeros_like(i)
+    return jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (zero, i, zero))
   return jax.vmap(one)(cache, new, index)
 
 
