@@ -1,6 +1,6 @@
 """Every error a user can meet, at the bottom of the package (this module imports nothing).
 
-Two families, each handled once by the command-line tools (`attnlab.main.run_tool`):
+Two families, each handled once by the command-line tools (`attnlab.cli.tool.run_tool`):
 - `UserError` (a ValueError): bad input (a config key or value, a data file, a checkpoint that
   does not fit, a busy workdir). The tools print its message as one line, no traceback, and exit
   with status 2.
@@ -17,6 +17,21 @@ from __future__ import annotations
 
 class UserError(ValueError):
   """An error caused by the user's input; command-line tools print it as one line, no traceback."""
+
+
+def error_line(exc: BaseException) -> str:
+  """The one line to show for an exception: the innermost UserError's message if there is one."""
+  chain, seen = [], set()
+  node: BaseException | None = exc
+  while node is not None and id(node) not in seen:
+    seen.add(id(node))
+    chain.append(node)
+    node = node.__cause__ or node.__context__
+  for item in reversed(chain):  # the original error, not the flag library's re-wrapping
+    if isinstance(item, UserError) and not str(item).startswith("Error whilst parsing"):
+      return str(item)
+  lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+  return lines[0] if lines else type(exc).__name__
 
 
 class ConfigError(UserError):

@@ -156,14 +156,14 @@ def plot_sinusoidal(length: int, dim: int, path: str | pathlib.Path | None = Non
   """
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
-  from attnlab.attention import positional  # pylint: disable=g-import-not-at-top  (JAX)
+  from attnlab.attention import positions  # pylint: disable=g-import-not-at-top  (JAX)
   if ax is None:
     fig = Figure(figsize=(6, 4))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
   else:
     fig = ax.figure
-  enc = np.asarray(positional.sinusoidal(length, dim))  # [length, dim]
+  enc = np.asarray(positions.sinusoidal(length, dim))  # [length, dim]
   image = ax.imshow(enc, aspect="auto", cmap="RdBu", vmin=-1.0, vmax=1.0, origin="upper",
                     interpolation="nearest")
   ax.set_xlabel("dimension")

@@ -1,10 +1,11 @@
 """Run the cross product of config values and summarise it (mean ± std over seeds).
 
-  python -m attnlab.sweep --config=configs/nadaraya_watson.py:runlocal=True --workdir=runs/sweep \
+  attnlab sweep --config=configs/nadaraya_watson.py:runlocal=True --workdir=runs/sweep \
       --sweep=model.kernel=gaussian,learned --sweep=seed=0,1,2 [--parallel=2]
   attnlab sweep --sweep_file=configs/sweeps/nadaraya_watson_kernels.py --workdir=runs/nw_sweep
 
-From Python (the experiments do this; the command line is a thin layer over it):
+From Python (the experiments do this; the command line, attnlab/cli/sweep.py, is a thin layer
+over it):
 
   result = sweep.run("configs/nadaraya_watson.py:runlocal=True", {"model.kernel": ["gaussian",
                      "learned"]}, workdir="runs/sweep", seeds=[0, 1, 2])
@@ -47,17 +48,16 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from absl import flags
 import ml_collections
 
 from attnlab import checkpoint
 from attnlab import config_utils
-from attnlab import main as main_lib
 from attnlab.errors import RunStopped
 from attnlab.errors import TrainingInterrupted
 from attnlab.errors import UserError
+from attnlab.errors import error_line
 
-_LOG = logging.getLogger("attnlab.sweep")  # not __name__: it is __main__ under python -m
+_LOG = logging.getLogger(__name__)
 
 SEED_KEY = "seed"
 SUMMARY_CSV = "summary.csv"
@@ -156,7 +156,7 @@ def expand(base: ml_collections.ConfigDict, axes: Mapping[str, Sequence[Any]],
     try:  # a bad value is refused before any member runs (--list too), not when its turn comes
       config_utils.validate(config)
     except UserError as e:
-      problem = main_lib.error_line(e)
+      problem = error_line(e)
     if problem is not None:  # raised outside the handler: error_line shows this line, not e's
       raise UserError(f"sweep member {name}: {problem}")
     members[name] = Member(name, values, config, member_dir)
@@ -222,10 +222,10 @@ def _run_inprocess(member: Member) -> None:
     member.status, member.error = "failed", "interrupted"
     raise
   except (UserError, RunStopped) as e:
-    member.status, member.error = "failed", main_lib.error_line(e)
+    member.status, member.error = "failed", error_line(e)
   except Exception as e:  # a crash in one member must not lose the others
     _LOG.exception("member %s crashed", member.name)
-    member.status, member.error = "failed", f"{type(e).__name__}: {main_lib.error_line(e)}"
+    member.status, member.error = "failed", f"{type(e).__name__}: {error_line(e)}"
 
 
 def _run_subprocess(member: Member) -> None:
@@ -234,7 +234,8 @@ def _run_subprocess(member: Member) -> None:
   env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
   log_path = member.workdir / "log.txt"
   with open(log_path, "a") as log:
-    result = subprocess.run([sys.executable, "-m", "attnlab.sweep", f"--member={member.workdir}"],
+    result = subprocess.run([sys.executable, "-m", "attnlab.cli.sweep",
+                             f"--member={member.workdir}"],
                             stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
   if result.returncode == 0:
     member.status = "done"
@@ -254,7 +255,7 @@ def _to_run(members: Sequence[Member]) -> list[Member]:
     try:
       train.check_inputs(member.config, member.workdir)
     except UserError as e:
-      problem = main_lib.error_line(e)
+      problem = error_line(e)
     if problem is not None:  # raised outside the handler: error_line shows this line, not e's
       raise UserError(f"sweep member {member.name}: {problem}")
   for member in members:
@@ -517,58 +518,3 @@ def write_summary(workdir: str | os.PathLike, members: Sequence[Member],
                      f"`seeds` counts finished members.\n\n" + "\n".join(lines) + "\n" + note)
   return csv_path, md_path
 
-
-# ---------------------------------------------------------------------------------------------------
-# Command line
-
-
-def _define_flags(argv: Sequence[str]) -> flags.FlagValues:
-  fv = main_lib.run_flags(
-      argv, "Base config: configs/<family>.py[:key=value,...]; --config.<field>=<value> "
-      "overrides apply to every member.", "Sweep directory; member i runs in DIR/<key=value,...>/.")
-  flags.DEFINE_multi_string("sweep", [], "key=value1,value2,... (repeat for a cross product); key "
-                            "may be a shared shortcut such as score or dataset.", flag_values=fv)
-  flags.DEFINE_string("sweep_file", None, "A configs/sweeps/*.py file with get_sweep().",
-                      flag_values=fv)
-  flags.DEFINE_integer("parallel", 1, "Members to run at once (>1: as subprocesses).",
-                       flag_values=fv)
-  flags.DEFINE_string("member", None, "Internal: run the member whose config.json is in this "
-                      "directory (used by --parallel).", flag_values=fv)
-  flags.DEFINE_integer("member_index", None, "Run only member i (0-based, in --list order) and "
-                       "write no summary: one cluster array task per member, e.g. "
-                       "--member_index=$SLURM_ARRAY_TASK_ID.", flag_values=fv)
-  flags.DEFINE_bool("list", False, "Print the index and name of every member and exit.",
-                    flag_values=fv)
-  flags.DEFINE_bool("summarize", False, "Run nothing; write the summary of the finished members "
-                    "(after the array tasks are done).", flag_values=fv)
-  return fv
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-  """`attnlab sweep` / `python -m attnlab.sweep`: returns the exit status."""
-  argv = list(sys.argv if argv is None else argv)
-  fv = _define_flags(argv)
-  prog, message = main_lib.parse_tool(
-      argv, "attnlab.sweep", fv,
-      lambda fv: None if fv.workdir or fv.member else "--workdir is required: the sweep directory")
-
-  def body() -> int:
-    if fv.member:
-      from attnlab import train  # pylint: disable=g-import-not-at-top
-      train.train_and_evaluate(checkpoint.read_config(fv.member), fv.member)
-      return 0
-    axes = dict(split_sweep_arg(text) for text in fv.sweep)  # typed by `prepare`
-    if fv.list:
-      members = expand(*prepare(fv.config, axes, sweep_file=fv.sweep_file), fv.workdir)
-      for i, member in enumerate(members):
-        print(f"{i}\t{member.name}")
-      print(f"{len(members)} members: array task indices 0-{len(members) - 1}", file=sys.stderr)
-      return 0
-    result = run(fv.config, axes, workdir=fv.workdir, sweep_file=fv.sweep_file,
-                 parallel=fv.parallel, member_index=fv.member_index, summarize_only=fv.summarize)
-    return result.report(prog, summary=fv.member_index is None)
-  return main_lib.launch(prog, message, body)
-
-
-if __name__ == "__main__":
-  sys.exit(main())

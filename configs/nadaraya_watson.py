@@ -1,7 +1,7 @@
 """Nadaraya-Watson regression: attention pooling with a learnable Gaussian kernel (task "regression").
 
 Launch (from the repository root):
-  python -m attnlab.main --config=configs/nadaraya_watson.py --workdir=runs/nw
+  python -m attnlab.cli train --config=configs/nadaraya_watson.py --workdir=runs/nw
   attnlab train --config=configs/nadaraya_watson.py:kernel=gaussian --workdir=runs/nw_gaussian
 A seconds-long check of the whole pipeline:
   attnlab train --config=configs/nadaraya_watson.py:runlocal=True --workdir=/tmp/nw_local

@@ -8,8 +8,8 @@ import pytest
 from attnlab import analysis
 from attnlab import checkpoint
 from attnlab import config_utils
-from attnlab import inspect_run
 from attnlab import train
+from attnlab.cli import inspect_run
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 NW = str(REPO / "configs" / "nadaraya_watson.py")

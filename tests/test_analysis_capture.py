@@ -74,7 +74,7 @@ def _softmax(x, mask):
 
 
 def test_view_target_on_a_gpt_run_says_to_leave_it_out(gpt_run, tmp_path):
-  from attnlab import view  # pylint: disable=g-import-not-at-top
+  from attnlab.cli import view  # pylint: disable=g-import-not-at-top
   from attnlab.errors import UserError  # pylint: disable=g-import-not-at-top
   with pytest.raises(UserError, match="leave the target out .--target of `attnlab view`"):
     view.view_text(gpt_run, "12+", target="34", out=tmp_path / "v.html")

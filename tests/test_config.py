@@ -10,8 +10,8 @@ import pytest
 
 from attnlab import cli
 from attnlab import config_utils
-from attnlab import main as main_lib
 from attnlab import tasks
+from attnlab.cli import tool
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -277,15 +277,15 @@ def test_cli_errors_are_one_line(flags_, expected, tmp_path, capsys):
   # Through the console-script dispatcher, exactly as `attnlab train ...` runs it.
   status = cli.main(["attnlab", "train", *flags_, f"--workdir={tmp_path / 'run'}"])
   err = capsys.readouterr().err.strip()
-  assert status == main_lib.USAGE_ERROR
+  assert status == tool.USAGE_ERROR
   assert len(err.splitlines()) == 1, err
   assert err.startswith("attnlab train: error: ") and expected in err
 
 
 def test_python_dash_m_error_exits_non_zero_without_traceback(tmp_path):
   result = subprocess.run(
-      [sys.executable, "-m", "attnlab.main", f"--config={NW}:runlocal=True,seed=x",
+      [sys.executable, "-m", "attnlab.cli.train", f"--config={NW}:runlocal=True,seed=x",
        f"--workdir={tmp_path}"], capture_output=True, text=True, timeout=120, check=False)
   assert result.returncode == 2
   assert result.stderr.strip().splitlines() == [
-      "attnlab.main: error: config key 'seed' expects an int, got 'x'"]
+      "attnlab.cli.train: error: config key 'seed' expects an int, got 'x'"]

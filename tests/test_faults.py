@@ -30,9 +30,9 @@ from attnlab import analysis
 from attnlab import checkpoint
 from attnlab import config_utils
 from attnlab import errors
-from attnlab import main as main_lib
 from attnlab import train
-from attnlab import translate as translate_cli
+from attnlab.cli import train as train_cli
+from attnlab.cli import translate as translate_cli
 from attnlab.data import tokenizers
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -99,7 +99,7 @@ def reference(tmp_path_factory):
 
 
 def _assert_resumes_bit_identically(workdir: pathlib.Path, reference, from_step: int) -> None:
-  assert main_lib.main(["attnlab train", f"--config={SPEC}", f"--workdir={workdir}"]) == 0
+  assert train_cli.main(["attnlab train", f"--config={SPEC}", f"--workdir={workdir}"]) == 0
   run = analysis.load_run(workdir)
   assert run.step == 40
   for name in reference.params:
@@ -128,14 +128,15 @@ def test_config_file_with_a_syntax_error(tmp_path):
 def test_config_and_sweep_files_that_fail_when_run(tmp_path, capsys):
   bad = tmp_path / "bad_body.py"
   bad.write_text("import os\n\ndef get_config(arg=None):\n  return undefined_name\n")
-  assert main_lib.main(["attnlab train", f"--config={bad}", f"--workdir={tmp_path}"]) == 2
+  assert train_cli.main(["attnlab train", f"--config={bad}", f"--workdir={tmp_path}"]) == 2
   assert capsys.readouterr().err.strip() == (
       f"attnlab train: error: config file {str(bad)!r} failed in get_config(): line 4: "
       f"NameError: name 'undefined_name' is not defined")
   sweep_file = tmp_path / "sweep.py"
   sweep_file.write_text("x = 1\ny = [\n")
-  from attnlab import sweep  # pylint: disable=g-import-not-at-top
-  assert sweep.main(["attnlab sweep", f"--sweep_file={sweep_file}", f"--workdir={tmp_path}"]) == 2
+  from attnlab.cli import sweep as sweep_cli  # pylint: disable=g-import-not-at-top
+  assert sweep_cli.main(["attnlab sweep", f"--sweep_file={sweep_file}",
+                         f"--workdir={tmp_path}"]) == 2
   err = capsys.readouterr().err.strip()
   assert err.startswith(f"attnlab sweep: error: sweep file {str(sweep_file)!r} failed to import: "
                         f"line 2: SyntaxError: ") and "\n" not in err
@@ -344,7 +345,7 @@ def test_inspect_marks_damaged_checkpoints(local_run, tmp_path, damage):
 
 @pytest.mark.slow
 def test_inspect_verify_restores_every_checkpoint(local_run, capsys):
-  from attnlab import inspect_run  # pylint: disable=g-import-not-at-top
+  from attnlab.cli import inspect_run  # pylint: disable=g-import-not-at-top
   assert inspect_run.main(["attnlab inspect", f"--workdir={local_run}", "--verify"]) == 0
   assert "checkpoints: 10, 20 (of 20 steps; complete)\n  all restored into the model\n" in \
       capsys.readouterr().out

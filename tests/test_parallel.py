@@ -448,17 +448,18 @@ def test_distributed_start_follows_the_launcher_environment():
 def test_sweep_members_as_array_tasks(tmp_path, capsys):
   """--list, one member per --member_index (as cluster array tasks would), then --summarize."""
   from attnlab import sweep  # pylint: disable=g-import-not-at-top
+  from attnlab.cli import sweep as sweep_cli  # pylint: disable=g-import-not-at-top
   spec = (f"{REPO / 'configs' / 'nadaraya_watson.py'}:runlocal=True,write_plots=False,"
           f"num_train_steps=4,eval_every=0,checkpoint_every=0,log_every=2")
   args = ["attnlab sweep", f"--config={spec}", f"--workdir={tmp_path}", "--sweep=seed=0,1"]
-  assert sweep.main([*args, "--list"]) == 0
+  assert sweep_cli.main([*args, "--list"]) == 0
   assert capsys.readouterr().out.splitlines() == ["0\tseed=0", "1\tseed=1"]
-  assert sweep.main([*args, "--member_index=2"]) == 2
+  assert sweep_cli.main([*args, "--member_index=2"]) == 2
   assert "out of range: the sweep has 2 members" in capsys.readouterr().err
   for index in (1, 0):
-    assert sweep.main([*args, f"--member_index={index}"]) == 0
+    assert sweep_cli.main([*args, f"--member_index={index}"]) == 0
     assert not (tmp_path / sweep.SUMMARY_CSV).exists()
-  assert sweep.main([*args, "--summarize"]) == 0
+  assert sweep_cli.main([*args, "--summarize"]) == 0
   finals = [[r for r in analysis.read_metrics(tmp_path / f"seed={s}") if r["split"] == "eval"][-1]
             ["test_mse"] for s in (0, 1)]
   table = (tmp_path / sweep.SUMMARY_MD).read_text()

@@ -81,7 +81,7 @@ def test_plugin_sweeps_beside_the_built_in_mechanisms():
 
 
 def _train(spec: str, workdir: pathlib.Path, cwd: pathlib.Path) -> None:
-  proc = subprocess.run([sys.executable, "-m", "attnlab.main", f"--config={spec}",
+  proc = subprocess.run([sys.executable, "-m", "attnlab.cli.train", f"--config={spec}",
                          f"--workdir={workdir}"], cwd=cwd, capture_output=True, text=True,
                         timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -107,7 +107,7 @@ def test_plugin_trains_reloads_and_is_analysed(family, arg, shared_data, tmp_pat
   text = {"gpt": "12+34=", "transformer": "abc", "bert": "the king"}[family]
   script = (
       "import json, jax, numpy as np\n"
-      "from attnlab import analysis, view\n"
+      "from attnlab import analysis\nfrom attnlab.cli import view\n"
       f"run = analysis.load_run({str(workdir)!r})\n"
       "leaves = jax.tree_util.tree_flatten_with_path(run.params)[0]\n"
       "temps = [np.exp(np.asarray(x)).ravel().tolist() for path, x in leaves\n"

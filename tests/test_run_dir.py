@@ -14,10 +14,10 @@ from attnlab import analysis
 from attnlab import config_utils
 from attnlab import data as data_lib
 from attnlab import errors
-from attnlab import generate
 from attnlab import tasks
 from attnlab import train
-from attnlab import translate
+from attnlab.cli import generate
+from attnlab.cli import translate
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

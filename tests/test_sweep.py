@@ -10,6 +10,7 @@ from attnlab import checkpoint
 from attnlab import config_utils
 from attnlab import errors
 from attnlab import sweep
+from attnlab.cli import sweep as sweep_cli
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 NW = str(REPO / "configs" / "nadaraya_watson.py")
@@ -19,8 +20,8 @@ SPEC = f"{NW}:runlocal=True,write_plots=False,num_train_steps=10,eval_every=0,ch
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("sweep")
-  status = sweep.main(["attnlab sweep", f"--config={SPEC}", f"--workdir={workdir}",
-                       "--sweep=model.kernel=gaussian,learned", "--sweep=seed=0,1"])
+  status = sweep_cli.main(["attnlab sweep", f"--config={SPEC}", f"--workdir={workdir}",
+                           "--sweep=model.kernel=gaussian,learned", "--sweep=seed=0,1"])
   return workdir, status
 
 
@@ -109,7 +110,7 @@ def test_axes_may_use_the_shared_shortcuts_of_the_config_arg():
 
 
 def test_sweep_without_axes_is_one_line_error(tmp_path, capsys):
-  assert sweep.main(["attnlab sweep", f"--config={SPEC}", f"--workdir={tmp_path}"]) == 2
+  assert sweep_cli.main(["attnlab sweep", f"--config={SPEC}", f"--workdir={tmp_path}"]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert err == ["attnlab sweep: error: nothing to sweep: give --sweep=key=value1,value2 (or a "
                  "--sweep_file)"]

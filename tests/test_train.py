@@ -20,9 +20,10 @@ from attnlab import analysis
 from attnlab import checkpoint
 from attnlab import config_utils
 from attnlab import errors
-from attnlab import main as main_lib
 from attnlab import tasks
 from attnlab import train
+from attnlab.cli import tool
+from attnlab.cli import train as train_cli
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 NW = str(REPO / "configs" / "nadaraya_watson.py")
@@ -205,7 +206,7 @@ def _steps(workdir: pathlib.Path) -> list[int]:
 
 def _start(spec: str, workdir: pathlib.Path, log: pathlib.Path) -> subprocess.Popen:
   with open(log, "w") as f:
-    return subprocess.Popen([sys.executable, "-m", "attnlab.main", f"--config={spec}",
+    return subprocess.Popen([sys.executable, "-m", "attnlab.cli.train", f"--config={spec}",
                              f"--workdir={workdir}"], stdout=f, stderr=subprocess.STDOUT)
 
 
@@ -246,7 +247,7 @@ def test_sigterm_and_sigkill_then_resume_is_bit_identical(tmp_path):
   assert stopped_at < killed_at < 40
 
   # The same command again (here in-process, through main) finishes the run.
-  assert main_lib.main(["attnlab train", f"--config={spec}", f"--workdir={workdir}"]) == 0
+  assert train_cli.main(["attnlab train", f"--config={spec}", f"--workdir={workdir}"]) == 0
   run = analysis.load_run(workdir)
   assert run.step == 40
   for name in reference.params:
@@ -287,12 +288,12 @@ def test_progress_messages_follow_stderr_when_it_is_replaced(monkeypatch):
   monkeypatch.setattr(logger, "handlers", [])
   first, second = io.StringIO(), io.StringIO()
   monkeypatch.setattr(sys, "stderr", first)
-  main_lib.setup_logging()
+  tool.setup_logging()
   logger.info("first message")
   assert first.getvalue().rstrip().endswith("I first message")
   first.close()
   monkeypatch.setattr(sys, "stderr", second)
-  main_lib.setup_logging()  # the handler is kept (not added twice) ...
+  tool.setup_logging()  # the handler is kept (not added twice) ...
   logger.info("second message")
   assert len(logger.handlers) == 1
   assert second.getvalue().rstrip().endswith("I second message")  # ... and writes here

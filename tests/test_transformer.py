@@ -11,7 +11,7 @@ import pytest
 from attnlab import analysis
 from attnlab import config_utils
 from attnlab import decoding
-from attnlab import main as main_lib
+from attnlab.cli import train as train_cli
 from attnlab.layers import MultiHeadAttention
 from attnlab.layers import project_kv
 from attnlab.models import transformer as tf
@@ -180,8 +180,8 @@ def test_config_choices_and_errors():
 
 
 def _train(workdir: pathlib.Path, arg: str) -> dict:
-  assert main_lib.main(["attnlab train", f"--config={CONFIG}:{arg}",
-                        f"--workdir={workdir}"]) == 0
+  assert train_cli.main(["attnlab train", f"--config={CONFIG}:{arg}",
+                         f"--workdir={workdir}"]) == 0
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   [record] = [r for r in records if r["split"] == "eval"]
   return record

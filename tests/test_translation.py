@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from attnlab import config_utils
-from attnlab import main as main_lib
-from attnlab import translate as translate_cli
+from attnlab.cli import train as train_cli
+from attnlab.cli import translate as translate_cli
 from attnlab.tasks import translation
 
 CONFIG = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "seq2seq.py")
@@ -133,7 +133,7 @@ def test_decoded_metrics_against_the_references(dates_task, monkeypatch):
 
 
 def _train(workdir: pathlib.Path, arg: str) -> int:
-  return main_lib.main(["attnlab train", f"--config={CONFIG}:{arg}", f"--workdir={workdir}"])
+  return train_cli.main(["attnlab train", f"--config={CONFIG}:{arg}", f"--workdir={workdir}"])
 
 
 @pytest.mark.slow

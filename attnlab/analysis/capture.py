@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnlab.attention import core as attn_core
-from attnlab.attention import positional
+from attnlab.attention import positions as positions_lib
 from attnlab.attention import scores as scores_lib
 from attnlab.layers import sown
 from attnlab.layers.attention import MultiHeadAttention
@@ -322,7 +322,7 @@ def _attention_extras(next_fun, args, kwargs, context):
   qh, kh, vh = project(x_q, "query"), project(x_kv, "key"), project(x_kv, "value")
   if mdl.rotary and inputs_kv is None:
     positions = jnp.arange(qh.shape[2])  # [len]
-    qh, kh = positional.rotary(qh, positions), positional.rotary(kh, positions)
+    qh, kh = positions_lib.rotary(qh, positions), positions_lib.rotary(kh, positions)
   score_params = params.get("score_params") or {}
   scores = scores_lib.get_score_fn(mdl.attention.score)(qh, kh, **score_params)  # [b, h, q, k]
   weights = mdl.get_variable("intermediates", "attention_weights")[-1]  # [b, heads, q, k]

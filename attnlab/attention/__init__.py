@@ -40,12 +40,12 @@ from attnlab.attention.pooling import init_kernel_params
 from attnlab.attention.pooling import learned_kernel_pooling
 from attnlab.attention.pooling import leave_one_out_mask
 from attnlab.attention.pooling import nadaraya_watson
-from attnlab.attention.positional import sinusoidal
 from attnlab.attention.positions import AlibiBias
 from attnlab.attention.positions import T5Bias
 from attnlab.attention.positions import alibi_bias
 from attnlab.attention.positions import alibi_slopes
 from attnlab.attention.positions import init_t5_table
+from attnlab.attention.positions import sinusoidal
 from attnlab.attention.positions import t5_bias
 from attnlab.attention.positions import t5_relative_bucket
 from attnlab.attention.registry import MECHANISMS

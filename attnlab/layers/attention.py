@@ -72,7 +72,6 @@ import jax.numpy as jnp
 from attnlab.attention import core
 from attnlab.attention import masks as masks_lib
 from attnlab.attention import normalizers
-from attnlab.attention import positional
 from attnlab.attention import positions as positions_lib
 from attnlab.attention import registry
 from attnlab.attention import scores as scores_lib
@@ -330,8 +329,8 @@ class MultiHeadAttention(nn.Module):
       if offset is not None:
         positions = positions + offset[:, None, None]  # [batch, 1, q_len]
       with jax.named_scope("rotary"):  # names its ops in profiles (benchmarks/gpt_train.py)
-        qh = positional.rotary(qh, positions)  # positions [q_len] or [batch, 1, q_len]
-        kh = positional.rotary(kh, positions)
+        qh = positions_lib.rotary(qh, positions)  # positions [q_len] or [batch, 1, q_len]
+        kh = positions_lib.rotary(kh, positions)
     causal = self.causal
     if decode and self_attention:
       kh, vh, cache_mask = self._use_cache(kh, vh)  # [batch, kv_heads, max_len, head_dim]

@@ -1,7 +1,7 @@
 """Token + position embeddings, with `attend` for an output layer tied to the token table.
 
 Positions: "learned" (a trained table `[max_len, d]`, GPT-2/BERT), "sinusoidal" (fixed,
-attnlab.attention.positional.sinusoidal, Vaswani et al.), "rotary" (nothing is added here: the
+attnlab.attention.positions.sinusoidal, Vaswani et al.), "rotary" (nothing is added here: the
 attention layers rotate queries and keys, MultiHeadAttention(rotary=True)) or "none". With `decode=True` the
 positions continue from a counter kept in the "cache" collection (`cache/position` `[batch]`
 int32), so a KV-cache decoder feeds one token at a time and still gets the right positions.
@@ -15,7 +15,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from attnlab.attention import positional
 from attnlab.attention import positions as positions_lib
 from attnlab.layers.dense import default_kernel_init
 from attnlab.layers.dense import matmul
@@ -78,7 +77,7 @@ class Embeddings(nn.Module):
     x = self.token(tokens)  # [batch, len, d]
     if self.position in ("learned", "sinusoidal"):
       table = (self.position_table if self.position == "learned"
-               else positional.sinusoidal(self.max_len, self.features))  # [max_len, d]
+               else positions_lib.sinusoidal(self.max_len, self.features))  # [max_len, d]
       if in_order:  # the first rows: a slice, whose gradient is a sum over the batch (no scatter)
         x = x + table[:length].astype(x.dtype)
       else:

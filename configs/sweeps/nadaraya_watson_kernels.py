@@ -1,6 +1,6 @@
 """Sweep: the three pooling kernels of the Nadaraya-Watson study, over three seeds (9 runs).
 
-  python -m attnlab.sweep --sweep_file=configs/sweeps/nadaraya_watson_kernels.py --workdir=runs/nw_sweep
+  python -m attnlab.cli sweep --sweep_file=configs/sweeps/nadaraya_watson_kernels.py --workdir=runs/nw_sweep
   attnlab sweep --sweep_file=configs/sweeps/nadaraya_watson_kernels.py --workdir=runs/nw_sweep --parallel=2
 Results: runs/nw_sweep/summary.md (test MSE mean ± std over seeds per kernel).
 """

@@ -297,8 +297,8 @@ def main(argv=None) -> int:
       parser.error(f"unknown {what}(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
   if args.data_dir:
     os.environ["ATTNLAB_DATA_DIR"] = args.data_dir
-  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
-  main_lib.setup_logging()
+  from attnlab.cli import tool  # pylint: disable=g-import-not-at-top
+  tool.setup_logging()
   workdir = pathlib.Path(args.workdir)
   train_runs(names, workdir, args.arg)
   if args.train_only:
@@ -322,5 +322,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
-  sys.exit(main_lib.run_tool("run.py", main))  # a bad config arg: one line, status 2
+  from attnlab.cli import tool  # pylint: disable=g-import-not-at-top
+  sys.exit(tool.run_tool("run.py", main))  # a bad config arg: one line, status 2

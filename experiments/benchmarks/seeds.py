@@ -29,8 +29,8 @@ import time
 
 from attnlab import checkpoint
 from attnlab import config_utils
-from attnlab import main as main_lib
 from attnlab import train
+from attnlab.cli import tool
 
 # Benchmark name -> config spec (runlocal shrinks).
 CONFIGS = {
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.error(f"--seeds must be comma-separated ints, got {args.seeds!r}")
   if not seeds or seeds[0] < 1:
     parser.error("--seeds values must be >= 1")
-  main_lib.setup_logging()
+  tool.setup_logging()
   import logging  # pylint: disable=g-import-not-at-top
   logging.getLogger("attnlab").setLevel(logging.WARNING)
   print(HEADER, flush=True)

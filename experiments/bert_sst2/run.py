@@ -73,7 +73,7 @@ from collections.abc import Sequence
 
 from absl import flags
 
-from attnlab import main as main_lib
+from attnlab.cli import tool
 from attnlab.errors import UserError
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -756,11 +756,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     extra = fv(argv)
   except flags.Error as e:
     print(f"run.py: error: {e}", file=sys.stderr)
-    return main_lib.USAGE_ERROR
+    return tool.USAGE_ERROR
   if len(extra) > 1:
     print(f"run.py: error: unexpected arguments {extra[1:]}", file=sys.stderr)
-    return main_lib.USAGE_ERROR
-  main_lib.setup_logging()
+    return tool.USAGE_ERROR
+  tool.setup_logging()
 
   def body() -> None:
     if fv.plan:
@@ -778,7 +778,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = run_study(fv)
     print(results_table(out["results"], out["details"]))
     print(f"results: {pathlib.Path(fv.workdir).absolute() / 'results.md'}")
-  return main_lib.run_tool("run.py", body)
+  return tool.run_tool("run.py", body)
 
 
 if __name__ == "__main__":

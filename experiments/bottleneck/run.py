@@ -116,9 +116,9 @@ def main(argv=None) -> int:
   spec = (f"{CONFIG}:data.name=reverse,data.max_len={args.max_len},"
           f"data.length_bins=({','.join(map(str, bins))})" + (f",{args.arg}" if args.arg else ""))
 
-  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
   from attnlab import sweep  # pylint: disable=g-import-not-at-top
-  main_lib.setup_logging()  # the members' progress on stderr
+  from attnlab.cli import tool  # pylint: disable=g-import-not-at-top
+  tool.setup_logging()  # the members' progress on stderr
   result = sweep.run(spec, {"model.attention": args.attentions}, seeds=args.seeds,
                      workdir=workdir, parallel=args.parallel)
   status = result.report("run.py")
@@ -142,5 +142,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
-  sys.exit(main_lib.run_tool("run.py", main))  # a bad config or axis: one line, status 2
+  from attnlab.cli import tool  # pylint: disable=g-import-not-at-top
+  sys.exit(tool.run_tool("run.py", main))  # a bad config or axis: one line, status 2

@@ -457,8 +457,8 @@ def missing_from(new: dict[str, Any], old: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
-  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
-  main_lib.setup_logging()  # the sweep members' progress on stderr
+  from attnlab.cli import tool  # pylint: disable=g-import-not-at-top
+  tool.setup_logging()  # the sweep members' progress on stderr
   workdir = pathlib.Path(args.workdir).absolute()
   workdir.mkdir(parents=True, exist_ok=True)
   mechanisms = [m for m in args.mechanisms.split(",") if m] or default_mechanisms()
@@ -523,5 +523,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
-  sys.exit(main_lib.run_tool("run.py", main))
+  from attnlab.cli import tool  # pylint: disable=g-import-not-at-top
+  sys.exit(tool.run_tool("run.py", main))

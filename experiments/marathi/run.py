@@ -37,9 +37,9 @@ def main(argv=None) -> int:
   workdir = pathlib.Path(args.workdir).absolute()
   spec = f"{CONFIG}:task=marathi" + (f",{args.arg}" if args.arg else "")
 
-  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
   from attnlab import sweep  # pylint: disable=g-import-not-at-top
-  main_lib.setup_logging()  # the members' progress on stderr
+  from attnlab.cli import tool  # pylint: disable=g-import-not-at-top
+  tool.setup_logging()  # the members' progress on stderr
   start = time.time()
   status = sweep.run(spec, seeds=args.seeds, workdir=workdir, parallel=args.parallel).report(
       "run.py")
@@ -86,5 +86,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
-  sys.exit(main_lib.run_tool("run.py", main))  # a bad config or axis: one line, status 2
+  from attnlab.cli import tool  # pylint: disable=g-import-not-at-top
+  sys.exit(tool.run_tool("run.py", main))  # a bad config or axis: one line, status 2

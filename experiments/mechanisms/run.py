@@ -249,9 +249,9 @@ def main(argv=None) -> int:
   workdir.mkdir(parents=True, exist_ok=True)
 
   import tqdm  # pylint: disable=g-import-not-at-top
-  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
+  from attnlab.cli import tool  # pylint: disable=g-import-not-at-top
   from attnlab.errors import UserError  # pylint: disable=g-import-not-at-top
-  main_lib.setup_logging()
+  tool.setup_logging()
 
   extra = "".join(f",{a}" for a in (f"data.manual_dir={args.data_dir}" if args.data_dir else "",
                                       args.arg.strip(",")) if a)  # every arm's extra keys
@@ -310,5 +310,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
-  sys.exit(main_lib.run_tool("run.py", main))  # a bad config or arm: one line, status 2
+  from attnlab.cli import tool  # pylint: disable=g-import-not-at-top
+  sys.exit(tool.run_tool("run.py", main))  # a bad config or arm: one line, status 2

@@ -21,14 +21,14 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 from absl import flags  # pylint: disable=g-import-not-at-top
 
-from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
+from attnlab.cli import tool  # pylint: disable=g-import-not-at-top
 
 KERNELS = ("average", "gaussian", "learned")
 CONFIG = str(REPO / "configs" / "nadaraya_watson.py")
 
 
 def _define_flags(argv: Sequence[str]) -> flags.FlagValues:
-  return main_lib.run_flags(
+  return tool.run_flags(
       argv, "Config of the learned-kernel run (model.kernel is set per kernel); override fields "
       "with --config.<field>=<value>.", "Output directory (the learned-kernel run goes to "
       "WORKDIR/learned; re-running resumes it).",
@@ -67,9 +67,9 @@ def run_study(config, workdir: pathlib.Path) -> dict[str, dict[str, float]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  argv = main_lib.with_default_config(sys.argv if argv is None else argv, CONFIG)
+  argv = tool.with_default_config(sys.argv if argv is None else argv, CONFIG)
   flag_values = _define_flags(argv)
-  message = main_lib.parse_flags(flag_values, argv)
+  message = tool.parse_flags(flag_values, argv)
 
   def body() -> None:
     config, workdir = flag_values.config, pathlib.Path(flag_values.workdir).absolute()
@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nlearned kernel {verdict} average pooling on test MSE")
     print(f"plots: {workdir / 'fit.png'}, {workdir / 'attention.png'}; "
           f"learned-kernel run: {workdir / 'learned'}")
-  return main_lib.launch("run.py", message, body)
+  return tool.launch("run.py", message, body)
 
 
 if __name__ == "__main__":

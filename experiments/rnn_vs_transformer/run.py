@@ -111,7 +111,7 @@ def mean_row(task: str, model: str, rs: list[dict], metric: str, target: float) 
 
 
 def run_one(task: str, model: str, seed: int, workdir: pathlib.Path, args) -> int:
-  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
+  from attnlab.cli import tool  # pylint: disable=g-import-not-at-top
   parts = [f"task={task}", f"seed={seed}", TASKS[task][1]]
   if model == "rnn":
     parts.append(args.rnn_arg)
@@ -125,12 +125,12 @@ def run_one(task: str, model: str, seed: int, workdir: pathlib.Path, args) -> in
     parts.append(args.extra)
   arg = ",".join(p for p in parts if p)
   print(f"== {task}/{model}/seed_{seed}: {CONFIGS[model].name}:{arg}", flush=True)
-  main_lib.setup_logging()
+  tool.setup_logging()
 
   def body() -> None:
     from attnlab import config_utils, train  # pylint: disable=g-import-not-at-top
     train.train_and_evaluate(config_utils.load_config_file(f"{CONFIGS[model]}:{arg}"), workdir)
-  return main_lib.run_tool("run.py", body)  # a failed run: one line and its status, as `train`
+  return tool.run_tool("run.py", body)  # a failed run: one line and its status, as `train`
 
 
 def plot_by_length(results: dict, path: pathlib.Path) -> None:
@@ -253,5 +253,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
-  sys.exit(main_lib.run_tool("run.py", main))  # a bad config arg: one line, status 2
+  from attnlab.cli import tool  # pylint: disable=g-import-not-at-top
+  sys.exit(tool.run_tool("run.py", main))  # a bad config arg: one line, status 2

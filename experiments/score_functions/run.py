@@ -56,11 +56,11 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   workdir = pathlib.Path(args.workdir).absolute()
 
-  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
   from attnlab import sweep  # pylint: disable=g-import-not-at-top
+  from attnlab.cli import tool  # pylint: disable=g-import-not-at-top
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   from attnlab import analysis  # pylint: disable=g-import-not-at-top
-  main_lib.setup_logging()  # the members' progress on stderr
+  tool.setup_logging()  # the members' progress on stderr
 
   status, sections = 0, []
   for dataset in args.datasets.split(","):
@@ -99,5 +99,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
-  sys.exit(main_lib.run_tool("run.py", main))  # a bad config or axis: one line, status 2
+  from attnlab.cli import tool  # pylint: disable=g-import-not-at-top
+  sys.exit(tool.run_tool("run.py", main))  # a bad config or axis: one line, status 2

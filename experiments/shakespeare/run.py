@@ -89,8 +89,8 @@ def main(argv=None) -> int:
 
   # pylint: disable=g-import-not-at-top  (JAX is imported only once the flags are parsed)
   from attnlab import analysis, checkpoint, config_utils, train
-  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
-  main_lib.setup_logging()
+  from attnlab.cli import tool  # pylint: disable=g-import-not-at-top
+  tool.setup_logging()
   arg = "size=nano"
   if args.data_dir:
     arg += f",data.manual_dir={args.data_dir}"
@@ -139,5 +139,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  from attnlab import main as main_lib  # pylint: disable=g-import-not-at-top
-  sys.exit(main_lib.run_tool("run.py", main))  # a bad config arg: one line, status 2
+  from attnlab.cli import tool  # pylint: disable=g-import-not-at-top
+  sys.exit(tool.run_tool("run.py", main))  # a bad config arg: one line, status 2

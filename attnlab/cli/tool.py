@@ -1,15 +1,12 @@
-"""Launch or resume a run: the only place with flags (library code takes config and workdir).
+"""What every command-line tool shares: flags, one-line usage errors, logging, exit statuses.
 
-  python -m attnlab.main --config=configs/nadaraya_watson.py:runlocal=True --workdir=/tmp/nw \
-      [--config.optimizer.learning_rate=0.05 ...]
-  attnlab train --config=... --workdir=...        (the same, through the console script)
-
-Running the same command on an existing workdir resumes from its last checkpoint. Errors a user can
-fix (unknown config key, wrong value type, missing config file, a config file that fails to
-import, a workdir holding a different config or in use by another run) print one line to stderr
-and exit with status 2; a NaN/Inf loss, or a write the disk refuses (full, read-only), exits with 1
-after one line naming the last good checkpoint; SIGTERM or Ctrl-C saves a checkpoint and exits
-with 128 + the signal number.
+Flags live only in attnlab/cli/ (library code takes config and workdir). Each tool (train.py,
+sweep.py, inspect_run.py, generate.py, translate.py, view.py, import_hf.py) defines its flags on
+its own FlagValues (`tool_flags`, `run_flags`), parses them (`parse_tool`: None or the one-line
+usage error) and hands its body to `launch`. Errors a user can fix print one line to stderr and
+exit with status 2 (USAGE_ERROR); a write the disk refuses exits with 1 (IO_ERROR); a run that
+stops on purpose (RunStopped: a NaN/Inf loss, SIGTERM or Ctrl-C) prints its line and exits with
+its own status.
 """
 
 from __future__ import annotations
@@ -28,6 +25,7 @@ from ml_collections import config_flags
 from attnlab import config_utils
 from attnlab.errors import RunStopped
 from attnlab.errors import UserError
+from attnlab.errors import error_line
 
 USAGE_ERROR = 2
 # Exit status of a tool stopped by a file it could not write or read (disk full, read-only, ...).
@@ -75,21 +73,6 @@ def run_flags(argv: Sequence[str], config_help: str, workdir_help: str,
   config_flags.DEFINE_config_file("config", config_default, config_help, flag_values=flag_values,
                                   lock_config=True, sys_argv=list(argv))
   return flag_values
-
-
-def error_line(exc: BaseException) -> str:
-  """The one line to show for an exception: the innermost UserError's message if there is one."""
-  chain, seen = [], set()
-  node: BaseException | None = exc
-  while node is not None and id(node) not in seen:
-    seen.add(id(node))
-    chain.append(node)
-    node = node.__cause__ or node.__context__
-  for item in reversed(chain):  # the original error, not the flag library's re-wrapping
-    if isinstance(item, UserError) and not str(item).startswith("Error whilst parsing"):
-      return str(item)
-  lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-  return lines[0] if lines else type(exc).__name__
 
 
 def _config_spec(argv: Sequence[str]) -> str | None:
@@ -231,29 +214,3 @@ def run_tool(prog: str, body: Callable[[], int | None]) -> int:
       raise
     print(f"{prog}: {e}", file=sys.stderr)
     return e.exit_code
-
-
-def _check(fv: flags.FlagValues) -> str | None:
-  if fv.config is None:
-    return "--config is required, e.g. --config=configs/nadaraya_watson.py:runlocal=True"
-  if not fv.workdir:
-    return "--workdir is required: the run directory to create or resume"
-  return None
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-  """`attnlab train` / `python -m attnlab.main`: returns the exit status."""
-  argv = list(sys.argv if argv is None else argv)
-  flag_values = run_flags(
-      argv, "Config file and args: configs/<family>.py[:key=value,...]; override any field with "
-      "--config.<field>=<value>.", "Run directory (created, or resumed if it exists).")
-  prog, message = parse_tool(argv, "attnlab.main", flag_values, _check)
-
-  def body() -> None:
-    from attnlab import train  # pylint: disable=g-import-not-at-top  (imports JAX)
-    train.train_and_evaluate(flag_values.config, flag_values.workdir)
-  return launch(prog, message, body)
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -9,14 +9,16 @@ import sys
 
 # sub-command -> (module, one-line help)
 COMMANDS = {
-    "train": ("attnlab.main", "train or resume a run from a config"),
-    "sweep": ("attnlab.sweep", "run the cross product of config values"),
-    "inspect": ("attnlab.inspect_run", "print a run's config, last metrics and checkpoints"),
-    "generate": ("attnlab.generate", "sample text from a trained language model"),
-    "translate": ("attnlab.translate", "translate a sentence with a trained model and plot alignment"),
-    "data": ("attnlab.data.cli", "prepare or show a dataset"),
-    "import-hf": ("attnlab.import_hf", "import (or export) a Hugging Face GPT-2/BERT checkpoint"),
-    "view": ("attnlab.view", "write an interactive HTML page of a run's attention on a text"),
+    "train": ("attnlab.cli.train", "train or resume a run from a config"),
+    "sweep": ("attnlab.cli.sweep", "run the cross product of config values"),
+    "inspect": ("attnlab.cli.inspect_run", "print a run's config, last metrics and checkpoints"),
+    "generate": ("attnlab.cli.generate", "sample text from a trained language model"),
+    "translate": ("attnlab.cli.translate",
+                  "translate a sentence with a trained model and plot alignment"),
+    "data": ("attnlab.cli.data", "prepare or show a dataset"),
+    "import-hf": ("attnlab.cli.import_hf",
+                  "import (or export) a Hugging Face GPT-2/BERT checkpoint"),
+    "view": ("attnlab.cli.view", "write an interactive HTML page of a run's attention on a text"),
 }
 
 
@@ -40,6 +42,3 @@ def main(argv=None) -> int:
   # Each tool sees argv as if it had been started on its own: [prog, flags...].
   return module.main([f"attnlab {name}"] + argv[2:]) or 0
 
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -21,12 +21,12 @@ from absl import flags
 
 from attnlab import checkpoint
 from attnlab import config_utils
-from attnlab import main as main_lib
+from attnlab.cli import tool
 from attnlab.errors import DamagedCheckpoints
 
 
 def _define_flags() -> flags.FlagValues:
-  flag_values = main_lib.tool_flags("Run directory to inspect.")
+  flag_values = tool.tool_flags("Run directory to inspect.")
   flags.DEFINE_string("step", None, "Also restore this checkpoint (a step number, or 'latest') "
                       "and summarise its parameters.", flag_values=flag_values)
   flags.DEFINE_bool("verify", False, "Restore every checkpoint into the model (slower: builds the "
@@ -73,7 +73,7 @@ def describe(workdir: str | pathlib.Path, step: int | str | None = None,
   Raises:
     DamagedCheckpoints: a checkpoint is damaged (its `report` is the text, with the bad ones marked).
   """
-  workdir = pathlib.Path(main_lib.resolve_path(workdir))
+  workdir = pathlib.Path(tool.resolve_path(workdir))
   config = checkpoint.read_config(workdir)
   lines = [f"run: {workdir}", "config:"]
   lines += [f"  {key} = {value!r}" for key, value in sorted(config_utils.flatten(config).items())]
@@ -127,13 +127,13 @@ def describe(workdir: str | pathlib.Path, step: int | str | None = None,
 def _check(fv: flags.FlagValues) -> str | None:
   if not fv.workdir:
     return "--workdir is required: the run directory to inspect"
-  return None if fv.step is None else main_lib.step_error(fv.step)
+  return None if fv.step is None else tool.step_error(fv.step)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """`attnlab inspect` / `python -m attnlab.inspect_run`: returns the exit status."""
+  """`attnlab inspect` / `python -m attnlab.cli.inspect_run`: returns the exit status."""
   flag_values = _define_flags()
-  prog, message = main_lib.parse_tool(argv, "attnlab.inspect_run", flag_values, _check)
+  prog, message = tool.parse_tool(argv, "attnlab.cli.inspect_run", flag_values, _check)
 
   def body() -> int:
     step = flag_values.step
@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       print(f"{prog}: error: {e}", file=sys.stderr)
       return e.exit_code
     return 0
-  return main_lib.launch(prog, message, body)
+  return tool.launch(prog, message, body)
 
 
 if __name__ == "__main__":

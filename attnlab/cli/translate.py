@@ -2,7 +2,7 @@
 
   attnlab translate --workdir=runs/marathi "Rahul is a good boy"
   attnlab translate --workdir=runs/dates --beam_size=4 --output=/tmp/date.png "9 October 1993"
-  python -m attnlab.translate --workdir=runs/dates "tuesday 9 october 1993" "09/10/93"
+  python -m attnlab.cli.translate --workdir=runs/dates "tuesday 9 october 1993" "09/10/93"
 
 Prints one translation per input on stdout and writes one PNG per input: the attention weights with
 the source tokens across and the output tokens down (DIR/alignment.png for one input,
@@ -25,14 +25,14 @@ from collections.abc import Callable, Sequence
 
 from absl import flags
 
-from attnlab import main as main_lib
+from attnlab.cli import tool
 from attnlab.errors import UserError
 
-_LOG = logging.getLogger("attnlab.translate")  # not __name__: it is __main__ under python -m
+_LOG = logging.getLogger("attnlab.cli.translate")  # not __name__: it is __main__ under python -m
 
 
 def _define_flags() -> flags.FlagValues:
-  flag_values = main_lib.tool_flags("Run directory of a trained translation run.", step=True)
+  flag_values = tool.tool_flags("Run directory of a trained translation run.", step=True)
   flags.DEFINE_integer("beam_size", None, "Beams (1 = greedy); default: the run's decode.beam_size.",
                        flag_values=flag_values)
   flags.DEFINE_string("output", None, "PNG path of the heatmap (several inputs: suffixed _<i>); "
@@ -97,20 +97,20 @@ def _check(fv: flags.FlagValues, sentences: Sequence[str]) -> str | None:
     return 'give the sentence(s) to translate, e.g. attnlab translate --workdir=DIR "Hello"'
   if fv.beam_size is not None and not 1 <= fv.beam_size <= MAX_BEAM_SIZE:
     return f"--beam_size must be between 1 (greedy) and {MAX_BEAM_SIZE}, got {fv.beam_size}"
-  return main_lib.step_error(fv.step)
+  return tool.step_error(fv.step)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """`attnlab translate` / `python -m attnlab.translate`: returns the exit status."""
+  """`attnlab translate` / `python -m attnlab.cli.translate`: returns the exit status."""
   argv = list(sys.argv if argv is None else argv)
-  prog = main_lib.prog_name(argv, "attnlab.translate")
+  prog = tool.prog_name(argv, "attnlab.cli.translate")
   flag_values = _define_flags()
   try:
     sentences = flag_values(list(argv))[1:]  # the arguments that are not flags
   except (flags.Error, ValueError) as e:
-    sentences, message = [], main_lib.error_line(e)
+    sentences, message = [], tool.error_line(e)
   else:
-    main_lib.resolve_paths(flag_values)
+    tool.resolve_paths(flag_values)
     message = _check(flag_values, sentences)
 
   def body() -> None:
@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in translate(flag_values.workdir, sentences, step=flag_values.step,
                           beam_size=flag_values.beam_size, output=flag_values.output, warn=warn):
       print(line)
-  return main_lib.launch(prog, message, body)
+  return tool.launch(prog, message, body)
 
 
 if __name__ == "__main__":

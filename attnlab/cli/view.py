@@ -11,7 +11,7 @@ self-contained page (analysis.view.write_html; DIR/view.html by default): layer 
 the token-to-token line view, the heatmap or, for cross-attention, the alignment, and the per-head
 metrics table. Prints the page's path. From Python / a notebook:
 
-  from attnlab import view
+  from attnlab.cli import view
   path = view.view_text("runs/dates", "9 October 1993")
 """
 
@@ -25,12 +25,12 @@ from collections.abc import Sequence
 import numpy as np
 from absl import flags
 
-from attnlab import main as main_lib
+from attnlab.cli import tool
 from attnlab.errors import UserError
 
 
 def _define_flags() -> flags.FlagValues:
-  fv = main_lib.tool_flags("Run directory of a trained run.", step=True)
+  fv = tool.tool_flags("Run directory of a trained run.", step=True)
   flags.DEFINE_string("text", None, "Input text (the source sentence of a translation run).",
                       flag_values=fv)
   flags.DEFINE_string("target", None, "Translation runs: the target text to attend over "
@@ -48,7 +48,7 @@ def _check(fv: flags.FlagValues) -> str | None:
     return "--text is required and must not be empty, e.g. --text=\"the cat sat\""
   if fv.target is not None and not fv.target.strip():
     return "--target must not be empty; leave it out to use the model's own translation"
-  return main_lib.step_error(fv.step)
+  return tool.step_error(fv.step)
 
 
 def view_text(workdir, text: str, target: str | None = None, out: str | os.PathLike | None = None,
@@ -90,13 +90,13 @@ def view_text(workdir, text: str, target: str | None = None, out: str | os.PathL
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """`attnlab view` / `python -m attnlab.view`: returns the exit status."""
+  """`attnlab view` / `python -m attnlab.cli.view`: returns the exit status."""
   fv = _define_flags()
-  prog, message = main_lib.parse_tool(argv, "attnlab.view", fv, _check)
+  prog, message = tool.parse_tool(argv, "attnlab.cli.view", fv, _check)
 
   def body() -> None:
     print(view_text(fv.workdir, fv.text, target=fv.target, out=fv.out, step=fv.step))
-  return main_lib.launch(prog, message, body)
+  return tool.launch(prog, message, body)
 
 
 if __name__ == "__main__":

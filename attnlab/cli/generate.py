@@ -25,14 +25,14 @@ from collections.abc import Callable, Sequence
 
 from absl import flags
 
-from attnlab import main as main_lib
+from attnlab.cli import tool
 from attnlab.errors import UserError
 
-_LOG = logging.getLogger("attnlab.generate")  # not __name__: it is __main__ under python -m
+_LOG = logging.getLogger("attnlab.cli.generate")  # not __name__: it is __main__ under python -m
 
 
 def _define_flags() -> flags.FlagValues:
-  fv = main_lib.tool_flags("Run directory of a causal_lm run.", step=True)
+  fv = tool.tool_flags("Run directory of a causal_lm run.", step=True)
   flags.DEFINE_multi_string("prompt", [], "Text to continue (default: the dataset's usual "
                             "prompt); give it several times to sample several texts as one batch.",
                             flag_values=fv)
@@ -70,7 +70,7 @@ def _check(fv: flags.FlagValues) -> str | None:
     return f"--top_k must be >= 0 (0: no top-k filter), got {fv.top_k}"
   if not 0.0 < fv.top_p <= 1.0:
     return f"--top_p must be in (0, 1], got {fv.top_p}"
-  return main_lib.step_error(fv.step)
+  return tool.step_error(fv.step)
 
 
 def generate_text(workdir: str, prompt: str = "", **options) -> tuple[str, str, float]:
@@ -124,9 +124,9 @@ def generate_texts(workdir: str, prompts: Sequence[str], *, num_tokens: int = 30
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """`attnlab generate` / `python -m attnlab.generate`: returns the exit status."""
+  """`attnlab generate` / `python -m attnlab.cli.generate`: returns the exit status."""
   fv = _define_flags()
-  prog, message = main_lib.parse_tool(argv, "attnlab.generate", fv, _check)
+  prog, message = tool.parse_tool(argv, "attnlab.cli.generate", fv, _check)
 
   def body() -> None:
     prompts, texts, seconds = generate_texts(
@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n\n".join(prompt + text for prompt, text in zip(prompts, texts)))
     if fv.timing:
       print(f"{fv.num_tokens} tokens in {seconds:.2f} s (including compilation)", file=sys.stderr)
-  return main_lib.launch(prog, message, body)
+  return tool.launch(prog, message, body)
 
 
 if __name__ == "__main__":

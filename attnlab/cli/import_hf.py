@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from absl import flags
 
-from attnlab import main as main_lib
+from attnlab.cli import tool
 
 
 def _define_flags() -> flags.FlagValues:
@@ -33,12 +33,12 @@ def _define_flags() -> flags.FlagValues:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """`attnlab import-hf` / `python -m attnlab.import_hf`: returns the exit status."""
+  """`attnlab import-hf` / `python -m attnlab.cli.import_hf`: returns the exit status."""
   argv = list(sys.argv if argv is None else argv)
-  prog = main_lib.prog_name(argv, "attnlab.import_hf")
+  prog = tool.prog_name(argv, "attnlab.cli.import_hf")
   fv = _define_flags()
   paths = [a for a in argv[1:] if not a.startswith("-")]
-  message = main_lib.parse_flags(fv, [argv[0]] + [a for a in argv[1:] if a.startswith("-")])
+  message = tool.parse_flags(fv, [argv[0]] + [a for a in argv[1:] if a.startswith("-")])
   if message is None and len(paths) != 1:
     message = ("give one PATH: the checkpoint folder (config.json + model.safetensors or "
                "pytorch_model.bin), e.g. attnlab import-hf path/to/gpt2 --workdir=runs/gpt2")
@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       return
     workdir = hf.import_checkpoint(paths[0], fv.workdir, overwrite=fv.overwrite)
     print(f"imported {paths[0]} into {workdir}")
-  return main_lib.launch(prog, message, body)
+  return tool.launch(prog, message, body)
 
 
 if __name__ == "__main__":
