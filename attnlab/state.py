@@ -36,6 +36,7 @@ from attnlab import config_utils
 from attnlab import errors
 from attnlab import parallel
 from attnlab import precision
+from attnlab import rundir
 from attnlab import tasks
 from attnlab.data import assets as assets_lib
 
@@ -353,13 +354,13 @@ def check_init_from(config: ml_collections.ConfigDict) -> None:
     return
   path = pathlib.Path(os.path.expanduser(init_from))
   what = (None if path.is_dir() else "is not a folder" if path.exists() else "does not exist")
-  if what is None and not (path / checkpoint.CONFIG_FILE).is_file():
-    what = f"has no {checkpoint.CONFIG_FILE}, so it is not a run directory"
+  if what is None and not (path / rundir.CONFIG_FILE).is_file():
+    what = f"has no {rundir.CONFIG_FILE}, so it is not a run directory"
   if what is not None:
     raise errors.ConfigError(f"config.init_from={init_from} {what}: give the --workdir of the run "
                              f"to start from, or set init_from=\"\" to start from scratch")
   try:
-    pretrained_config = checkpoint.read_config(path)
+    pretrained_config = rundir.read_config(path)
   except errors.UserError as e:
     problem = str(e)
   else:
@@ -367,8 +368,7 @@ def check_init_from(config: ml_collections.ConfigDict) -> None:
   if problem is not None:  # raised outside the handler: this line is the one the CLI prints
     raise errors.ConfigError(f"config.init_from={init_from}: {problem}")
   tasks.get_task(config.task).check_pretrained(config, pretrained_config)
-  if all(checkpoint.missing_file(path / checkpoint.CHECKPOINT_DIR / str(step))
-         for step in checkpoint.finished_steps(path)):
+  if not checkpoint.finished_steps(path):
     raise errors.ConfigError(
         f"config.init_from={init_from} holds no finished checkpoint (in "
         f"{path / checkpoint.CHECKPOINT_DIR}); let that run save one, or give another run")
@@ -501,7 +501,7 @@ def restore(workdir: str | os.PathLike, step: int | str = "latest") -> Restored:
       or a checkpoint that does not fit the model in config.json.
   """
   workdir = pathlib.Path(workdir).absolute()
-  config = checkpoint.read_config(workdir)
+  config = rundir.read_config(workdir)
   task = _rebuild_task(workdir, config)
   abstract = restore_target(task)
   ckpt = checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR, read_only=True)

@@ -50,8 +50,8 @@ from typing import Any
 
 import ml_collections
 
-from attnlab import checkpoint
 from attnlab import config_utils
+from attnlab import rundir
 from attnlab.errors import RunStopped
 from attnlab.errors import TrainingInterrupted
 from attnlab.errors import UserError
@@ -259,10 +259,10 @@ def _to_run(members: Sequence[Member]) -> list[Member]:
     if problem is not None:  # raised outside the handler: error_line shows this line, not e's
       raise UserError(f"sweep member {member.name}: {problem}")
   for member in members:
-    checkpoint.prepare_workdir(member.workdir, member.config)
+    rundir.prepare_workdir(member.workdir, member.config)
   todo = []
   for member in members:
-    if checkpoint.is_complete(member.workdir, member.config.num_train_steps):
+    if rundir.is_complete(member.workdir, member.config.num_train_steps):
       member.status = "skipped"
       _LOG.info("%s: complete, skipped", member.name)
     else:
@@ -292,7 +292,7 @@ def run_sweep(base: ml_collections.ConfigDict, axes: Mapping[str, Sequence[Any]]
   members = expand(base, axes, workdir)
   if summarize_only:
     for member in members:
-      if checkpoint.is_complete(member.workdir, member.config.num_train_steps):
+      if rundir.is_complete(member.workdir, member.config.num_train_steps):
         member.status = "skipped"
     write_summary(workdir, members, list(axes))
     return members
@@ -304,7 +304,7 @@ def run_sweep(base: ml_collections.ConfigDict, axes: Mapping[str, Sequence[Any]]
       _LOG.info("member %d/%d: %s", member_index, len(members), member.name)
       _run_inprocess(member)
     return members
-  with checkpoint.WorkdirLock(workdir):  # one sweep at a time in DIR
+  with rundir.WorkdirLock(workdir):  # one sweep at a time in DIR
     _run_members(members, axes, workdir, parallel, inprocess)
   return members
 
@@ -412,7 +412,7 @@ def run(config: ConfigSpec | None = None, axes: Axes | None = None, *,
 def final_metrics_per_seed(workdir: str | os.PathLike) -> list[dict[str, float]]:
   """{"eval/<name>": value} of the last evaluation and "train/loss" of the last train log, for each
   replica of the run: one dict, or N for a run with num_seeds=N."""
-  last = checkpoint.last_records(checkpoint.read_metrics(workdir))
+  last = rundir.last_records(rundir.read_metrics(workdir))
   per_seed = {split: r["per_seed"] for split, r in last.items()
               if isinstance(r.get("per_seed"), Mapping)}
   if not per_seed:  # a run of one replica: its records' values
@@ -443,9 +443,9 @@ def incomplete_members(members: Sequence[Member]) -> dict[str, str]:
   missing = {}
   for member in members:
     steps = member.config.num_train_steps
-    if member.status == "failed" or checkpoint.is_complete(member.workdir, steps):
+    if member.status == "failed" or rundir.is_complete(member.workdir, steps):
       continue
-    last = checkpoint.last_records(checkpoint.read_metrics(member.workdir)).get("eval")
+    last = rundir.last_records(rundir.read_metrics(member.workdir)).get("eval")
     missing[member.name] = (f"its last evaluation is at step {last['step']} of {steps}" if last
                             else "it has no evaluation record")
   return missing

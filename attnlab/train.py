@@ -2,11 +2,11 @@
 
 The task (attnlab/tasks) supplies model, data, loss and evaluation; this module supplies the rest:
 the optax optimizer from `config.optimizer`, a jit-compiled train step with donated state, the run
-directory (attnlab/checkpoint.py), TensorBoard events, a tqdm progress bar, resume, and the faults:
-a non-finite loss stops the run without saving over the last good checkpoint; SIGTERM or Ctrl-C
-saves a checkpoint and stops; a write the disk refuses (full, read-only) stops the run with one line
-naming the file and the last good checkpoint; a second process on a busy workdir is refused
-(checkpoint.WorkdirLock).
+directory (attnlab/rundir.py, its checkpoints attnlab/checkpoint.py), TensorBoard events, a tqdm
+progress bar, resume, and the faults: a non-finite loss stops the run without saving over the last
+good checkpoint; SIGTERM or Ctrl-C saves a checkpoint and stops; a write the disk refuses (full,
+read-only) stops the run with one line naming the file and the last good checkpoint; a second
+process on a busy workdir is refused (rundir.WorkdirLock).
 
 Determinism: the keys are functions of the seed and the step (attnlab/state.py: `run_keys`), so
 they need no saving; the data order comes from the task's iterator, whose state is in every
@@ -45,6 +45,7 @@ from attnlab import checkpoint
 from attnlab import config_utils
 from attnlab import parallel
 from attnlab import precision
+from attnlab import rundir
 from attnlab import state as state_lib
 from attnlab import tasks
 from attnlab.data import assets as assets_lib
@@ -60,8 +61,6 @@ from attnlab.state import make_schedule
 from attnlab.state import run_keys
 
 _LOG = logging.getLogger(__name__)
-# One JSON line per start of the run: versions, host, git commit (train.provenance).
-PROVENANCE_FILE = "provenance.jsonl"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -205,7 +204,7 @@ class _MetricLogger:
     if not self._enabled:
       return
     tensorboardX = _import_tensorboardx()
-    self._path, self._tb_dir = workdir / checkpoint.METRICS_FILE, workdir / "tensorboard"
+    self._path, self._tb_dir = workdir / rundir.METRICS_FILE, workdir / "tensorboard"
     with _writing(self._path):
       self._file = open(self._path, "a")
     with _writing(self._tb_dir):
@@ -322,8 +321,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   is_main = parallel.is_main_process()
   with _stop_on_refused_writes(workdir), contextlib.ExitStack() as stack:
     if is_main:
-      stack.enter_context(checkpoint.WorkdirLock(workdir))
-      checkpoint.prepare_workdir(workdir, config)
+      stack.enter_context(rundir.WorkdirLock(workdir))
+      rundir.prepare_workdir(workdir, config)
     return _train_in_workdir(config, workdir, task, mesh, is_main, own_assets is not None)
 
 
@@ -353,11 +352,11 @@ def _own_assets(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> pat
   `_record_start` then keeps and `load_run` reads: a resume with allow_config_change, such as
   more steps, continues with them and needs no dataset or cache to rebuild them), else None."""
   folder = workdir / assets_lib.DIRNAME
-  if not (folder.is_dir() and (workdir / checkpoint.CONFIG_FILE).is_file()):
+  if not (folder.is_dir() and (workdir / rundir.CONFIG_FILE).is_file()):
     return None
   if checkpoint.finished_steps(workdir):
     return folder
-  same = not config_utils.config_diff(checkpoint.read_config(workdir).to_dict(), config)
+  same = not config_utils.config_diff(rundir.read_config(workdir).to_dict(), config)
   return folder if same else None
 
 
@@ -372,35 +371,7 @@ def _record_start(workdir: pathlib.Path, task: tasks.Task, own_assets: bool = Tr
     shutil.rmtree(folder)
   if not folder.is_dir():
     task.save_assets(folder)
-  with open(workdir / PROVENANCE_FILE, "a", encoding="utf-8") as f:
-    f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **provenance()}) + "\n")
-
-
-def provenance() -> dict[str, Any]:
-  """Python and package versions, the host, and the git commit of the attnlab checkout (None
-  when attnlab is installed from a wheel), with `git_dirty` when it has uncommitted changes."""
-  import importlib.metadata  # pylint: disable=g-import-not-at-top
-  import platform  # pylint: disable=g-import-not-at-top
-  import subprocess  # pylint: disable=g-import-not-at-top
-  versions = {}
-  for package in ("attnlab", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy"):
-    try:
-      versions[package] = importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-      versions[package] = None
-  source = pathlib.Path(__file__).resolve().parent
-  commit = dirty = None
-  try:
-    git = lambda *args: subprocess.run(["git", "-C", str(source), *args], capture_output=True,
-                                       text=True, timeout=10, check=True).stdout.strip()
-    # Only attnlab's own checkout (not a repository that merely holds an installed copy).
-    if pathlib.Path(git("rev-parse", "--show-toplevel")) / "attnlab" == source:
-      commit = git("rev-parse", "HEAD")
-      dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
-  except (OSError, subprocess.SubprocessError):
-    pass
-  return {"host": platform.node(), "python": platform.python_version(), "packages": versions,
-          "git_commit": commit, "git_dirty": dirty, "devices": str(jax.devices()[0].platform)}
+  rundir.record_provenance(workdir)
 
 
 @contextlib.contextmanager
@@ -455,7 +426,7 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
       _LOG.info("resuming %s from checkpoint step %d", workdir, state_lib.step_of(state))
     start = state_lib.step_of(state)
     if is_main:
-      checkpoint.truncate_metrics(workdir, start)
+      rundir.truncate_metrics(workdir, start)
     if start >= num_steps:
       _finish_complete_run(task, state, workdir, start, seeds)
       return state
@@ -476,7 +447,7 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
 def _finish_complete_run(task: tasks.Task, state: TrainState, workdir: pathlib.Path,
                          step: int, seeds: list[int]) -> None:
   """A run already at its last step: add the final evaluation if a crash skipped it."""
-  if not checkpoint.is_complete(workdir, step):
+  if not rundir.is_complete(workdir, step):
     with _MetricLogger(workdir, step, seeds) as logger:
       metrics, per_seed = state_lib.evaluate(task, state.params, len(seeds))
       logger.write(step, "eval", metrics, per_seed)
@@ -490,10 +461,10 @@ def _evaluate_if_missing(config: ml_collections.ConfigDict, task: tasks.Task, st
   evaluate it now, so that no step's evaluation is lost."""
   if step <= 0 or config.eval_every <= 0 or step % config.eval_every:
     return
-  if any(r["step"] == step and r.get("split") == "eval" for r in checkpoint.read_metrics(workdir)):
+  if any(r["step"] == step and r.get("split") == "eval" for r in rundir.read_metrics(workdir)):
     return
   _LOG.info("evaluating checkpoint step %d, whose evaluation is missing from %s", step,
-            checkpoint.METRICS_FILE)
+            rundir.METRICS_FILE)
   with _MetricLogger(workdir, step, seeds) as logger:
     metrics, per_seed = state_lib.evaluate(task, state.params, len(seeds))
     logger.write(step, "eval", metrics, per_seed)

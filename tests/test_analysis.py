@@ -8,6 +8,7 @@ import pytest
 from attnlab import analysis
 from attnlab import checkpoint
 from attnlab import config_utils
+from attnlab import rundir
 from attnlab import train
 from attnlab.cli import inspect_run
 
@@ -43,7 +44,7 @@ def test_load_run_restores_the_final_parameters(finished):
 def test_load_run_at_a_step_matches_the_logged_evaluation(finished):
   workdir, _ = finished
   run = analysis.load_run(workdir, step=10)
-  logged = [r for r in checkpoint.read_metrics(workdir) if r["split"] == "eval" and r["step"] == 10]
+  logged = [r for r in rundir.read_metrics(workdir) if r["split"] == "eval" and r["step"] == 10]
   assert run.step == 10 and float(run.params["w"]) == logged[0]["w"]
 
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from attnlab import analysis
-from attnlab import checkpoint
 from attnlab import config_utils
+from attnlab import rundir
 from attnlab import train
 from attnlab.data import mlm
 from attnlab.data import tokenizers
@@ -254,8 +254,8 @@ def pretrain_run(data_args, tmp_path_factory):
 
 @pytest.mark.slow
 def test_pretrain_runlocal_end_to_end(pretrain_run):
-  records = checkpoint.read_metrics(pretrain_run)
-  last_eval = checkpoint.last_records(records)["eval"]
+  records = rundir.read_metrics(pretrain_run)
+  last_eval = rundir.last_records(records)["eval"]
   assert last_eval["step"] == 4
   for key in ("mlm_loss", "mlm_accuracy", "nsp_loss", "nsp_accuracy"):
     assert np.isfinite(last_eval[key])
@@ -301,7 +301,7 @@ def test_finetune_loads_pretrained_encoder_end_to_end(pretrain_run, data_args, t
   task = classification.ClassificationTask(config)
   pretrained = analysis.load_run(pretrain_run).params
   rng = jax.random.key(3)
-  loaded = task.load_pretrained(task.init(rng), checkpoint.read_config(pretrain_run), pretrained)
+  loaded = task.load_pretrained(task.init(rng), rundir.read_config(pretrain_run), pretrained)
   for a, b in zip(jax.tree.leaves(pretrained["encoder"]), jax.tree.leaves(loaded["encoder"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   tokens = jnp.zeros((1, config.data.max_len), jnp.int32)
@@ -312,7 +312,7 @@ def test_finetune_loads_pretrained_encoder_end_to_end(pretrain_run, data_args, t
   # The whole fine-tuning run through the trainer, with its plots.
   workdir = tmp_path / "finetune"
   train.train_and_evaluate(config, workdir)
-  last_eval = checkpoint.last_records(checkpoint.read_metrics(workdir))["eval"]
+  last_eval = rundir.last_records(rundir.read_metrics(workdir))["eval"]
   assert last_eval["step"] == 3 and 0.0 <= last_eval["accuracy"] <= 1.0
   assert (workdir / "head_view.png").is_file() and (workdir / "cls_attention.png").is_file()
 
@@ -323,7 +323,7 @@ def test_finetune_rejects_a_different_pretraining_model(pretrain_run, data_args,
   config.init_from = str(pretrain_run)
   task = classification.ClassificationTask(config)
   with pytest.raises(config_utils.ConfigError, match="model.num_layers: 2 .* 1 here"):
-    task.load_pretrained(task.init(jax.random.key(0)), checkpoint.read_config(pretrain_run),
+    task.load_pretrained(task.init(jax.random.key(0)), rundir.read_config(pretrain_run),
                          analysis.load_run(pretrain_run).params)
   with pytest.raises(config_utils.ConfigError, match="model.num_layers: 2 .* 1 here"):
     train.train_and_evaluate(config, tmp_path / "mismatch")

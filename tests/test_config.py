@@ -234,14 +234,14 @@ OLD_KEYS = {
 
 @pytest.mark.parametrize("spec", sorted(OLD_KEYS))
 def test_old_config_json_loads_with_the_current_key_names(spec, tmp_path):
-  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  from attnlab import rundir  # pylint: disable=g-import-not-at-top
   current = config_utils.load_config_file(str(CONFIGS / spec))
   stored = config_utils.to_jsonable(current)
   for old, new in OLD_KEYS[spec].items():  # write the file as an older version did
     (old_group, old_leaf), (new_group, new_leaf) = old.split("."), new.split(".")
     stored[old_group][old_leaf] = stored[new_group].pop(new_leaf) + 1
   (tmp_path / "config.json").write_text(json.dumps(stored))
-  loaded = checkpoint.read_config(tmp_path)
+  loaded = rundir.read_config(tmp_path)
   flat = config_utils.flatten(loaded)
   for old, new in OLD_KEYS[spec].items():
     assert old not in flat and flat[new] == config_utils.get_value(current, new) + 1
@@ -249,7 +249,7 @@ def test_old_config_json_loads_with_the_current_key_names(spec, tmp_path):
   for new in OLD_KEYS[spec].values():
     config_utils.set_value(current, new, flat[new])
   assert config_utils.config_diff(loaded, current) == []
-  checkpoint.prepare_workdir(tmp_path, current)
+  rundir.prepare_workdir(tmp_path, current)
 
 
 def test_old_key_on_the_command_line_names_the_new_one():

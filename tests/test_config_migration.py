@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-from attnlab import checkpoint
+from attnlab import rundir
 from attnlab import config_utils
 from attnlab import models
 from attnlab.attention.config import AttentionConfig
@@ -93,8 +93,8 @@ def test_from_jsonable_moves_the_flat_keys_into_model_attention(family):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_run_directory_gives_the_same_attention_config(family, tmp_path):
-  shutil.copy(OLD_CONFIGS / f"{family}.json", tmp_path / checkpoint.CONFIG_FILE)
-  stored = checkpoint.read_config(tmp_path)  # config.json only: no checkpoint, no assets
+  shutil.copy(OLD_CONFIGS / f"{family}.json", tmp_path / rundir.CONFIG_FILE)
+  stored = rundir.read_config(tmp_path)  # config.json only: no checkpoint, no assets
   _, _, expected = FAMILIES[family]
   got = models.attention_config(stored.model)
   assert got == expected
@@ -104,7 +104,7 @@ def test_a_run_directory_gives_the_same_attention_config(family, tmp_path):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_migrated_old_config_equals_a_freshly_built_one(family):
   """No config_diff between the old run and the same run built today: it resumes without
-  allow_config_change (checkpoint.prepare_workdir, train._own_assets)."""
+  allow_config_change (rundir.prepare_workdir, train._own_assets)."""
   migrated = config_utils.from_jsonable(_old(family))
   fresh = _fresh(family)
   assert config_utils.config_diff(migrated.to_dict(), fresh) == []

@@ -184,7 +184,7 @@ def test_finetuning_starts_from_the_imported_encoder(bert_run):
 
 @pytest.mark.slow
 def test_finetuning_run_from_the_imported_bert(bert_run, shared_data, tmp_path):
-  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  from attnlab import rundir  # pylint: disable=g-import-not-at-top
   from attnlab import train  # pylint: disable=g-import-not-at-top
   config = config_utils.load_config_file(
       f"{CONFIGS / 'bert.py'}:mode=finetune,runlocal=True,pretrained={bert_run.workdir},"
@@ -192,7 +192,7 @@ def test_finetuning_run_from_the_imported_bert(bert_run, shared_data, tmp_path):
       f"data.data_dir={tmp_path / 'tfds'}")
   workdir = tmp_path / "finetune"
   train.train_and_evaluate(config, workdir)
-  last_eval = checkpoint.last_records(checkpoint.read_metrics(workdir))["eval"]
+  last_eval = rundir.last_records(rundir.read_metrics(workdir))["eval"]
   assert last_eval["step"] == 2 and 0.0 <= last_eval["accuracy"] <= 1.0
   assert (workdir / "head_view.png").is_file()
   # SST-2 sentences are encoded with the checkpoint's WordPiece vocabulary and its [CLS]/[SEP].

@@ -433,7 +433,7 @@ def translation_run(tmp_path_factory):
   """A runlocal dates translation run (RNN seq2seq, character tokens) at its initial step 0,
   written as `attnlab train` writes a run (config, assets, checkpoint), without its training."""
   # pylint: disable=g-import-not-at-top
-  from attnlab import checkpoint, config_utils, state as state_lib, tasks
+  from attnlab import checkpoint, config_utils, rundir, state as state_lib, tasks
   from attnlab.data import assets
   # pylint: enable=g-import-not-at-top
   workdir = tmp_path_factory.mktemp("dates") / "run"
@@ -445,7 +445,7 @@ def translation_run(tmp_path_factory):
       config.optimizer, config.num_train_steps))
   state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
                                opt_state=tx.init(params))
-  checkpoint.write_config(workdir, config)
+  rundir.write_config(workdir, config)
   with checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR) as ckpt:
     ckpt.save(0, state, {"index": 0})
   return workdir
@@ -575,9 +575,9 @@ checkpoint.Checkpointer.save = save
 
 
 def _eval_records(workdir: pathlib.Path) -> dict[int, dict]:
-  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  from attnlab import rundir  # pylint: disable=g-import-not-at-top
   return {r["step"]: {k: v for k, v in r.items() if k != "wall_time"}
-          for r in checkpoint.read_metrics(workdir) if r["split"] == "eval"}
+          for r in rundir.read_metrics(workdir) if r["split"] == "eval"}
 
 
 @pytest.mark.slow
@@ -605,12 +605,12 @@ def test_a_kill_between_save_and_evaluation_loses_no_record(tmp_path):
 
 @pytest.mark.slow
 def test_sweep_summary_names_members_without_their_final_record(nw_run, tmp_path):
-  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  from attnlab import rundir  # pylint: disable=g-import-not-at-top
   sweep_dir = tmp_path / "sweep"
   for seed in (0, 1):  # the shared run stands for both members: summarize reads their metrics
     shutil.copytree(nw_run, sweep_dir / f"seed={seed}")
-  metrics = sweep_dir / "seed=1" / checkpoint.METRICS_FILE
-  records = checkpoint.read_metrics(metrics.parent)
+  metrics = sweep_dir / "seed=1" / rundir.METRICS_FILE
+  records = rundir.read_metrics(metrics.parent)
   metrics.write_text("".join(json.dumps(r) + "\n" for r in records
                              if not (r["split"] == "eval" and r["step"] == 20)))
   result = _cli("sweep", f"--config={NW}:{NW_ARGS}", f"--workdir={sweep_dir}", "--sweep=seed=0,1",
@@ -619,7 +619,7 @@ def test_sweep_summary_names_members_without_their_final_record(nw_run, tmp_path
   assert _one_line(result.stderr) == (
       "attnlab sweep: warning: member seed=1 has no final evaluation record (its last evaluation "
       "is at step 10 of 20); it is left out of the summary's means")
-  final = {k: v for k, v in checkpoint.last_records(records)["eval"].items()}
+  final = {k: v for k, v in rundir.last_records(records)["eval"].items()}
   table = result.stdout
   assert "| seeds | failed | incomplete | eval/test_mse |" in table
   row = [l for l in table.splitlines() if l.startswith("| 1 | 0 | 1 |")]
@@ -791,12 +791,13 @@ def test_checkpoint_meta_of_the_wrong_shape_is_a_damaged_checkpoint(tmp_path):
   abstract = {"w": jax.ShapeDtypeStruct((4,), np.float32)}
   for forged in ({**meta, "tree": ["x"]}, {k: v for k, v in meta.items() if k != "data_iterator"}):
     meta_file.write_text(json.dumps(forged))
-    assert "lacks the fields of a checkpoint" in checkpoint.check_files(directory / "1")
     with checkpoint.Checkpointer(directory, read_only=True) as ckpt:
+      assert "lacks the fields of a checkpoint" in ckpt.check(1)
       with pytest.raises(errors.CorruptCheckpointError, match="checkpoint step 1 is unreadable"):
         ckpt.restore(1, abstract)
   meta_file.write_text("[" * 100_000 + "]" * 100_000)
-  assert "is not readable JSON (RecursionError" in checkpoint.check_files(directory / "1")
+  with checkpoint.Checkpointer(directory, read_only=True) as ckpt:
+    assert "is not readable JSON (RecursionError" in ckpt.check(1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -807,7 +808,7 @@ def _hand_made_run(path: pathlib.Path, metrics: bytes = b"", spec: str = f"{NW}:
                    **changes) -> pathlib.Path:
   """A run directory without checkpoints: the config.json `spec` builds, with `changes`
   ({"group__key": value} for nested keys), and `metrics` as its metrics.jsonl."""
-  from attnlab import checkpoint, config_utils  # pylint: disable=g-import-not-at-top
+  from attnlab import config_utils, rundir  # pylint: disable=g-import-not-at-top
   config = config_utils.to_jsonable(config_utils.load_config_file(spec))
   for key, value in changes.items():
     *groups, leaf = key.split("__")
@@ -816,8 +817,8 @@ def _hand_made_run(path: pathlib.Path, metrics: bytes = b"", spec: str = f"{NW}:
       node = node[group]
     node[leaf] = value
   path.mkdir(parents=True)
-  (path / checkpoint.CONFIG_FILE).write_text(json.dumps(config))
-  (path / checkpoint.METRICS_FILE).write_bytes(metrics)
+  (path / rundir.CONFIG_FILE).write_text(json.dumps(config))
+  (path / rundir.METRICS_FILE).write_bytes(metrics)
   return path
 
 
@@ -843,34 +844,35 @@ BAD_METRICS_LINES = {
 
 @pytest.mark.parametrize("case", sorted(BAD_METRICS_LINES))
 def test_bad_metrics_lines_are_named_and_never_dropped_by_a_resume(tmp_path, case):
-  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  from attnlab import rundir  # pylint: disable=g-import-not-at-top
   line, problem = BAD_METRICS_LINES[case]
   text = _record(5, "train") + line + _record(20, "eval") + b'{"step": 25, "spl'
   workdir = _hand_made_run(tmp_path / "run", text)
-  records = checkpoint.read_metrics(workdir)
+  records = rundir.read_metrics(workdir)
   assert [(r["step"], r["split"]) for r in records] == [(5, "train"), (20, "eval")]
-  assert checkpoint.is_complete(workdir, 20) and not checkpoint.is_complete(workdir, 30)
-  assert checkpoint.last_records(records)["eval"]["step"] == 20
-  _, problems = checkpoint.scan_metrics(workdir)
+  assert rundir.is_complete(workdir, 20) and not rundir.is_complete(workdir, 30)
+  assert rundir.last_records(records)["eval"]["step"] == 20
+  _, problems = rundir.scan_metrics(workdir)
   assert len(problems) == 1 and problems[0].startswith(
-      f"{workdir / checkpoint.METRICS_FILE} line 2: {problem}"), problems
+      f"{workdir / rundir.METRICS_FILE} line 2: {problem}"), problems
   # A resume rewrites the file: it refuses, and keeps every byte, rather than drop line 2.
   with pytest.raises(errors.MetricsError, match=f"line 2: {re.escape(problem)}.*the file is "
                      "left as it is: fix or delete that line"):
-    checkpoint.truncate_metrics(workdir, 5)
-  assert (workdir / checkpoint.METRICS_FILE).read_bytes() == text
+    rundir.truncate_metrics(workdir, 5)
+  assert (workdir / rundir.METRICS_FILE).read_bytes() == text
 
 
 def test_inspect_and_sweep_summaries_name_bad_metrics_lines(tmp_path, capsys):
   from attnlab import checkpoint, sweep  # pylint: disable=g-import-not-at-top
   from attnlab.cli import inspect_run  # pylint: disable=g-import-not-at-top
+  from attnlab import rundir  # pylint: disable=g-import-not-at-top
   bad = b'{"step": 20, "split": "eval", "mse": 0.1, "per_seed": {"mse": [0.1, "x"]}}\n'
   workdir = _hand_made_run(tmp_path / "run", _record(10, "eval") + bad
                            + b'{"step": "x", "split": "eval"}\n')
   status = inspect_run.main(["attnlab inspect", f"--workdir={workdir}"])
   out = capsys.readouterr().out
   assert status == 0, out
-  path = workdir / checkpoint.METRICS_FILE
+  path = workdir / rundir.METRICS_FILE
   assert (f"metrics (1 records in metrics.jsonl):\n  eval @ step 10: mse=0.5\n"
           f"  left out: {path} line 2: 'per_seed' is {{'mse': [0.1, 'x']}}, not {{name: [a number "
           f"per seed]}}\n  left out: {path} line 3: 'step' is 'x', not a step number (an int >= 0)"
@@ -900,10 +902,11 @@ def test_run_config_values_of_the_wrong_type_get_one_line(tmp_path, capsys, spec
                                                           expected):
   from attnlab import checkpoint, config_utils  # pylint: disable=g-import-not-at-top
   from attnlab.cli import inspect_run  # pylint: disable=g-import-not-at-top
+  from attnlab import rundir  # pylint: disable=g-import-not-at-top
   spec = f"{REPO / 'configs' / spec}" if spec else f"{NW}:{NW_ARGS}"
   workdir = _hand_made_run(tmp_path / "run", spec=spec, **changes)
   with pytest.raises(errors.CheckpointError) as info:
-    checkpoint.read_config(workdir)
+    rundir.read_config(workdir)
   assert str(info.value).startswith(f"{workdir / 'config.json'}: {expected}"), str(info.value)
   assert str(info.value).endswith("; write a value of that type there")
   status = inspect_run.main(["attnlab inspect", f"--workdir={workdir}"])
@@ -917,14 +920,14 @@ def test_run_config_values_of_the_wrong_type_get_one_line(tmp_path, capsys, spec
 
 
 def test_run_config_values_that_fit_their_defaults_read(tmp_path):
-  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  from attnlab import rundir  # pylint: disable=g-import-not-at-top
   # An int where a float is expected reads (as --config.x=1 does); a wrong type beside them does
   # not, so that this test fails where no type is checked.
   workdir = _hand_made_run(tmp_path / "a", optimizer__learning_rate=1, data__x_max=10)
-  assert checkpoint.read_config(workdir).optimizer.learning_rate == 1
+  assert rundir.read_config(workdir).optimizer.learning_rate == 1
   workdir = _hand_made_run(tmp_path / "b", optimizer__learning_rate=1, data__x_max="10")
   with pytest.raises(errors.CheckpointError, match="config key 'data.x_max' is '10' \\(str\\)"):
-    checkpoint.read_config(workdir)
+    rundir.read_config(workdir)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -938,16 +941,14 @@ FINETUNE = f"{BERT}:mode=finetune,runlocal=True,write_plots=False"
 
 def _pretraining_run(path: pathlib.Path, spec: str = f"{BERT}:mode=pretrain,runlocal=True",
                      finished: bool = True) -> pathlib.Path:
-  """A run directory with the config.json of `spec` and, with `finished`, the files of a finished
-  checkpoint at step 4 (empty: the check before the workdir lists files, it reads no arrays)."""
-  from attnlab import checkpoint, config_utils  # pylint: disable=g-import-not-at-top
+  """A run directory with the config.json of `spec` and, with `finished`, a finished checkpoint at
+  step 4 as orbax marks one, its final step directory (empty: the check before the workdir lists
+  the finished steps, it reads no arrays)."""
+  from attnlab import checkpoint, config_utils, rundir  # pylint: disable=g-import-not-at-top
   path.mkdir(parents=True)
-  checkpoint.write_config(path, config_utils.load_config_file(spec))
+  rundir.write_config(path, config_utils.load_config_file(spec))
   if finished:
-    for name in checkpoint.REQUIRED_FILES:
-      file = path / checkpoint.CHECKPOINT_DIR / "4" / name
-      file.parent.mkdir(parents=True, exist_ok=True)
-      file.write_text("{}")
+    (path / checkpoint.CHECKPOINT_DIR / "4").mkdir(parents=True)
   return path
 
 
@@ -1028,7 +1029,7 @@ def test_a_sweep_member_with_a_bad_init_from_is_refused_before_any_member_dir(tm
 
 
 def test_a_start_that_saved_no_checkpoint_does_not_block_the_corrected_run(tmp_path, monkeypatch):
-  from attnlab import checkpoint, config_utils, tasks, train  # pylint: disable=g-import-not-at-top
+  from attnlab import checkpoint, config_utils, rundir, tasks, train  # pylint: disable=g-import-not-at-top
   workdir = tmp_path / "run"
 
   def gone(self):
@@ -1038,7 +1039,7 @@ def test_a_start_that_saved_no_checkpoint_does_not_block_the_corrected_run(tmp_p
     patch.setattr(tasks.get_task(config.task), "train_iterator", gone)
     with pytest.raises(errors.DataError):
       train.train_and_evaluate(config, workdir)
-  assert (workdir / checkpoint.CONFIG_FILE).is_file() and not checkpoint.finished_steps(workdir)
+  assert (workdir / rundir.CONFIG_FILE).is_file() and not checkpoint.finished_steps(workdir)
   stale = workdir / "assets" / "stale_vocabulary.json"  # the earlier config's assets
   stale.parent.mkdir(exist_ok=True)
   stale.write_text("{}")
@@ -1046,7 +1047,7 @@ def test_a_start_that_saved_no_checkpoint_does_not_block_the_corrected_run(tmp_p
   fixed = config_utils.load_config_file(f"{NW}:{NW_ARGS},data.x_max=9.0")
   state = train.train_and_evaluate(fixed, workdir)
   assert int(state.step) == fixed.num_train_steps
-  assert checkpoint.read_config(workdir).data.x_max == 9.0 and not stale.exists()
+  assert rundir.read_config(workdir).data.x_max == 9.0 and not stale.exists()
   # Once a checkpoint is saved, a changed config is refused as before.
   with pytest.raises(errors.ConfigMismatchError, match=r"data.x_max: 9.0 -> 8.0"):
     train.train_and_evaluate(config_utils.load_config_file(f"{NW}:{NW_ARGS},data.x_max=8.0"),

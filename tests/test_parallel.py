@@ -89,7 +89,7 @@ def probe_config(**overrides) -> config_utils.ConfigDict:
 def worker(out: str) -> None:
   """Runs in the 4-device subprocess: trains the probe under several meshes, writes JSON."""
   import shutil  # pylint: disable=g-import-not-at-top
-  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  from attnlab import rundir  # pylint: disable=g-import-not-at-top
   from attnlab import train  # pylint: disable=g-import-not-at-top
   root = pathlib.Path(out).parent
   result = {"devices": jax.device_count(), "runs": {}}
@@ -98,7 +98,7 @@ def worker(out: str) -> None:
 
   def run(name, **overrides):
     state = train.train_and_evaluate(probe_config(**overrides), root / name)
-    records = checkpoint.read_metrics(root / name)
+    records = rundir.read_metrics(root / name)
     result["runs"][name] = {
         "per_device": steps[-1].per_device,
         "losses": [r["loss"] for r in records if r["split"] == "train"],
@@ -121,7 +121,7 @@ def worker(out: str) -> None:
   # Resume the FSDP run from its step-3 checkpoint on a 2-device data-parallel mesh.
   shutil.copytree(root / "fsdp4", root / "resumed")
   shutil.rmtree(root / "resumed" / "checkpoints" / str(STEPS))
-  checkpoint.truncate_metrics(root / "resumed", 3)
+  rundir.truncate_metrics(root / "resumed", 3)
   run("resumed", **{"mesh.data": 2, "mesh.fsdp": 1, "mesh.fsdp_min_size": 16})
   run("seeds_dp4", num_seeds=3, checkpoint_every=0)
   probe = LinearProbeTask(probe_config())
@@ -243,14 +243,14 @@ def test_batch_that_does_not_split_is_a_clear_error(four_devices):
 def cpu_devices_worker(out: str) -> None:
   """Runs in a fresh process without XLA_FLAGS: `mesh.cpu_devices=2` splits the CPU, then the
   count is fixed (JSON to `out`)."""
-  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  from attnlab import rundir  # pylint: disable=g-import-not-at-top
   from attnlab import train  # pylint: disable=g-import-not-at-top
   workdir = pathlib.Path(out).parent / "cpu2"
   state = train.train_and_evaluate(probe_config(checkpoint_every=0, **{"mesh.cpu_devices": 2}),
                                    workdir)
   result = {"devices": jax.device_count(),
             "kernel_devices": len(state.params["kernel"].sharding.device_set),
-            "losses": [r["loss"] for r in checkpoint.read_metrics(workdir)
+            "losses": [r["loss"] for r in rundir.read_metrics(workdir)
                        if r["split"] == "train"],
             "kernel": np.asarray(jax.device_get(state.params["kernel"])).tolist(),
             "init_kernel": np.asarray(LinearProbeTask(probe_config()).init(
@@ -475,7 +475,7 @@ GPT_DEFAULT = (f"{REPO / 'configs' / 'gpt.py'}:runlocal=True,num_train_steps=4,l
 def default_devices_worker(out: str) -> None:
   """Runs in a fresh process without XLA_FLAGS or mesh flags: the GPT config as it comes, so
   `mesh.cpu_devices` keeps its default (JSON to `out`)."""
-  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  from attnlab import rundir  # pylint: disable=g-import-not-at-top
   from attnlab import train  # pylint: disable=g-import-not-at-top
   workdir = pathlib.Path(out).parent / "default"
   config = config_utils.load_config_file(f"{GPT_DEFAULT},data.data_dir={workdir.parent / 'tfds'}")
@@ -483,7 +483,7 @@ def default_devices_worker(out: str) -> None:
   result = {"default": config.mesh.cpu_devices, "devices": jax.device_count(),
             "batch_size": config.batch_size,
             "state_devices": len(jax.tree.leaves(state.params)[0].sharding.device_set),
-            "losses": [r["loss"] for r in checkpoint.read_metrics(workdir)
+            "losses": [r["loss"] for r in rundir.read_metrics(workdir)
                        if r["split"] == "train"]}
   pathlib.Path(out).write_text(json.dumps(result))
 
@@ -498,12 +498,12 @@ def test_default_trains_on_every_core_with_the_losses_of_one_device(tmp_path, sh
   assert result["default"] == parallel.AUTO_CPU_DEVICES
   assert result["devices"] == expected and result["state_devices"] == expected
   # The same run on one device, in this process (conftest started JAX with one CPU device).
-  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  from attnlab import rundir  # pylint: disable=g-import-not-at-top
   from attnlab import train  # pylint: disable=g-import-not-at-top
   config = config_utils.load_config_file(
       f"{GPT_DEFAULT},data.data_dir={tmp_path / 'tfds'},mesh.cpu_devices=1")
   train.train_and_evaluate(config, tmp_path / "one")
-  one = [r["loss"] for r in checkpoint.read_metrics(tmp_path / "one") if r["split"] == "train"]
+  one = [r["loss"] for r in rundir.read_metrics(tmp_path / "one") if r["split"] == "train"]
   assert len(one) == len(result["losses"]) == 4
   np.testing.assert_allclose(result["losses"], one, rtol=2e-5)
 

@@ -15,6 +15,7 @@ from attnlab import analysis
 from attnlab import checkpoint
 from attnlab import config_utils
 from attnlab import precision
+from attnlab import rundir
 from attnlab import tasks
 from attnlab import train
 from attnlab.errors import ConfigError
@@ -249,7 +250,7 @@ def nano_runs(tmp_path_factory):
 
 
 def _train_losses(workdir):
-  records = checkpoint.read_metrics(workdir)
+  records = rundir.read_metrics(workdir)
   return np.array([r["loss"] for r in records if r["split"] == "train"])
 
 
@@ -298,7 +299,7 @@ def test_checkpoints_are_float32_and_load_across_dtypes(nano_runs, tmp_path):
 
 def _arg_of(workdir):
   """The arg that rebuilds a run's config (the keys the fixture set)."""
-  c = checkpoint.read_config(workdir)
+  c = rundir.read_config(workdir)
   return (f"runlocal=True,write_plots=False,log_every=10,eval_every=200,checkpoint_every=200,"
           f"data.manual_dir={c.data.manual_dir},data.data_dir={c.data.data_dir},"
           f"data.eval_windows=16")
@@ -319,12 +320,12 @@ def test_float16_with_loss_scaling_trains_and_resumes_across_dtypes(tmp_path):
   # gradients overflowed is skipped and not counted.
   counts = [int(x) for x in jax.tree.leaves(state.opt_state.inner) if x.dtype == jnp.int32]
   assert counts and all(20 < c <= 30 for c in counts)
-  records = checkpoint.read_metrics(workdir)
+  records = rundir.read_metrics(workdir)
   f16 = [r for r in records if r["split"] == "train" and 10 < r["step"] <= 30]
   assert f16 and all(r["loss_scale"] >= 1.0 and np.isfinite(r["loss"]) for r in f16)
   assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
   state = train.train_and_evaluate(_gpt(f"{base},num_train_steps=40,model.dtype=bfloat16"),
                                    workdir)
   assert precision.loss_scale(state.opt_state) is None and int(state.step) == 40
-  assert all(np.isfinite(r["loss"]) for r in checkpoint.read_metrics(workdir))
+  assert all(np.isfinite(r["loss"]) for r in rundir.read_metrics(workdir))
   assert analysis.load_run(workdir).step == 40

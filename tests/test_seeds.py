@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from attnlab import analysis
-from attnlab import checkpoint
 from attnlab import config_utils
+from attnlab import rundir
 from attnlab import sweep
 from attnlab import train
 
@@ -37,7 +37,7 @@ def runs(tmp_path_factory):
 
 
 def _records(workdir):
-  return [(r["step"], r["split"], r) for r in checkpoint.read_metrics(workdir)]
+  return [(r["step"], r["split"], r) for r in rundir.read_metrics(workdir)]
 
 
 @pytest.mark.slow
@@ -90,8 +90,8 @@ def test_resume_restores_every_replica_and_its_data_order(runs, tmp_path):
   copy = tmp_path / "copy"
   shutil.copytree(root / "vmapped", copy)
   shutil.rmtree(copy / "checkpoints" / "10")
-  checkpoint.truncate_metrics(copy, 5)
-  resumed = train.train_and_evaluate(checkpoint.read_config(copy), copy)
+  rundir.truncate_metrics(copy, 5)
+  resumed = train.train_and_evaluate(rundir.read_config(copy), copy)
   np.testing.assert_array_equal(np.asarray(resumed.params["w"]), np.asarray(vmapped.params["w"]))
 
 
@@ -103,7 +103,7 @@ def test_sweep_summary_counts_every_replica(runs, tmp_path):
   assert [m.status for m in members] == ["done"]
   with open(tmp_path / sweep.SUMMARY_CSV) as f:
     (row,) = list(csv.DictReader(f))
-  finals = [[r for r in checkpoint.read_metrics(root / f"seed{s}") if r["split"] == "eval"][-1]
+  finals = [[r for r in rundir.read_metrics(root / f"seed{s}") if r["split"] == "eval"][-1]
             for s in SEEDS]
   values = [r["test_mse"] for r in finals]
   assert row["seeds"] == "3"

@@ -6,9 +6,9 @@ import pathlib
 import numpy as np
 import pytest
 
-from attnlab import checkpoint
 from attnlab import config_utils
 from attnlab import errors
+from attnlab import rundir
 from attnlab import sweep
 from attnlab.cli import sweep as sweep_cli
 
@@ -32,7 +32,7 @@ def test_members_run_in_their_own_directories(swept):
   names = sorted(p.name for p in workdir.iterdir() if p.is_dir())
   assert names == ["model.kernel=gaussian,seed=0", "model.kernel=gaussian,seed=1",
                    "model.kernel=learned,seed=0", "model.kernel=learned,seed=1"]
-  config = checkpoint.read_config(workdir / "model.kernel=learned,seed=1")
+  config = rundir.read_config(workdir / "model.kernel=learned,seed=1")
   assert config.model.kernel == "learned" and config.seed == 1 and config.num_train_steps == 10
 
 
@@ -45,7 +45,7 @@ def test_summary_is_mean_and_std_over_seeds(swept):
   for row in rows:
     finals = []
     for seed in (0, 1):
-      records = checkpoint.read_metrics(workdir / f"model.kernel={row['model.kernel']},seed={seed}")
+      records = rundir.read_metrics(workdir / f"model.kernel={row['model.kernel']},seed={seed}")
       finals.append([r for r in records if r["split"] == "eval"][-1]["test_mse"])
     assert row["seeds"] == "2" and row["failed"] == "0"
     assert float(row["eval/test_mse_mean"]) == pytest.approx(np.mean(finals), rel=1e-3)
@@ -177,5 +177,5 @@ def test_run_in_a_subprocess_one_at_a_time(tmp_path):
   [member] = result.members
   assert member.status == "done", member.error
   assert (member.workdir / "log.txt").is_file()  # a subprocess's log
-  assert checkpoint.is_complete(member.workdir, 2)
+  assert rundir.is_complete(member.workdir, 2)
   assert result.summary()[0]["seeds"] == 1

@@ -20,6 +20,7 @@ from attnlab import analysis
 from attnlab import checkpoint
 from attnlab import config_utils
 from attnlab import errors
+from attnlab import rundir
 from attnlab import tasks
 from attnlab import train
 from attnlab.cli import tool
@@ -166,7 +167,7 @@ def test_changed_config_is_refused_unless_allowed(local_run, tmp_path):
   copy = tmp_path / "copy"
   shutil.copytree(workdir, copy)
   config = config_utils.load_config_file(f"{NW}:{LOCAL},seed=1")
-  with pytest.raises(checkpoint.ConfigMismatchError, match=r"seed: 0 -> 1.*allow_config_change"):
+  with pytest.raises(errors.ConfigMismatchError, match=r"seed: 0 -> 1.*allow_config_change"):
     train.train_and_evaluate(config, copy)
   config = config_utils.load_config_file(f"{NW}:{LOCAL},num_train_steps=25,allow_config_change=True")
   state = train.train_and_evaluate(config, copy)
@@ -181,7 +182,7 @@ def test_corrupt_checkpoint_falls_back_to_previous(local_run, tmp_path):
   for path in (copy / "checkpoints" / "20" / "state").rglob("*"):
     if path.is_file() and path.parent.name == "d":
       path.write_bytes(b"garbage")
-  checkpoint.truncate_metrics(copy, 10)  # as if the run had died right after saving step 20
+  rundir.truncate_metrics(copy, 10)  # as if the run had died right after saving step 20
   messages = []
   handler = logging.Handler()
   handler.emit = lambda record: messages.append(record.getMessage())
@@ -252,11 +253,11 @@ def test_sigterm_and_sigkill_then_resume_is_bit_identical(tmp_path):
   assert run.step == 40
   for name in reference.params:
     np.testing.assert_array_equal(np.asarray(run.params[name]), np.asarray(reference.params[name]))
-  records = checkpoint.read_metrics(workdir)
+  records = rundir.read_metrics(workdir)
   train_steps = [r["step"] for r in records if r["split"] == "train"]
   assert train_steps == sorted(set(train_steps)) and train_steps[-1] == 40
   final = {r["split"]: r for r in records if r["step"] == 40}
-  ref_final = {r["split"]: r for r in checkpoint.read_metrics(tmp_path / "reference")
+  ref_final = {r["split"]: r for r in rundir.read_metrics(tmp_path / "reference")
                if r["step"] == 40}
   assert final["train"]["loss"] == ref_final["train"]["loss"]
   assert final["eval"]["test_mse"] == ref_final["eval"]["test_mse"]

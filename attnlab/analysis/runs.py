@@ -23,7 +23,7 @@ from attnlab import checkpoint
 from attnlab import state as state_lib
 from attnlab import tasks
 from attnlab.layers import sown
-from attnlab.checkpoint import read_metrics  # re-exported for analysis scripts
+from attnlab.rundir import read_metrics  # re-exported for analysis scripts
 
 __all__ = ["Run", "attention_maps", "few_steps_warning", "load_run", "read_metrics"]
 

@@ -5,10 +5,11 @@
   attnlab inspect --workdir=runs/nw --step=latest   the same for the newest checkpoint
   attnlab inspect --workdir=runs/nw --verify   also restores every checkpoint into the model
 
-Every listed checkpoint is checked: its files are all there and read back whole
-(checkpoint.check_files); `--verify` restores each one as a resumed run would. A bad checkpoint is
-marked in the list ("20 (damaged)"), described below it, and the command exits with status 1 after
-one line on stderr naming it and the newest good checkpoint (the one a resumed run starts from).
+Every listed checkpoint is checked: it reads back whole, every array as orbax stored it
+(checkpoint.Checkpointer.check); `--verify` restores each one into the model as a resumed run
+would. A bad checkpoint is marked in the list ("20 (damaged)"), described below it, and the command
+exits with status 1 after one line on stderr naming it and the newest good checkpoint (the one a
+resumed run starts from).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from absl import flags
 from attnlab import checkpoint
 from attnlab import config_utils
 from attnlab.cli import tool
+from attnlab import rundir
 from attnlab.errors import DamagedCheckpoints
 
 
@@ -38,25 +40,24 @@ def _define_flags() -> flags.FlagValues:
 def check_checkpoints(workdir: pathlib.Path, config, steps: list[int],
                       verify: bool = False) -> dict[int, str]:
   """{step: what is wrong} for the damaged checkpoints among `steps` (empty: all good)."""
+  if not steps:
+    return {}
   bad = {}
-  for step in steps:
-    problem = checkpoint.check_files(workdir / checkpoint.CHECKPOINT_DIR / str(step))
-    if problem is not None:
-      bad[step] = problem
-  good = [step for step in steps if step not in bad]
-  if verify and good:
-    from attnlab import state  # pylint: disable=g-import-not-at-top  (imports JAX)
-    from attnlab import tasks  # pylint: disable=g-import-not-at-top
-    abstract = state.restore_target(tasks.build_task(config))
-    ckpt = checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR, read_only=True)
-    try:
+  with checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR, read_only=True) as ckpt:
+    for step in steps:
+      problem = ckpt.check(step)
+      if problem is not None:
+        bad[step] = problem
+    good = [step for step in steps if step not in bad]
+    if verify and good:
+      from attnlab import state  # pylint: disable=g-import-not-at-top  (imports JAX)
+      from attnlab import tasks  # pylint: disable=g-import-not-at-top
+      abstract = state.restore_target(tasks.build_task(config))
       for step in good:
         try:
           ckpt.restore(step, abstract)
         except checkpoint.CheckpointError as e:
           bad[step] = str(e)
-    finally:
-      ckpt.close()
   return bad
 
 
@@ -74,13 +75,13 @@ def describe(workdir: str | pathlib.Path, step: int | str | None = None,
     DamagedCheckpoints: a checkpoint is damaged (its `report` is the text, with the bad ones marked).
   """
   workdir = pathlib.Path(tool.resolve_path(workdir))
-  config = checkpoint.read_config(workdir)
+  config = rundir.read_config(workdir)
   lines = [f"run: {workdir}", "config:"]
   lines += [f"  {key} = {value!r}" for key, value in sorted(config_utils.flatten(config).items())]
   # Bad lines are listed here and left out (the report goes on from the other records).
-  records, problems = checkpoint.scan_metrics(workdir)
-  last = checkpoint.last_records(records)
-  lines.append(f"metrics ({len(records)} records in {checkpoint.METRICS_FILE}):")
+  records, problems = rundir.scan_metrics(workdir)
+  last = rundir.last_records(records)
+  lines.append(f"metrics ({len(records)} records in {rundir.METRICS_FILE}):")
   if not last:
     lines.append("  none yet")
   for split, record in sorted(last.items()):
@@ -88,7 +89,7 @@ def describe(workdir: str | pathlib.Path, step: int | str | None = None,
   lines += [f"  left out: {problem}" for problem in problems]
   steps = checkpoint.finished_steps(workdir)
   bad = check_checkpoints(workdir, config, steps, verify)
-  complete = checkpoint.is_complete(workdir, config.num_train_steps, records)
+  complete = rundir.is_complete(workdir, config.num_train_steps, records)
   listed = [f"{s} (damaged)" if s in bad else str(s) for s in steps]
   lines.append(f"checkpoints: {', '.join(listed) or 'none'} "
                f"(of {config.num_train_steps} steps; {'complete' if complete else 'not complete'})")

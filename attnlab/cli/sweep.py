@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from absl import flags
 
-from attnlab import checkpoint
+from attnlab import rundir
 from attnlab.cli import tool
 from attnlab.sweep import expand
 from attnlab.sweep import prepare
@@ -59,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   def body() -> int:
     if fv.member:
       from attnlab import train  # pylint: disable=g-import-not-at-top
-      train.train_and_evaluate(checkpoint.read_config(fv.member), fv.member)
+      train.train_and_evaluate(rundir.read_config(fv.member), fv.member)
       return 0
     axes = dict(split_sweep_arg(text) for text in fv.sweep)  # typed by `prepare`
     if fv.list:

@@ -174,8 +174,20 @@ class _StderrHandler(logging.StreamHandler):
     pass  # StreamHandler.__init__ and setStream set it; the live sys.stderr wins
 
 
+def _unraisable(unraisable: Any) -> None:
+  """The tools' sys.unraisablehook: Python's own, less RuntimeError('Event loop is closed'), which
+  tensorstore's threads report after a failed checkpoint read or write (the reads and writes still
+  running then complete into the event loop that orbax closed when the first one failed)."""
+  exc = unraisable.exc_value
+  if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+    sys.__unraisablehook__(unraisable)
+
+
 def setup_logging() -> None:
-  """Progress messages of attnlab to stderr; other libraries only warn."""
+  """Progress messages of attnlab to stderr; other libraries only warn. A checkpoint read or write
+  that fails is said in one line: the records of it that orbax's threads log (absl, with a
+  traceback) and those of asyncio's failed futures are left out (CRITICAL only), and so are
+  tensorstore's reports of it (`_unraisable`)."""
   logger = logging.getLogger("attnlab")
   if not logger.handlers:
     handler = _StderrHandler()
@@ -183,6 +195,9 @@ def setup_logging() -> None:
     logger.addHandler(handler)
   logger.setLevel(logging.INFO)
   logger.propagate = False  # absl's first log call gives the root logger a handler too
+  for name in ("absl", "asyncio"):
+    logging.getLogger(name).setLevel(logging.CRITICAL)
+  sys.unraisablehook = _unraisable
 
 
 def launch(prog: str, usage_error: str | None, body: Callable[[], int | None]) -> int:

@@ -651,17 +651,18 @@ def import_checkpoint(folder: PathLike, workdir: PathLike, *, overwrite: bool = 
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  from attnlab import rundir  # pylint: disable=g-import-not-at-top
   from attnlab import tasks  # pylint: disable=g-import-not-at-top
   from attnlab import state as state_lib  # pylint: disable=g-import-not-at-top
 
   folder = pathlib.Path(folder).absolute()
   workdir = pathlib.Path(workdir).absolute()
   model_type, config, params = load_checkpoint(folder)
-  if (workdir / checkpoint.CONFIG_FILE).exists() or (workdir / checkpoint.CHECKPOINT_DIR).exists():
+  if (workdir / rundir.CONFIG_FILE).exists() or (workdir / checkpoint.CHECKPOINT_DIR).exists():
     if not overwrite:
       raise HFError(f"{workdir} already holds a run; give an empty or new --workdir (or "
                     f"--overwrite to replace it)")
-    for name in (checkpoint.CONFIG_FILE, checkpoint.CHECKPOINT_DIR, assets_lib.DIRNAME,
+    for name in (rundir.CONFIG_FILE, checkpoint.CHECKPOINT_DIR, assets_lib.DIRNAME,
                  IMPORT_FILE):
       target = workdir / name
       if target.is_dir():
@@ -693,7 +694,7 @@ def import_checkpoint(folder: PathLike, workdir: PathLike, *, overwrite: bool = 
                                                                           config.num_train_steps))
   state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
                                opt_state=tx.init(params))
-  checkpoint.write_config(workdir, config)
+  rundir.write_config(workdir, config)
   with checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR) as ckpt:
     ckpt.save(0, state, {"index": 0})
   (workdir / IMPORT_FILE).write_text(json.dumps(

@@ -27,8 +27,8 @@ import sys
 import tempfile
 import time
 
-from attnlab import checkpoint
 from attnlab import config_utils
+from attnlab import rundir
 from attnlab import train
 from attnlab.cli import tool
 
@@ -47,7 +47,7 @@ def _run(spec: str, workdir: pathlib.Path) -> tuple[float, float]:
   start = time.perf_counter()
   train.train_and_evaluate(config, workdir)
   wall = time.perf_counter() - start
-  records = [r for r in checkpoint.read_metrics(workdir) if r["split"] == "train"]
+  records = [r for r in rundir.read_metrics(workdir) if r["split"] == "train"]
   return wall, 1.0 / records[-1]["steps_per_sec"]
 
 

@@ -235,8 +235,8 @@ def plateau_step(evals: Sequence[tuple[int, float]], patience: int = PLATEAU["pa
 
 def _eval_curve(workdir: pathlib.Path, metric: str) -> list[tuple[int, float]]:
   """(step, metric) of the run's evaluation records, one per step (the last written wins)."""
-  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
-  by_step = {r["step"]: r[metric] for r in checkpoint.read_metrics(workdir)
+  from attnlab import rundir  # pylint: disable=g-import-not-at-top
+  by_step = {r["step"]: r[metric] for r in rundir.read_metrics(workdir)
              if r.get("split") == "eval" and metric in r}
   return sorted(by_step.items())
 
@@ -433,10 +433,10 @@ def _run(run: dict, timings: dict[str, float], root: pathlib.Path) -> dict[str, 
   already complete (re-running the study to publish adds nothing), also when it stops early (a
   signal, an error: a run resumed over several sessions sums its parts); returns its last eval
   record."""
-  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
+  from attnlab import rundir  # pylint: disable=g-import-not-at-top
   plateau = run.get("plateau", False)
   stopped = plateau and plateau_reached(run["workdir"], run["config"].num_train_steps)
-  done = stopped or checkpoint.is_complete(run["workdir"], run["config"].num_train_steps)
+  done = stopped or rundir.is_complete(run["workdir"], run["config"].num_train_steps)
   start = time.time()
   try:
     _train(run, plateau, stopped)
@@ -445,7 +445,7 @@ def _run(run: dict, timings: dict[str, float], root: pathlib.Path) -> dict[str, 
       name = str(run["workdir"].relative_to(root))
       timings[name] = timings.get(name, 0.0) + time.time() - start
       _timings_path(root).write_text(json.dumps(timings, indent=2) + "\n")
-  return checkpoint.last_records(checkpoint.read_metrics(run["workdir"]))["eval"]
+  return rundir.last_records(rundir.read_metrics(run["workdir"]))["eval"]
 
 
 def _train(run: dict, plateau: bool, stopped: bool) -> None:
@@ -474,7 +474,7 @@ def _preload() -> None:
   changes under it (a merge, a switched branch)."""
   # pylint: disable=g-import-not-at-top,unused-import
   import matplotlib.pyplot
-  from attnlab import checkpoint, plotting, train
+  from attnlab import plotting, rundir, train
   from attnlab.data import imdb_corpus, sst2_corpus
   from attnlab.tasks import classification, masked_lm
 

@@ -30,8 +30,8 @@ METRICS = (("exact_match", "exact match"), ("decoded_token_accuracy", "token acc
 
 def run_seconds(workdir: pathlib.Path) -> float:
   """Wall-clock seconds of a run (compilation and evaluations included), from metrics.jsonl."""
-  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
-  records = checkpoint.read_metrics(workdir)
+  from attnlab import rundir  # pylint: disable=g-import-not-at-top
+  records = rundir.read_metrics(workdir)
   first = next(r for r in records if r["split"] == "train")
   return records[-1]["wall_time"] - (first["wall_time"] - first["step"] / first["steps_per_sec"])
 

@@ -32,8 +32,8 @@ def run_seconds(workdir: pathlib.Path) -> float:
   The start is the first train record's time minus its steps / steps-per-second (exact for a run
   that was not resumed).
   """
-  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
-  records = checkpoint.read_metrics(workdir)
+  from attnlab import rundir  # pylint: disable=g-import-not-at-top
+  records = rundir.read_metrics(workdir)
   first = next(r for r in records if r["split"] == "train")
   return records[-1]["wall_time"] - (first["wall_time"] - first["step"] / first["steps_per_sec"])
 

@@ -149,8 +149,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run_seconds(workdir: pathlib.Path) -> float | None:
   """Wall seconds of a run from its metrics.jsonl (compilation and evaluation included; the
   start is the first train record's time less its steps / steps-per-second)."""
-  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
-  records = checkpoint.read_metrics(workdir)  # the checked records (none: no file)
+  from attnlab import rundir  # pylint: disable=g-import-not-at-top
+  records = rundir.read_metrics(workdir)  # the checked records (none: no file)
   train = [r for r in records if r.get("split") == "train" and r.get("steps_per_sec")]
   if not train:
     return None

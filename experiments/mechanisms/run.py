@@ -135,7 +135,7 @@ def extrapolation_windows(ids, length: int, max_windows: int = 0):
 def run_arm(family: str, arm: str, keys: dict[str, object], spec: str, workdir: pathlib.Path,
             previous: dict, max_windows: int) -> dict:
   """Trains (or skips) one arm through the sweep runner and returns its results entry."""
-  from attnlab import checkpoint, sweep  # pylint: disable=g-import-not-at-top
+  from attnlab import rundir, sweep  # pylint: disable=g-import-not-at-top
   [(axis_key, axis_value)] = list(keys.items())[:1]
   fixed = dict(list(keys.items())[1:])
   out = workdir / family / arm
@@ -150,7 +150,7 @@ def run_arm(family: str, arm: str, keys: dict[str, object], spec: str, workdir: 
     return entry
   entry["wall_time_s"] = (previous.get("wall_time_s") if member.status == "skipped"
                           else time.time() - start)
-  records = checkpoint.read_metrics(member.workdir)
+  records = rundir.read_metrics(member.workdir)
   train_rows = [r for r in records if r["split"] == "train"]
   entry["steps"] = max(r["step"] for r in records if r["split"] == "eval")
   entry["num_train_steps"] = member.config.num_train_steps

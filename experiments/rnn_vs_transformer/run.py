@@ -55,8 +55,8 @@ TARGET_FRACTION = 0.9
 
 
 def read_records(workdir: pathlib.Path) -> list[dict]:
-  from attnlab import checkpoint  # pylint: disable=g-import-not-at-top
-  return checkpoint.read_metrics(workdir)
+  from attnlab import rundir  # pylint: disable=g-import-not-at-top
+  return rundir.read_metrics(workdir)
 
 
 def train_seconds(records: list[dict], log_every: int) -> dict[int, float]:

@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     parser.error(f"--draws={args.draws}: at least 1 estimate is needed")
 
   # pylint: disable=g-import-not-at-top  (JAX is imported only once the flags are parsed)
-  from attnlab import analysis, checkpoint, config_utils, train
+  from attnlab import analysis, config_utils, rundir, train
   from attnlab.cli import tool  # pylint: disable=g-import-not-at-top
   tool.setup_logging()
   arg = "size=nano"
@@ -101,14 +101,14 @@ def main(argv=None) -> int:
 
   summary_path = workdir / "summary.json"
   previous = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-  already_done = checkpoint.is_complete(workdir, config.num_train_steps)
+  already_done = rundir.is_complete(workdir, config.num_train_steps)
   start = time.time()
   load_start = os.getloadavg()[0]
   train.train_and_evaluate(config, workdir)
   # Wall time of this invocation (compilation, evaluations and checkpoints included); a finished
   # run keeps the time it was trained in (null if no summary of that invocation was written).
   wall = previous.get("wall_time_s") if already_done else time.time() - start
-  records = checkpoint.read_metrics(workdir)
+  records = rundir.read_metrics(workdir)
   train_rows = [r for r in records if r["split"] == "train"]
   eval_rows = [r for r in records if r["split"] == "eval"]
   plot_losses(records, workdir / "loss_curve.png",
