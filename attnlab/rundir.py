@@ -34,6 +34,7 @@ import ml_collections
 
 from attnlab import checkpoint
 from attnlab import config_utils
+from attnlab import run_config
 from attnlab.errors import CheckpointError
 from attnlab.errors import ConfigMismatchError
 from attnlab.errors import MetricsError
@@ -65,7 +66,7 @@ def read_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
     raise CheckpointError(f"{path} is not valid JSON ({e}); restore it from the run's launch "
                           f"command or remove the workdir") from None
   try:
-    return config_utils.from_jsonable(data)
+    return run_config.from_jsonable(data)
   except config_utils.ConfigError as e:
     problem = str(e)
   # Raised outside the handler, so that this line (naming the file) is the one the tools print.
@@ -82,7 +83,7 @@ def _write_atomically(path: pathlib.Path, text: str) -> None:
 def write_config(workdir: str | os.PathLike, config: ml_collections.ConfigDict) -> None:
   """Writes `workdir/config.json` atomically."""
   _write_atomically(pathlib.Path(workdir) / CONFIG_FILE,
-                    json.dumps(config_utils.to_jsonable(config), indent=2, sort_keys=True) + "\n")
+                    json.dumps(run_config.to_jsonable(config), indent=2, sort_keys=True) + "\n")
 
 
 def prepare_workdir(workdir: str | os.PathLike, config: ml_collections.ConfigDict) -> None:
@@ -95,7 +96,7 @@ def prepare_workdir(workdir: str | os.PathLike, config: ml_collections.ConfigDic
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   if (workdir / CONFIG_FILE).is_file():
-    diff = config_utils.config_diff(read_config(workdir).to_dict(), config)
+    diff = run_config.config_diff(read_config(workdir).to_dict(), config)
     shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
     if diff and not checkpoint.finished_steps(workdir):
       _LOG.warning("workdir %s holds no checkpoint yet: starting it afresh with the new config "

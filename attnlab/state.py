@@ -33,6 +33,7 @@ import optax
 
 from attnlab import checkpoint
 from attnlab import config_utils
+from attnlab import config_checks
 from attnlab import errors
 from attnlab import parallel
 from attnlab import precision
@@ -66,7 +67,7 @@ def make_schedule(opt: ml_collections.ConfigDict, num_train_steps: int) -> optax
     decay = optax.constant_schedule(lr)
   else:
     raise config_utils.ConfigError(f"unknown optimizer.schedule {opt.schedule!r}; valid schedules: "
-                                   f"{', '.join(config_utils.SCHEDULES)}")
+                                   f"{', '.join(config_checks.SCHEDULES)}")
   if warmup == 0:
     return decay
   return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), decay], [warmup])
@@ -79,7 +80,7 @@ def decay_mask(decay: str) -> Callable[[Any], Any] | None:
   if decay == "matrices":
     return lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
   raise config_utils.ConfigError(f"unknown optimizer.decay {decay!r}; valid: "
-                                 f"{', '.join(config_utils.DECAYS)}")
+                                 f"{', '.join(config_checks.DECAYS)}")
 
 
 def make_optimizer(opt: ml_collections.ConfigDict,
@@ -94,7 +95,7 @@ def make_optimizer(opt: ml_collections.ConfigDict,
     tx = optax.sgd(schedule, momentum=opt.momentum or None)
   else:
     raise config_utils.ConfigError(f"unknown optimizer.name {opt.name!r}; valid optimizers: "
-                                   f"{', '.join(config_utils.OPTIMIZERS)}")
+                                   f"{', '.join(config_checks.OPTIMIZERS)}")
   if opt.grad_clip > 0:
     tx = optax.chain(optax.clip_by_global_norm(opt.grad_clip), tx)
   return tx

@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from attnlab import checkpoint
 from attnlab import config_utils
+from attnlab import run_config
 from attnlab import parallel
 from attnlab import precision
 from attnlab import rundir
@@ -356,7 +357,7 @@ def _own_assets(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> pat
     return None
   if checkpoint.finished_steps(workdir):
     return folder
-  same = not config_utils.config_diff(rundir.read_config(workdir).to_dict(), config)
+  same = not run_config.config_diff(rundir.read_config(workdir).to_dict(), config)
   return folder if same else None
 
 

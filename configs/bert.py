@@ -37,6 +37,8 @@ import json
 import os
 
 from attnlab import config_utils
+
+from attnlab import run_config
 from attnlab import models
 from attnlab.errors import ConfigError
 
@@ -62,7 +64,7 @@ def _pretrained_fields(workdir: str) -> dict:
   try:
     with open(path, encoding="utf-8") as f:
       # from_jsonable checks the keys and the value types, as reading the run itself would.
-      stored = config_utils.flatten(config_utils.from_jsonable(json.load(f)))
+      stored = config_utils.flatten(run_config.from_jsonable(json.load(f)))
   except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or a ConfigError
     raise ConfigError(f"pretrained={workdir}: {path}: {e}") from None
   if stored.get("task") != "masked_lm":

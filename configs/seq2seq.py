@@ -23,16 +23,17 @@ The dataset is chosen in the arg (`task=marathi`, `dataset=marathi` or `data.nam
 picks that dataset's defaults (tokenizer, sizes, steps) before the other keys apply. Setting
 `--config.data.name` afterwards switches the data but keeps the dates defaults. The `data.*` and
 `decode.*` fields, shared with configs/transformer.py, are documented in
-attnlab.config_utils.translation_groups.
+configs/_translation.py's translation_groups.
 """
 
+import _translation  # configs/_translation.py, beside this file
 from attnlab import config_utils
 
 # Short arg keys (config_utils.SHORTCUTS: one meaning in every config file).
 SHORTCUTS = config_utils.shortcut_table("task", "dataset", "attention", "score")
 
 # data.name -> {key: value} applied over the defaults below (and the data set's data fields of
-# config_utils.TRANSLATION_DATA) before the arg.
+# _translation.TRANSLATION_DATA) before the arg.
 PRESETS = {
     "marathi": {
         "model.embed_dim": 128,
@@ -70,7 +71,7 @@ RUNLOCAL = {
 def get_config(arg: str | None = None):
   """`arg`: key=value,... typed from the defaults below (e.g. "task=reverse,runlocal=True")."""
   config = config_utils.base_config()
-  dataset = config_utils.translation_groups(config, arg, SHORTCUTS)
+  dataset = _translation.translation_groups(config, arg, SHORTCUTS)
   config.task = "translation"
   config.num_train_steps = 1500
   config.batch_size = 64

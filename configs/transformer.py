@@ -22,10 +22,11 @@ Shortcuts in the arg (besides any field; the same names as in the other config f
 
 The dataset is chosen in the arg (`task=marathi`, `dataset=marathi` or `data.name=marathi`): it
 picks that dataset's data settings, the same as configs/seq2seq.py's (both come from
-attnlab.config_utils.translation_groups, which documents the `data.*` and `decode.*` fields), then
+configs/_translation.py's translation_groups, which documents the `data.*` and `decode.*` fields), then
 this file's model and training defaults for that dataset, then the other keys of the arg.
 """
 
+import _translation  # configs/_translation.py, beside this file
 from attnlab import config_utils
 
 # Short arg keys (config_utils.SHORTCUTS: one meaning in every config file).
@@ -65,7 +66,7 @@ RUNLOCAL = {
 def get_config(arg: str | None = None):
   """`arg`: key=value,... typed from the defaults below (e.g. "task=reverse,runlocal=True")."""
   config = config_utils.base_config()
-  dataset = config_utils.translation_groups(config, arg, SHORTCUTS)
+  dataset = _translation.translation_groups(config, arg, SHORTCUTS)
   config.task = "translation"
   config.num_train_steps = 1500
   config.batch_size = 64

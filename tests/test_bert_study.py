@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from attnlab import config_utils
+
+from attnlab import run_config
 from attnlab import tasks
 from attnlab.data import sst2_corpus
 
@@ -176,7 +178,7 @@ def test_two_arm_study_end_to_end(study, shared_data, tmp_path):
   assert config["task"] == study.SELECTION_TASK and config["init_from"].endswith("pretrain_s0")
   # The choice runs train on phrases inside pretraining sentences and evaluate on held-out
   # sentences of the training split (the first 40 here), not on the validation split.
-  task = tasks.get_task(study.SELECTION_TASK)(config_utils.from_jsonable(config))
+  task = tasks.get_task(study.SELECTION_TASK)(run_config.from_jsonable(config))
   heldout = [task.tokenizer.encode(s) for s in sst2_corpus.heldout_sentences(
       data_dir=tmp_path / "tfds", manual_dir=shared_data)[:40]]
   tokens = np.concatenate([b["tokens"] for b in task.eval_batches()])

@@ -10,6 +10,7 @@ import pytest
 
 from attnlab import cli
 from attnlab import config_utils
+from attnlab import run_config
 from attnlab import tasks
 from attnlab.cli import tool
 
@@ -92,13 +93,13 @@ def test_length_lists_are_checked_item_by_item(key, value, expected):
 def test_config_diff_lists_changed_keys():
   a = config_utils.load_config_file(NW)
   b = config_utils.load_config_file(f"{NW}:seed=3,allow_config_change=True")
-  assert config_utils.config_diff(a, b) == ["seed: 0 -> 3"]
+  assert run_config.config_diff(a, b) == ["seed: 0 -> 3"]
   # A config.json written before optimizer.decay existed reads as its old behaviour ("all").
   old = a.to_dict()
   del old["optimizer"]["decay"]
-  assert config_utils.config_diff(old, a) == []
+  assert run_config.config_diff(old, a) == []
   b = config_utils.load_config_file(f"{NW}:optimizer.decay=matrices")
-  assert config_utils.config_diff(old, b) == ["optimizer.decay: 'all' -> 'matrices'"]
+  assert run_config.config_diff(old, b) == ["optimizer.decay: 'all' -> 'matrices'"]
 
 
 # ----------------------------------------------------------------------------- shortcuts
@@ -133,17 +134,19 @@ SHORTCUT_ARGS = {
 }
 
 
-def _config_module(name):
+def _config_module(name, monkeypatch):
+  monkeypatch.syspath_prepend(str(CONFIGS))  # a config file's helper modules sit beside it
   spec = importlib.util.spec_from_file_location(f"test_config_{name[:-3]}", CONFIGS / name)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
 
 
-def test_every_config_file_declares_its_shortcuts_with_the_shared_meanings():
-  assert sorted(p.name for p in CONFIGS.glob("*.py")) == sorted(SHORTCUT_ARGS)
+def test_every_config_file_declares_its_shortcuts_with_the_shared_meanings(monkeypatch):
+  # configs/_*.py are the config files' helper modules (_translation.py), not config files
+  assert sorted(p.name for p in CONFIGS.glob("[!_]*.py")) == sorted(SHORTCUT_ARGS)
   for name in SHORTCUT_ARGS:
-    table = _config_module(name).SHORTCUTS
+    table = _config_module(name, monkeypatch).SHORTCUTS
     assert table, name
     for short, target in table.items():
       if short in config_utils.SHORTCUTS and not callable(target):
@@ -236,7 +239,7 @@ OLD_KEYS = {
 def test_old_config_json_loads_with_the_current_key_names(spec, tmp_path):
   from attnlab import rundir  # pylint: disable=g-import-not-at-top
   current = config_utils.load_config_file(str(CONFIGS / spec))
-  stored = config_utils.to_jsonable(current)
+  stored = run_config.to_jsonable(current)
   for old, new in OLD_KEYS[spec].items():  # write the file as an older version did
     (old_group, old_leaf), (new_group, new_leaf) = old.split("."), new.split(".")
     stored[old_group][old_leaf] = stored[new_group].pop(new_leaf) + 1
@@ -248,7 +251,7 @@ def test_old_config_json_loads_with_the_current_key_names(spec, tmp_path):
   # Same values under the current names: the run resumes without allow_config_change.
   for new in OLD_KEYS[spec].values():
     config_utils.set_value(current, new, flat[new])
-  assert config_utils.config_diff(loaded, current) == []
+  assert run_config.config_diff(loaded, current) == []
   rundir.prepare_workdir(tmp_path, current)
 
 

@@ -1,6 +1,6 @@
 """Runs written before the attention subtree existed (#47): their config.json has the flat keys
 model.mechanism, model.score, model.window, ... (0 meaning "the mechanism's default"). They read
-into model.attention (config_utils.from_jsonable, attention.config.migrate_flat_keys), build the
+into model.attention (run_config.from_jsonable, attention.config.migrate_flat_keys), build the
 same AttentionConfig from their run directory, and resume without a config change.
 
 The fixtures tests/fixtures/old_configs/<family>.json are config.json files in the old flat
@@ -16,6 +16,7 @@ import pytest
 
 from attnlab import rundir
 from attnlab import config_utils
+from attnlab import run_config
 from attnlab import models
 from attnlab.attention.config import AttentionConfig
 
@@ -70,7 +71,7 @@ def test_the_fixtures_are_in_the_old_flat_layout(family):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_from_jsonable_moves_the_flat_keys_into_model_attention(family):
   old = _old(family)
-  migrated = config_utils.from_jsonable(old)
+  migrated = run_config.from_jsonable(old)
   model = migrated.model
   assert not set(FLAT_KEYS) & set(model), sorted(set(FLAT_KEYS) & set(model))
   assert isinstance(model.attention, config_utils.ConfigDict)
@@ -80,8 +81,8 @@ def test_from_jsonable_moves_the_flat_keys_into_model_attention(family):
     assert flat[key] == value, (key, flat.get(key))
   # The keys that were the same before keep their values; nothing else of the config changes.
   rest = {k: v for k, v in old["model"].items() if k not in FLAT_KEYS}
-  assert {k: v for k, v in config_utils.to_jsonable(model).items() if k != "attention"} == rest
-  assert {k: v for k, v in config_utils.to_jsonable(migrated).items() if k != "model"} == {
+  assert {k: v for k, v in run_config.to_jsonable(model).items() if k != "attention"} == rest
+  assert {k: v for k, v in run_config.to_jsonable(migrated).items() if k != "model"} == {
       k: v for k, v in old.items() if k != "model"}
   # A flat 0 meant "the mechanism's default": it is not carried over as a value (today 0 is
   # refused where it means nothing), so the migrated config passes validation.
@@ -105,10 +106,10 @@ def test_a_run_directory_gives_the_same_attention_config(family, tmp_path):
 def test_a_migrated_old_config_equals_a_freshly_built_one(family):
   """No config_diff between the old run and the same run built today: it resumes without
   allow_config_change (rundir.prepare_workdir, train._own_assets)."""
-  migrated = config_utils.from_jsonable(_old(family))
+  migrated = run_config.from_jsonable(_old(family))
   fresh = _fresh(family)
-  assert config_utils.config_diff(migrated.to_dict(), fresh) == []
-  assert config_utils.config_diff(_old(family), fresh) == []  # the raw config.json as well
+  assert run_config.config_diff(migrated.to_dict(), fresh) == []
+  assert run_config.config_diff(_old(family), fresh) == []  # the raw config.json as well
 
 
 @pytest.mark.parametrize("key", ["model." + k for k in FLAT_KEYS])
@@ -116,7 +117,7 @@ def test_an_old_flat_key_in_an_arg_names_its_new_key(key):
   with pytest.raises(config_utils.ConfigError) as e:
     config_utils.load_config_file(f"{CONFIGS / 'gpt.py'}:{key}=1")
   message = str(e.value)
-  new = config_utils.MOVED_ATTENTION_KEYS[key]
+  new = run_config.MOVED_ATTENTION_KEYS[key]
   assert message == (f"config key {key!r} is now {new!r} (the attention options live in "
                      f"model.attention)")
   assert re.fullmatch(r"model\.attention\.[a-z_.]+( \(or [a-z_.]+\))?", new), new
@@ -128,6 +129,6 @@ def test_the_rnn_keeps_its_flat_score_and_its_attention_variant():
   config = config_utils.load_config_file(f"{CONFIGS / 'seq2seq.py'}:model.score=general,"
                                          "model.attention=luong")
   assert (config.model.score, config.model.attention) == ("general", "luong")
-  stored = config_utils.to_jsonable(config)
-  assert config_utils.to_jsonable(config_utils.from_jsonable(stored)) == stored
-  assert config_utils.config_diff(stored, config) == []
+  stored = run_config.to_jsonable(config)
+  assert run_config.to_jsonable(run_config.from_jsonable(stored)) == stored
+  assert run_config.config_diff(stored, config) == []

@@ -808,8 +808,8 @@ def _hand_made_run(path: pathlib.Path, metrics: bytes = b"", spec: str = f"{NW}:
                    **changes) -> pathlib.Path:
   """A run directory without checkpoints: the config.json `spec` builds, with `changes`
   ({"group__key": value} for nested keys), and `metrics` as its metrics.jsonl."""
-  from attnlab import config_utils, rundir  # pylint: disable=g-import-not-at-top
-  config = config_utils.to_jsonable(config_utils.load_config_file(spec))
+  from attnlab import config_utils, run_config, rundir  # pylint: disable=g-import-not-at-top
+  config = run_config.to_jsonable(config_utils.load_config_file(spec))
   for key, value in changes.items():
     *groups, leaf = key.split("__")
     node = config

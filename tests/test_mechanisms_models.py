@@ -14,6 +14,8 @@ import optax
 import pytest
 
 from attnlab import config_utils
+
+from attnlab import run_config
 from attnlab.attention import registry
 from attnlab.attention.config import AttentionConfig
 from attnlab.errors import ConfigError
@@ -341,21 +343,21 @@ def _before_attention_options(model):
 
 
 def test_an_older_bert_run_resumes_without_a_config_change():
-  cfg = config_utils.to_jsonable(_config("bert", "runlocal=True"))
+  cfg = run_config.to_jsonable(_config("bert", "runlocal=True"))
   old = {**cfg, "model": {k: v for k, v in _before_attention_options(cfg["model"]).items()
                           if k != "position"}}
-  assert config_utils.config_diff(old, cfg) == []
+  assert run_config.config_diff(old, cfg) == []
 
 
 def test_older_configs_without_the_keys_build_the_same_models():
   cfg = _config("gpt", "runlocal=True")
-  data = config_utils.to_jsonable(cfg)
-  old = config_utils.from_jsonable({**data, "model": _before_attention_options(data["model"])})
+  data = run_config.to_jsonable(cfg)
+  old = run_config.from_jsonable({**data, "model": _before_attention_options(data["model"])})
   assert gpt.from_config(old.model, VOCAB) == gpt.from_config(cfg.model, VOCAB)
   # a model group without the attention subtree at all builds the default attention too
   bare = config_utils.ConfigDict({k: v for k, v in cfg.model.items() if k != "attention"})
   assert gpt.from_config(bare, VOCAB) == gpt.from_config(cfg.model, VOCAB)
-  assert config_utils.config_diff(config_utils.to_jsonable(old), data) == []
+  assert run_config.config_diff(run_config.to_jsonable(old), data) == []
 
 
 # ------------------------------------------------------------------------------ end to end (slow)

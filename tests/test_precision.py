@@ -14,6 +14,7 @@ import pytest
 from attnlab import analysis
 from attnlab import checkpoint
 from attnlab import config_utils
+from attnlab import run_config
 from attnlab import precision
 from attnlab import rundir
 from attnlab import tasks
@@ -58,10 +59,10 @@ def test_dtype_is_validated_once_with_one_line():
 
 def test_old_run_configs_read_as_float32():
   """A config.json written before model.dtype existed is the same config as a float32 one."""
-  new = config_utils.to_jsonable(_gpt("runlocal=True"))
+  new = run_config.to_jsonable(_gpt("runlocal=True"))
   old = json.loads(json.dumps(new))
   del old["model"]["dtype"]
-  assert config_utils.config_diff(old, new) == []
+  assert run_config.config_diff(old, new) == []
   assert precision.dtype_name(config_utils.ConfigDict(old["model"])) == "float32"
 
 

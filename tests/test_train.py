@@ -19,6 +19,7 @@ import pytest
 from attnlab import analysis
 from attnlab import checkpoint
 from attnlab import config_utils
+from attnlab import run_config
 from attnlab import errors
 from attnlab import rundir
 from attnlab import tasks
@@ -52,7 +53,7 @@ def local_run(tmp_path_factory):
 
 def test_run_directory(local_run):
   config, workdir, state, _, _ = local_run
-  assert json.loads((workdir / "config.json").read_text()) == config_utils.to_jsonable(config)
+  assert json.loads((workdir / "config.json").read_text()) == run_config.to_jsonable(config)
   assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [10, 20]
   assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]

@@ -12,7 +12,7 @@ finished runs are skipped, loadable with attnlab.analysis.load_run):
                the RNN's parameters: "small"/"medium" with narrower width or wider MLPs);
   rnn_none     (reverse only) the same GRU without attention, for the bottleneck plot.
 Both families read identical data (configs/seq2seq.py and configs/transformer.py take their
-data fields from attnlab.config_utils.translation_groups). --steps > 0 overrides
+data fields from configs/_translation.py). --steps > 0 overrides
 num_train_steps of every run (a reduced study).
 
 Outputs in WORKDIR: results.md (parameters, final exact match / BLEU, training time and the time
