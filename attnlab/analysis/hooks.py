@@ -244,7 +244,7 @@ def run_with_hooks(run: Any, tokens: Any,
   value and mask of the same sites and ops)."""
   model, params = _unpack(run)
   tree = intervention_tree(model, interventions)
-  return _compiled(model, ())(params, jnp.asarray(tokens), tree)
+  return _compiled(model, ())(params, jnp.asarray(tokens), tree)[0]
 
 
 # ---------------------------------------------------------------------------------- patching
