@@ -300,7 +300,19 @@ def patch_sweep(run: Any, clean: Any, corrupted: Any, metric: Callable[[Array], 
       eye(length, cells[:, 1]) if by_position else np.ones((len(cells), length), bool))[:, None]
   head_masks = eye(heads, cells[:, 2]) if by_head else None  # [cells, heads]
 
-  @jax.jit
+  masks = (jnp.asarray(positions), None if head_masks is None else jnp.asarray(head_masks))
+  sweep = _sweep_fn(model, tuple(names), metric, batch_size)
+  values = np.asarray(sweep(params, corrupted, cache, masks))
+  return values.reshape(grid if by_head and by_position else
+                        (layers, heads) if by_head else (layers, length))
+
+
+@functools.lru_cache(maxsize=32)
+def _sweep_fn(model: Any, names: tuple[str, ...], metric: Callable[[Array], Array],
+              batch_size: int | None) -> Callable[..., Array]:
+  """The jitted sweep (params, corrupted, clean cache, cell masks) -> metric per cell: one
+  forward pass with every layer's site replaced at its cell's mask, vmapped over the cells
+  (compiled once per model, sites, metric and batch_size; a new metric object compiles anew)."""
   def sweep(params, corrupted, cache, masks):
     def one(masks):
       pos, head = masks  # [layers, len], [heads] or None
@@ -311,8 +323,4 @@ def patch_sweep(run: Any, clean: Any, corrupted: Any, metric: Callable[[Array], 
     if batch_size is None:
       return jax.vmap(one)(masks)
     return jax.lax.map(one, masks, batch_size=batch_size)
-
-  masks = (jnp.asarray(positions), None if head_masks is None else jnp.asarray(head_masks))
-  values = np.asarray(sweep(params, corrupted, cache, masks))
-  return values.reshape(grid if by_head and by_position else
-                        (layers, heads) if by_head else (layers, length))
+  return jax.jit(sweep)
