@@ -87,7 +87,8 @@ def get_config(arg: str | None = None):
   config.model.d_model = 0
   # Context length in tokens (0: from the size).
   config.model.block_size = 0
-  # MLP hidden size as a multiple of d_model.
+  # MLP hidden size as a multiple of d_model (0: no MLP, an attention-only GPT for circuit
+  # studies).
   config.model.mlp_ratio = 4
   # Position encoding: learned, sinusoidal, rotary (queries and keys rotated in attention), none,
   # alibi (Press et al. 2022) or t5_bias (Raffel et al. 2020; one table shared by the layers):

@@ -430,6 +430,9 @@ def _gpt2_run_config(hf: dict[str, Any]):
 def _gpt2_export_config(config: Any, params: Any) -> dict[str, Any]:
   from attnlab.models import gpt  # pylint: disable=g-import-not-at-top
   m = config.model
+  if not m.mlp_ratio:
+    raise HFError("an attention-only GPT (model.mlp_ratio=0) has no GPT-2 form: every GPT-2 "
+                  "block has an MLP")
   v, d = np.shape(params["embed"]["token"]["embedding"])
   n = np.shape(params["embed"]["position"])[0]
   num_layers = sum(1 for k in params if k.startswith("block_"))

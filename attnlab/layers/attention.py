@@ -52,6 +52,12 @@ mutable (e.g. `apply(..., mutable=["intermediates"])`), the reference path runs 
 chosen `implementation` runs without materialising weights when it can ("auto" picks the fused
 kernel for dot/scaled_dot). Attention dropout (dropout_rate > 0, training) also needs the weights,
 so it runs the reference path.
+Hook sites (attnlab.layers.hooks; the public names in attnlab.analysis.hooks): "q" `[batch,
+heads, q_len, head_dim]`, "k", "v" `[batch, kv_heads, k_len, head_dim]` (after rotary, before the
+KV cache; a precomputed cross-attention's keys/values are not sites), "pattern" `[batch, heads,
+q_len, k_len]` (the weights; cached or edited, they are formed on the reference path, and edited
+ones make the context weights @ values), "z" `[batch, q_len, heads, head_dim]` (each head's context
+before the output projection, after head_mask).
 Head ablation: an optional "head_mask" collection with `scale` `[heads]` and `shift`
 `[heads, head_dim]` under the module's path replaces each head's context c_h (before the output
 projection) by c_h * scale_h + shift_h (attnlab.analysis.ablation: scale 0 removes a head, shift
@@ -76,6 +82,7 @@ from attnlab.attention import positions as positions_lib
 from attnlab.attention import registry
 from attnlab.attention import scores as scores_lib
 from attnlab.attention.config import AttentionConfig
+from attnlab.layers import hooks
 from attnlab.layers.dense import Dense
 from attnlab.layers.dense import default_kernel_init
 from attnlab.layers.dense import matmul
@@ -331,6 +338,12 @@ class MultiHeadAttention(nn.Module):
       with jax.named_scope("rotary"):  # names its ops in profiles (benchmarks/gpt_train.py)
         qh = positions_lib.rotary(qh, positions)  # positions [q_len] or [batch, 1, q_len]
         kh = positions_lib.rotary(kh, positions)
+    # Hook sites (attnlab.layers.hooks; nothing unless cached or intervened on): after rotary,
+    # before the KV cache and the repeat of kv heads.
+    qh = hooks.hook(self, "q", qh, positions_axis=2, heads_axis=1)  # [batch, heads, q_len, hd]
+    if not precomputed:
+      kh = hooks.hook(self, "k", kh, positions_axis=2, heads_axis=1)  # [batch, kv_heads, k, hd]
+      vh = hooks.hook(self, "v", vh, positions_axis=2, heads_axis=1)  # [batch, kv_heads, k, hd]
     causal = self.causal
     if decode and self_attention:
       kh, vh, cache_mask = self._use_cache(kh, vh)  # [batch, kv_heads, max_len, head_dim]
@@ -353,7 +366,8 @@ class MultiHeadAttention(nn.Module):
     dropout = self.dropout_rate > 0.0 and not deterministic
     params = self._score_params(head_dim)
     norm_params = self._normalizer_params()
-    need_weights = bool(sow_weights) or dropout
+    hook_pattern = hooks.active(self, "pattern")  # cached or edited: the weights are formed
+    need_weights = bool(sow_weights) or dropout or hook_pattern
     if self.attention.talking_heads:
       context, weights = self._talking_heads(qh, kh, vh, params=params, mask=mask, causal=causal,
                                              bias=score_bias, normalizer_params=norm_params)
@@ -375,6 +389,10 @@ class MultiHeadAttention(nn.Module):
         context, weights = _decode_rows(call, qh, kh, vh, mask, score_bias, offset,
                                         need_weights)
     # context [batch, heads, q_len, head_dim]; weights [batch, heads, q_len, k_len] or None
+    if hook_pattern:
+      weights = hooks.hook(self, "pattern", weights, positions_axis=2, heads_axis=1)
+      if hooks.intervened(self, "pattern"):  # the context of the edited weights
+        context = jnp.matmul(weights, vh.astype(weights.dtype)).astype(context.dtype)
     if sow_weights:
       self.sow("intermediates", "attention_weights", weights)
     if dropout:
@@ -387,7 +405,9 @@ class MultiHeadAttention(nn.Module):
       shift = self.get_variable("head_mask", "shift")  # [heads, head_dim]
       context = (context * scale[:, None, None].astype(context.dtype)
                  + shift[:, None, :].astype(context.dtype))
-    out = core.merge_heads(context.astype(dtype))  # [batch, q_len, inner]
+    z = jnp.swapaxes(context.astype(dtype), 1, 2)  # [batch, q_len, heads, head_dim]
+    z = hooks.hook(self, "z", z, positions_axis=1, heads_axis=2)
+    out = z.reshape(z.shape[:2] + (inner,))  # [batch, q_len, inner] (core.merge_heads)
     return Dense(self.out_features or d_model, use_bias=self.use_bias,
                  kernel_init=self.out_kernel_init, dtype=dtype, name="out")(out)
 

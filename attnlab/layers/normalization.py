@@ -5,6 +5,7 @@ closed form dx = r · (dx̂ - mean(dx̂) - x̂ · mean(dx̂ · x̂)) with x̂ th
 reciprocal standard deviation and dx̂ = dy · scale; it reuses x̂ and r from the forward pass,
 which XLA turns into fewer and cheaper CPU loops than the automatic derivative of the statistics
 (measured a few percent of a nano-GPT training step). Statistics are computed in at least float32.
+Hook site (attnlab.layers.hooks): "scale", the per-token reciprocal standard deviation `[..., 1]`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from attnlab.layers import hooks
 
 Array = jax.Array
 
@@ -66,7 +69,17 @@ class LayerNorm(nn.Module):
     d = x.shape[-1]
     scale = self.param("scale", nn.initializers.ones, (d,), jnp.float32)  # [d]
     compute = jnp.promote_types(x.dtype, jnp.float32)
-    y = layer_norm(x.astype(compute), scale.astype(compute), self.epsilon)  # [..., d]
+    if hooks.active(self, "scale"):
+      # Hook site "scale": the per-token 1 / std `[..., 1]` (attnlab.layers.hooks), cached or
+      # edited (e.g. frozen); the same forward values as layer_norm, its gradient by autodiff.
+      x = x.astype(compute)
+      centred = x - jnp.mean(x, axis=-1, keepdims=True)  # [..., d]
+      r = jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True)
+                        + self.epsilon)  # [..., 1]
+      r = hooks.hook(self, "scale", r, positions_axis=1 if x.ndim >= 3 else None)
+      y = centred * r * scale.astype(compute)  # [..., d]
+    else:
+      y = layer_norm(x.astype(compute), scale.astype(compute), self.epsilon)  # [..., d]
     if self.use_bias:
       y = y + self.param("bias", nn.initializers.zeros, (d,), jnp.float32).astype(compute)
     return y.astype(self.dtype or x.dtype)

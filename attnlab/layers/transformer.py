@@ -8,9 +8,16 @@ cross-attention branch in between (encoder-decoder decoders):
   post-LN (BERT, Vaswani):  x = LN(x + drop(attn(x)));   [x = LN(x + drop(cross(x, enc)))];
                             x = LN(x + drop(mlp(x)))
 
+With mlp_dim = 0 the block has no MLP branch (and no ln_2): an attention-only block.
+
 Sub-module names: self_attention, cross_attention, mlp, ln_1, ln_2 (ln_cross for the cross
 branch). Attention weights are sown by the MultiHeadAttention modules
 (`intermediates/.../self_attention/attention_weights`).
+
+Hook sites (attnlab.layers.hooks; `[batch, len, d]` each): resid_pre (the block's input),
+attn_out (the self-attention branch's output, after dropout), resid_mid (after the self-attention
+residual; pre-LN: before the MLP's LayerNorm), mlp_out (the MLP branch's output; absent without an
+MLP), resid_post (the block's output).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import flax.linen as nn
 import jax
 
 from attnlab.attention.config import AttentionConfig
+from attnlab.layers import hooks
 from attnlab.layers.attention import MultiHeadAttention
 from attnlab.layers.dense import Dense
 from attnlab.layers.dense import default_kernel_init
@@ -82,7 +90,7 @@ class TransformerBlock(nn.Module):
   """Self-attention (+ optional cross-attention) + MLP with residuals (module docstring)."""
   # Number of attention heads.
   num_heads: int
-  # MLP hidden size.
+  # MLP hidden size (0: no MLP branch, an attention-only block).
   mlp_dim: int
   # Dropout on each residual branch's output.
   dropout_rate: float = 0.0
@@ -165,12 +173,18 @@ class TransformerBlock(nn.Module):
         return x + fn(self._norm(norm_name)(x))  # [batch, len, d]
       return self._norm(norm_name)(x + fn(x))  # [batch, len, d]
 
-    x = branch(x, "ln_1", lambda h: drop(self._attention("self_attention", self.causal, True)(
-        h, mask=mask, decode=decode, t5_table=t5_table, **attn_kw)))
+    x = hooks.hook(self, "resid_pre", x)  # [batch, len, d]
+    x = branch(x, "ln_1", lambda h: hooks.hook(self, "attn_out", drop(
+        self._attention("self_attention", self.causal, True)(
+            h, mask=mask, decode=decode, t5_table=t5_table, **attn_kw))))
+    x = hooks.hook(self, "resid_mid", x)  # [batch, len, d]
     if self.cross_attention:
       x = branch(x, "ln_cross", lambda h: drop(self._attention("cross_attention", False, False)(
           h, encoded, mask=encoder_mask, **attn_kw)))
-    mlp = MLP(self.mlp_dim, activation=self.activation, dropout_rate=self.dropout_rate,
-              use_bias=self.use_bias, kernel_init=self.kernel_init,
-              out_kernel_init=self.out_kernel_init, dtype=self.dtype, name="mlp")
-    return branch(x, "ln_2", lambda h: mlp(h, deterministic=deterministic))
+    if self.mlp_dim:
+      mlp = MLP(self.mlp_dim, activation=self.activation, dropout_rate=self.dropout_rate,
+                use_bias=self.use_bias, kernel_init=self.kernel_init,
+                out_kernel_init=self.out_kernel_init, dtype=self.dtype, name="mlp")
+      x = branch(x, "ln_2", lambda h: hooks.hook(self, "mlp_out", mlp(
+          h, deterministic=deterministic)))
+    return hooks.hook(self, "resid_post", x)  # [batch, len, d]

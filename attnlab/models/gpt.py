@@ -2,7 +2,12 @@
 
 Model: token + position embeddings -> `num_layers` pre-LN causal TransformerBlocks -> final
 LayerNorm -> logits through the transposed token table (the LM head is tied to the embedding).
-Residual-output kernels start at std 0.02 / sqrt(2 * num_layers) (GPT-2).
+Residual-output kernels start at std 0.02 / sqrt(2 * num_layers) (GPT-2). mlp_ratio = 0 builds
+an attention-only GPT (no MLP, no ln_2 in the blocks), as the circuit studies use.
+
+Hook sites (attnlab.layers.hooks; their public names and shapes: attnlab.analysis.hooks.SITES):
+"embedded" (the embeddings' output) and "resid_final" (the final LayerNorm's output, what the
+unembedding reads) here, the blocks' and attention layers' own below them.
 
 Attention: `attention` (an attnlab.attention.config.AttentionConfig, the config's
 `model.attention` subtree: mechanism and its options, score, implementation, normaliser, kv
@@ -58,6 +63,7 @@ from attnlab.layers import POSITIONS
 from attnlab.layers import T5_NUM_BUCKETS
 from attnlab.layers import TransformerBlock
 from attnlab.layers import get_activation
+from attnlab.layers import hooks
 
 Array = jax.Array
 
@@ -79,7 +85,7 @@ class GPT(nn.Module):
   d_model: int = 128
   # Longest context (rows of the position table, cache length).
   block_size: int = 64
-  # MLP hidden size = mlp_ratio * d_model.
+  # MLP hidden size = mlp_ratio * d_model (0: no MLP, an attention-only GPT).
   mlp_ratio: int = 4
   # Dropout on embeddings and residual branches (training only).
   dropout_rate: float = 0.0
@@ -131,10 +137,12 @@ class GPT(nn.Module):
     sow_weights: sow every block's attention weights (None: when "intermediates" is mutable).
     """
     x = self.embed(tokens, deterministic=deterministic, decode=decode)  # [batch, len, d]
+    x = hooks.hook(self, "embedded", x)  # [batch, len, d]
     for block in self.blocks:
       x = block(x, deterministic=deterministic, decode=decode, sow_weights=sow_weights,
                 t5_table=self.t5_table)
     x = self.ln_f(x)  # [batch, len, d]
+    x = hooks.hook(self, "resid_final", x)  # [batch, len, d]
     return self.embed.attend(x).astype(jnp.float32)  # [batch, len, vocab]
 
 
@@ -154,9 +162,11 @@ def check_config(model: GPT) -> None:
     raise ValueError(f"unknown position encoding {model.position!r}; valid: "
                      f"{', '.join(POSITIONS + POSITION_BIASES)}")
   model.attention.kv_heads(model.num_heads)  # ValueError unless num_kv_heads divides num_heads
-  for name in ("vocab_size", "num_layers", "num_heads", "d_model", "block_size", "mlp_ratio"):
+  for name in ("vocab_size", "num_layers", "num_heads", "d_model", "block_size"):
     if getattr(model, name) < 1:
       raise ValueError(f"{name} must be >= 1, got {getattr(model, name)}")
+  if model.mlp_ratio < 0:
+    raise ValueError(f"mlp_ratio must be >= 0 (0: no MLP, attention-only), got {model.mlp_ratio}")
   if model.d_model % model.num_heads:
     raise ValueError(f"d_model={model.d_model} must be divisible by num_heads={model.num_heads}")
   if not model.layer_norm_epsilon > 0:
