@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import sys
 import time
 from typing import Callable
 
@@ -66,6 +67,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from attnlab.attention import core
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/machine.py
+import machine  # pylint: disable=g-bad-import-order,wrong-import-position
 
 try:  # torch is optional: the [torch] extra
   import torch
@@ -482,6 +486,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"attention mechanisms: B={b} H={h} D={d} float32, causal={args.mech_causal}, best "
           f"of {args.reps}; {len(os.sched_getaffinity(0))} core(s) of {os.cpu_count()}, "
           f"jax {jax.__version__} ({jax.default_backend()})")
+    print(machine.cpu_line())
     if hasattr(os, "getloadavg"):
       print("load average before: %.2f %.2f %.2f" % os.getloadavg())
     t0 = time.perf_counter()
@@ -496,6 +501,7 @@ def main(argv: list[str] | None = None) -> None:
   print(f"attention benchmark: B={b} H={h} D={d} float32, best of {args.reps}; "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"jax {jax.__version__} ({jax.default_backend()}), {torch_info}")
+  print(machine.cpu_line())
   if hasattr(os, "getloadavg"):
     print("load average before: %.2f %.2f %.2f" % os.getloadavg())
   for causal in args.causal:

@@ -58,6 +58,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/machine.py
+import machine  # pylint: disable=g-bad-import-order,wrong-import-position
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
 
@@ -297,6 +300,7 @@ def main(argv=None) -> int:
   print(f"{os.cpu_count()} CPUs; torch {torch.__version__} ({torch.get_num_threads()} threads); "
         f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at start; "
         f"scratch {scratch}")
+  print(machine.cpu_line())
   work = prepare_nanogpt(scratch, pathlib.Path(args.nanogpt_dir), pathlib.Path(args.data_dir))
   label = {"nanogpt": "nanoGPT (torch, nano CPU setting)",
            "nanogpt_passive": "nanoGPT, OMP_WAIT_POLICY=PASSIVE",

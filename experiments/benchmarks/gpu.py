@@ -542,6 +542,7 @@ def main(argv=None) -> int:
   if not args.scratch:
     atexit.register(shutil.rmtree, scratch, True)
   print(f"uptime before: {uptime()}")
+  print(gpt_vs_nanogpt.machine.cpu_line())  # the host's CPU (the device line follows)
   device = _worker(args, "probe")
   peak = args.peak_tflops or next((tf for name, tf in PEAK_TFLOPS if name in device["kind"]),
                                   None)

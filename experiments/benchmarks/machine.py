@@ -1,0 +1,33 @@
+"""The machine a benchmark ran on, for its header: figures from different CPUs are not compared.
+
+  cpu_line() -> "CPU: Intel(R) Xeon(R) Processor ... x 2; AVX-512: yes (bf16: no); AMX: no"
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def cpu_line(cpuinfo: str = "/proc/cpuinfo") -> str:
+  """The CPU model (/proc/cpuinfo's model name), its count, and the AVX-512 (with AVX512_BF16)
+  and AMX flags; the platform's processor name where /proc/cpuinfo is absent."""
+  try:
+    with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+      text = f.read()
+  except OSError:
+    import platform  # pylint: disable=g-import-not-at-top
+    return f"CPU: {platform.processor() or platform.machine()} x {os.cpu_count()}"
+  model, flags = "unknown", set()
+  for line in text.splitlines():
+    key, _, value = line.partition(":")
+    if key.strip() == "model name" and model == "unknown":
+      model = " ".join(value.split())
+    elif key.strip() == "flags" and not flags:
+      flags = set(value.split())
+  yes = lambda b: "yes" if b else "no"
+  return (f"CPU: {model} x {os.cpu_count()}; AVX-512: {yes('avx512f' in flags)} "
+          f"(bf16: {yes('avx512_bf16' in flags)}); AMX: {yes('amx_tile' in flags)}")
+
+
+if __name__ == "__main__":
+  print(cpu_line())
