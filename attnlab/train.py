@@ -290,6 +290,29 @@ def _progress_bar(total: int, initial: int):
 # The loop
 
 
+class _Phases:
+  """Seconds spent per phase of a run, logged in one line when it ends (`attnlab train`'s log):
+  where a whole run's time goes beside its steps."""
+
+  def __init__(self):
+    self.start = time.perf_counter()
+    self.seconds: dict[str, float] = {}
+
+  @contextlib.contextmanager
+  def __call__(self, name: str):
+    t0 = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+  def report(self) -> str:
+    total = time.perf_counter() - self.start
+    parts = [f"{name} {secs:.1f} s" for name, secs in self.seconds.items()]
+    other = total - sum(self.seconds.values())
+    return f"run phases: {', '.join(parts)}, other {other:.1f} s; total {total:.1f} s"
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> TrainState:
   """Trains `config.task` for `config.num_train_steps` in `workdir`, resuming what is there.
 
@@ -301,6 +324,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     NonFiniteLossError: the loss became NaN/Inf (the last good checkpoint is kept).
     TrainingInterrupted: SIGTERM or Ctrl-C (a checkpoint was saved first).
   """
+  phases = _Phases()
   config_utils.validate(config)
   workdir = pathlib.Path(workdir).absolute()
   check_inputs(config, workdir)
@@ -324,7 +348,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     if is_main:
       stack.enter_context(rundir.WorkdirLock(workdir))
       rundir.prepare_workdir(workdir, config)
-    return _train_in_workdir(config, workdir, task, mesh, is_main, own_assets is not None)
+    state = _train_in_workdir(config, workdir, task, mesh, is_main, own_assets is not None,
+                              phases)
+  _LOG.info("%s", phases.report())
+  return state
 
 
 def check_inputs(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> None:
@@ -404,9 +431,11 @@ def _stop_on_refused_writes(workdir: pathlib.Path):
 
 def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, task: tasks.Task,
                       mesh: jax.sharding.Mesh | None, is_main: bool,
-                      own_assets: bool = True) -> TrainState:
+                      own_assets: bool = True, phases: _Phases | None = None) -> TrainState:
   """train_and_evaluate once the workdir is prepared (and locked by this process); `own_assets`:
-  the task was built from the workdir's assets folder (`_record_start`)."""
+  the task was built from the workdir's assets folder (`_record_start`); `phases` times the
+  phases of the run."""
+  phases = phases or _Phases()
   num_steps = config.num_train_steps
   parts = state_lib.training(task, config, mesh)
   tx, seeds, train_iter, shardings = parts.tx, parts.seeds, parts.batches, parts.shardings
@@ -434,13 +463,14 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
     _evaluate_if_missing(config, task, state, workdir, start, seeds)
     train_step = make_train_step(task, tx, parts.schedule, num_seeds=num_seeds, mesh=mesh,
                                  state_shardings=shardings)
+    phases.seconds["setup"] = time.perf_counter() - phases.start
     state = _train_loop(config, workdir, task, state, train_iter, ckpt, train_step,
-                        parts.train_rng, seeds)
+                        parts.train_rng, seeds, phases)
   finally:
     ckpt.close()
   if config.write_plots and is_main:
     params = state_lib.first_replica(parallel.to_local(state.params), num_seeds)
-    with _writing(workdir):
+    with _writing(workdir), phases("plots"):
       task.write_plots(params, workdir)
   return state
 
@@ -496,7 +526,8 @@ def _first_step_done(metrics: dict, since: float) -> None:
 
 
 def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, train_rng,
-                seeds) -> TrainState:
+                seeds, phases: _Phases | None = None) -> TrainState:
+  phases = phases or _Phases()
   num_steps, start, num_seeds = config.num_train_steps, state_lib.step_of(state), len(seeds)
   pending: list[tuple[int, dict]] = []  # per-step metrics (on device) since the last log
   checked = 0  # pending[:checked] are known to have a finite loss
@@ -509,10 +540,11 @@ def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, trai
       stack.enter_context(logging_redirect_tqdm([logging.getLogger("attnlab")]))
     _LOG.info("compiling the train step (the first step takes longer) ...")
     for step in range(start + 1, num_steps + 1):
-      batch = next(train_iter)
-      state, metrics = train_step(state, batch, train_rng)
-      if step == start + 1:
-        _first_step_done(metrics, last_log_time)
+      with phases("first step (compile)" if step == start + 1 else "training steps"):
+        batch = next(train_iter)
+        state, metrics = train_step(state, batch, train_rng)
+        if step == start + 1:
+          _first_step_done(metrics, last_log_time)
       pending.append((step, metrics))
       bar.update()
       last, stopping = step == num_steps, stop.signum is not None
@@ -522,7 +554,8 @@ def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, trai
       do_eval = last or (not stopping and config.eval_every > 0 and step % config.eval_every == 0)
       if not (do_log or do_ckpt or do_eval):
         continue
-      _check_finite(pending[checked:], ckpt, seeds)  # before anything is written for this step
+      with phases("training steps"):  # reads the steps' losses: their device time lands here
+        _check_finite(pending[checked:], ckpt, seeds)  # before anything is written for this step
       checked = len(pending)
       if do_log:
         now = time.time()
@@ -535,11 +568,13 @@ def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, trai
         pending, checked = [], 0
         last_log_step, last_log_time = step, now
       if do_ckpt:
-        ckpt.save(step, state, train_iter.get_state())
+        with phases("checkpoints"):
+          ckpt.save(step, state, train_iter.get_state())
       if do_eval:
         # A fixed subset before the last step (config.eval_batches), the whole split at the end.
         subset = 0 if last else config.get("eval_batches", 0)
-        eval_metrics, per_seed = state_lib.evaluate(task, state.params, num_seeds, subset)
+        with phases("final evaluation" if last else "evaluations"):
+          eval_metrics, per_seed = state_lib.evaluate(task, state.params, num_seeds, subset)
         logger.write(step, "eval", eval_metrics, per_seed,
                      **({"eval_batches": subset} if subset else {}))
         _LOG.info("step %d eval: %s", step,

@@ -84,6 +84,22 @@ def test_startup_lines_announce_the_compile_and_time_the_first_step(local_run):
   assert 0 < seconds < 600
 
 
+def test_the_run_ends_with_the_seconds_of_each_phase(local_run):
+  """One line names where the run's time went: setup, the first step (its compile), the other
+  steps, checkpoints, evaluations; the phases add up to no more than the total."""
+  lines = [line for line in local_run[4] if line.startswith("run phases: ")]
+  assert len(lines) == 1 and lines[0] == local_run[4][-1], local_run[4]
+  body, total = lines[0][len("run phases: "):].split("; total ")
+  seconds = {}
+  for part in body.split(", "):
+    name, value = part.rsplit(" ", 2)[0], float(part.rsplit(" ", 2)[1])
+    seconds[name] = value
+  assert {"setup", "first step (compile)", "training steps", "checkpoints", "evaluations",
+          "final evaluation", "other"} <= set(seconds), seconds
+  assert all(v >= 0 for v in seconds.values())
+  assert abs(sum(seconds.values()) - float(total.split(" s")[0])) < 0.15  # rounding of 8 parts
+
+
 def test_evaluation_matches_numpy_reference(local_run):
   config, _, state, _, _ = local_run
   task = tasks.build_task(config)
