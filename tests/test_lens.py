@@ -8,10 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from attnlab import tasks
 from attnlab.analysis import detectors
 from attnlab.analysis import hooks
 from attnlab.analysis import lens
 from attnlab.models import gpt
+from configs import gpt as gpt_config
 
 # Clean tokens are ids below BASE; the ids from BASE on are per-(row, position) tokens whose
 # embeddings the attribution-patching test sets to a clean token's plus a small perturbation.
@@ -225,3 +227,45 @@ def test_duplicate_token_score_is_one_on_a_perfect_pattern_and_chance_on_random_
   np.testing.assert_allclose(detectors.duplicate_token_score(w, T), chance, rtol=0.05)
   with pytest.raises(ValueError, match="2 \\* seq_len"):
     detectors.duplicate_token_score(w[:, :, :-1], T)
+
+
+# ---------------------------------------------------------------------- induction task
+
+
+def test_induction_task_batches_and_copy_loss():
+  config = gpt_config.get_config("dataset=induction,runlocal=True,model.mlp_ratio=0,"
+                                 "data.vocab_size=20,data.max_span=6,data.num_eval=24,"
+                                 "data.eval_batch_size=16,batch_size=4")
+  task = tasks.build_task(config)
+  block = task.block_size
+  batches = task.eval_batches()
+  batch = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+  assert batch["inputs"].shape == (24, block)
+  np.testing.assert_array_equal(batch["inputs"][:, 1:], batch["targets"][:, :-1])
+  for row in range(24):
+    ids = np.concatenate([batch["inputs"][row], batch["targets"][row, -1:]])  # [block + 1]
+    copied = np.flatnonzero(batch["copy_mask"][row]) + 1  # ids the masked targets are
+    assert 1 <= len(copied) <= 5 and np.all(np.diff(copied) == 1)
+    # Each masked target repeats the id after an earlier occurrence of its input's id, at one
+    # offset for the whole segment, the first copied id included (copied[0] - 1).
+    offsets = [o for o in range(1, copied[0]) if np.array_equal(
+        ids[copied[0] - 1 - o:copied[-1] + 1 - o], ids[copied[0] - 1:copied[-1] + 1])]
+    assert offsets, row
+  # The same sequences, and the training batches, are drawn again from the data seed.
+  again = tasks.build_task(config)
+  np.testing.assert_array_equal(again.eval_batches()[0]["inputs"], batches[0]["inputs"])
+  first = next(iter(task.train_iterator()))
+  np.testing.assert_array_equal(next(iter(again.train_iterator()))["inputs"], first["inputs"])
+  assert first["inputs"].shape == (4, block)
+  # copy_loss: the mean cross-entropy over the masked targets only.
+  params = task.init(jax.random.key(0))
+  sums = task.metric_sums(params, batches[0])
+  logits = np.asarray(task.model.apply({"params": params}, batches[0]["inputs"]), np.float64)
+  logp = logits - logits.max(-1, keepdims=True)
+  logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+  nll = -np.take_along_axis(logp, batches[0]["targets"][..., None], -1)[..., 0]
+  mask = batches[0]["copy_mask"]
+  total, count = (float(v) for v in sums["copy_loss"])
+  np.testing.assert_allclose(count, mask.sum())
+  np.testing.assert_allclose(total / count, (nll * mask).sum() / mask.sum(), rtol=1e-5)
+  assert abs(total / count - nll.mean()) > 1e-4  # not the plain loss
