@@ -26,11 +26,16 @@ Shortcuts in the arg (besides any field; the same names as in the other config f
   score=NAME                      = model.attention.score (dot, scaled_dot, cosine, general, ...)
   implementation=NAME             = model.attention.implementation (auto, reference, xla, ...)
   mechanism=NAME                  = model.attention.mechanism (full, linear, performer, ...)
-  dataset=NAME, or task=NAME      = data.name (tiny_shakespeare, addition, synthetic_tokens)
+  dataset=NAME, or task=NAME      = data.name (tiny_shakespeare, addition, synthetic_tokens,
+                                  induction)
   tokenizer=char|subword          = data.tokenizer
 Tiny Shakespeare is read from data.manual_dir, else $ATTNLAB_DATA_DIR/tinyshakespeare/, else
 downloaded (see attnlab.data). `synthetic_tokens` is uniform random token ids (data.vocab_size
-of them, token-id "text") for throughput measurements without a corpus.
+of them, token-id "text") for throughput measurements without a corpus. `induction` is random
+ids (data.vocab_size of them) with a random-length segment copied to a random later offset, for
+circuit studies (experiments/induction_heads); evaluation adds copy_loss, the loss on the copied
+ids an induction head can predict:
+  attnlab train --config=configs/gpt.py:dataset=induction,model.mlp_ratio=0,model.num_layers=2,data.vocab_size=64 --workdir=runs/gpt_induction
 """
 
 from attnlab import config_utils
@@ -111,12 +116,13 @@ def get_config(arg: str | None = None):
   # Dropout on the attention weights (runs the reference attention path while training).
   config.model.attention_dropout_rate = 0.0
 
-  # Dataset: tiny_shakespeare, addition or synthetic_tokens (random ids, for throughput).
+  # Dataset: tiny_shakespeare, addition, synthetic_tokens (random ids, for throughput) or
+  # induction (random ids with a segment copied to a random later offset).
   config.data.name = "tiny_shakespeare"
   # Tokenizer for tiny_shakespeare: char or subword (sentencepiece); addition is always char.
   config.data.tokenizer = "char"
-  # Subword vocabulary size (tokenizer=subword); token ids of synthetic_tokens (GPT-2's 50257 with
-  # size=gpt2).
+  # Subword vocabulary size (tokenizer=subword); token ids of synthetic_tokens and induction
+  # (GPT-2's 50257 with size=gpt2).
   config.data.vocab_size = 50257 if gpt2 else 1024
   # Where subword tokenizers are cached ("": ~/.cache/attnlab/tokenizers).
   config.data.tokenizer_dir = ""
@@ -128,15 +134,19 @@ def get_config(arg: str | None = None):
   config.data.eval_batch_size = 128
   # Validation windows to evaluate (0: every non-overlapping window of the validation text).
   config.data.eval_windows = 0
-  # addition: training sums.
+  # addition, induction: training sums / sequences.
   config.data.num_train = 100_000
-  # addition: validation sums (exact-answer accuracy).
+  # addition, induction: validation sums (exact-answer accuracy) / sequences (copy_loss).
   config.data.num_eval = 1000
   # addition: fewest digits per operand.
   config.data.min_digits = 1
   # addition: most digits per operand.
   config.data.max_digits = 3
-  # addition: data seed (-1: the run's seed).
+  # induction: fewest ids in the copied segment (>= 2).
+  config.data.min_span = 2
+  # induction: most ids in the copied segment (2 * max_span <= block_size + 1).
+  config.data.max_span = 16
+  # addition, induction: data seed (-1: the run's seed).
   config.data.seed = -1
 
   config.generate = config_utils.ConfigDict()

@@ -29,7 +29,7 @@ def _parse_date(text: str) -> datetime.date:
   return datetime.date(year, month, day)
 
 
-@pytest.mark.parametrize("name", ["dates", "reverse", "copy", "addition"])
+@pytest.mark.parametrize("name", ["dates", "reverse", "copy", "addition", "induction"])
 def test_reproducible_by_seed(name):
   a = data.get_dataset(name, "train", num_examples=50, seed=7)
   b = data.get_dataset(name, "train", num_examples=80, seed=7)  # Example i ignores num_examples.
@@ -93,6 +93,24 @@ def test_addition():
     assert int(ex["target"]) == int(m[1]) + int(m[2])
     assert ex["text"] == ex["source"] + ex["target"]
   assert {len(re.match(r"\d+", ex["source"])[0]) for ex in ds} == {2, 3, 4, 5}
+
+
+def test_induction_copies_a_segment_to_a_random_later_offset():
+  ds = data.get_dataset("induction", "train", num_examples=300, seed=1, length=40,
+                        vocab_size=50, min_span=3, max_span=8)
+  offsets, spans = set(), set()
+  for ex in ds:
+    ids, src, dst, span = ex["ids"], ex["src"], ex["dst"], ex["span"]
+    assert len(ids) == 40 and all(0 <= i < 50 for i in ids)
+    assert 3 <= span <= 8 and src + span <= dst and dst + span <= 40
+    assert ids[dst:dst + span] == ids[src:src + span]  # the copy is where it says
+    offsets.add(dst - src)
+    spans.add(span)
+  assert len(offsets) > 15 and spans == set(range(3, 9))  # no fixed offset, every span
+  with pytest.raises(data.DataError, match="length=10 must be >= 2 \\* max_span"):
+    data.get_dataset("induction", "train", length=10, max_span=8)
+  with pytest.raises(data.DataError, match="min_span <= max_span"):
+    data.get_dataset("induction", "train", min_span=1)
 
 
 def test_bad_options():

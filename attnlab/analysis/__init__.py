@@ -11,29 +11,36 @@
   logits, cache = analysis.run_with_cache(run, tokens, ["blocks.0.attn.pattern"])   # GPT sites
   logits = analysis.run_with_hooks(run, tokens, [analysis.Intervention("blocks.1.attn.z", "zero")])
   grid = analysis.patch_sweep(run, clean, corrupted, metric, site="resid_pre")   # [layers, len]
-  scores = analysis.detect_heads(run)                # previous-token and induction scores
+  scores = analysis.detect_heads(run)                # previous-token, duplicate-token, induction
+  layers = analysis.logit_lens(run, tokens)          # [layers + 1, batch, len, vocab]
+  dla = analysis.logit_attribution(run, tokens)      # per component and head; sums to the logits
+  grid = analysis.attribution_patch(run, clean, corrupted, metric, site="attn.z", over="head")
 
 Modules: runs (load_run, attention_maps), capture (Capture, capture, capture_text,
 capture_batch), metrics (entropy, offsets, special-token mass, rollout, head_table), alignment
 (gold alignments of copy/reverse/dates, evaluate_alignment), ablation (head_ablation,
 plot_head_ablation), hooks (the hook-site table, run_with_cache, run_with_hooks, Intervention,
-patch_sweep), detectors (previous-token and induction scores).
+patch_sweep), detectors (previous-token, duplicate-token and induction scores), lens (logit
+lens, direct logit attribution, attribution patching).
 """
 
 from attnlab.analysis.ablation import AblationResult, head_ablation, plot_head_ablation
 from attnlab.analysis.alignment import evaluate_alignment, gold_alignment
 from attnlab.analysis.capture import Capture, capture, capture_batch, capture_text
-from attnlab.analysis.detectors import (chance_scores, detect_heads, induction_score,
-                                        previous_token_score, repeated_random_tokens)
+from attnlab.analysis.detectors import (chance_scores, detect_heads, duplicate_token_score,
+                                        induction_score, previous_token_score,
+                                        repeated_random_tokens)
 from attnlab.analysis.hooks import Intervention, patch_sweep, run_with_cache, run_with_hooks
+from attnlab.analysis.lens import (LogitAttribution, attribution_patch, logit_attribution,
+                                   logit_lens)
 from attnlab.analysis.metrics import (attention_rollout, entropy, head_table, mean_abs_offset,
                                       mean_offset, normalized_entropy, special_token_mass)
 from attnlab.analysis.runs import Run, attention_maps, few_steps_warning, load_run, read_metrics
 
-__all__ = ["AblationResult", "Capture", "Intervention", "Run", "attention_maps",
-           "attention_rollout", "capture", "capture_batch", "capture_text", "chance_scores",
-           "detect_heads", "entropy", "evaluate_alignment", "few_steps_warning",
-           "gold_alignment", "head_ablation", "head_table", "induction_score", "load_run",
+__all__ = ["AblationResult", "Capture", "Intervention", "LogitAttribution", "Run",
+           "attention_maps", "attention_rollout", "attribution_patch", "capture", "capture_batch", "capture_text", "chance_scores",
+           "detect_heads", "duplicate_token_score", "entropy", "evaluate_alignment", "few_steps_warning",
+           "gold_alignment", "head_ablation", "head_table", "induction_score", "load_run", "logit_attribution", "logit_lens",
            "mean_abs_offset", "mean_offset", "normalized_entropy", "patch_sweep",
            "plot_head_ablation", "previous_token_score", "read_metrics", "repeated_random_tokens",
            "run_with_cache", "run_with_hooks", "special_token_mass"]

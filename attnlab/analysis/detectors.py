@@ -1,14 +1,16 @@
-"""Head detectors: previous-token and induction scores per layer x head.
+"""Head detectors: previous-token, duplicate-token and induction scores per layer x head.
 
-  scores = detect_heads(run)                  # {"previous_token": [layers, heads], "induction": ...}
+  scores = detect_heads(run)   # {"previous_token", "duplicate_token", "induction": [layers, heads]}
   tokens = repeated_random_tokens(vocab, seq_len=20, batch=8, seed=0)   # [batch, 2 * seq_len]
   induction_score(pattern, seq_len)          # pattern [batch, heads, 2T, 2T] -> [heads]
 
 The standard input is random tokens repeated twice, t_0 .. t_{T-1} t_0 .. t_{T-1} (Olsson et al.
 2022). A query at position q in the second half (q >= T) reads token t_{q-T}, whose previous
-occurrence is at q - T: an induction head attends to the token after it, key q - T + 1. Scores:
-  induction       mean over the batch and the queries q in [T, 2T) of w[q, q - T + 1]
-  previous_token  mean over the batch and the queries q in [1, 2T) of w[q, q - 1]
+occurrence is at q - T: a duplicate-token head attends to that occurrence, an induction head to
+the token after it, key q - T + 1. Scores:
+  induction        mean over the batch and the queries q in [T, 2T) of w[q, q - T + 1]
+  duplicate_token  mean over the batch and the queries q in [T, 2T) of w[q, q - T]
+  previous_token   mean over the batch and the queries q in [1, 2T) of w[q, q - 1]
 A perfect head scores 1. A head spreading its weight uniformly over the keys it may see scores
 the mean of 1 / (q + 1) over those queries (`chance_scores`).
 
@@ -31,8 +33,8 @@ import numpy as np
 
 from attnlab.analysis import hooks as hooks_lib
 
-__all__ = ["chance_scores", "detect_heads", "induction_score", "previous_token_score",
-           "repeated_random_tokens"]
+__all__ = ["chance_scores", "detect_heads", "duplicate_token_score", "induction_score",
+           "previous_token_score", "repeated_random_tokens"]
 
 Array = jax.Array
 
@@ -77,16 +79,27 @@ def induction_score(pattern: Any, seq_len: int) -> Array:
   return _diagonal_score(pattern, seq_len - 1, seq_len)
 
 
+def duplicate_token_score(pattern: Any, seq_len: int) -> Array:
+  """`[batch, heads, 2 * seq_len, 2 * seq_len]` weights on repeated tokens -> `[heads]`: the mean
+  (row-normalised) weight of each query q >= seq_len on key q - seq_len (the same token's
+  previous occurrence)."""
+  if pattern.shape[-2] != 2 * seq_len:
+    raise ValueError(f"duplicate_token_score needs weights of 2 * seq_len = {2 * seq_len} "
+                     f"queries (random tokens repeated twice); got shape {tuple(pattern.shape)}")
+  return _diagonal_score(pattern, seq_len, seq_len)
+
+
 def chance_scores(seq_len: int) -> dict[str, float]:
   """The scores of a head that spreads each causal row uniformly (query q: 1 / (q + 1))."""
   q = np.arange(2 * seq_len)
+  second_half = float(np.mean(1.0 / (q[seq_len:] + 1)))
   return {"previous_token": float(np.mean(1.0 / (q[1:] + 1))),
-          "induction": float(np.mean(1.0 / (q[seq_len:] + 1)))}
+          "duplicate_token": second_half, "induction": second_half}
 
 
 def detect_heads(run: Any, *, seq_len: int | None = None, batch: int = 8, seed: int = 0,
                  tokens: Any = None, interventions: Any = ()) -> dict[str, np.ndarray]:
-  """{"previous_token", "induction": `[layers, heads]`} of a GPT run (or (model, params)) on
+  """{"previous_token", "duplicate_token", "induction": `[layers, heads]`} of a GPT run (or (model, params)) on
   random tokens repeated twice (seq_len: default half the block size, at most 50), or on
   `tokens` `[batch, 2 * seq_len]` of that form; with `interventions` (attnlab.analysis.hooks)
   applied, e.g. a head ablated."""
@@ -103,5 +116,7 @@ def detect_heads(run: Any, *, seq_len: int | None = None, batch: int = 8, seed: 
   _, cache = hooks_lib.run_with_cache(run, tokens, names, interventions=interventions)
   return {"previous_token": np.stack([np.asarray(previous_token_score(cache[n]))
                                       for n in names]),
+          "duplicate_token": np.stack([np.asarray(duplicate_token_score(cache[n], seq_len))
+                                       for n in names]),
           "induction": np.stack([np.asarray(induction_score(cache[n], seq_len))
                                  for n in names])}

@@ -48,6 +48,8 @@ Synthetic tasks (no files; every option has a default; `num_examples` per split,
 | copy     | vocab (list of tokens), sep               | (copy: target == source)              |
 | addition | min_digits, max_digits                    | {"source": "12+345=", "target": "357",|
 |          |                                           | "text": "12+345=357"}                 |
+| induction| length, vocab_size, min_span, max_span    | {"ids": [int], "src", "dst", "span"}: |
+|          |                                           | ids[dst:dst+span] == ids[src:src+span]|
 
 Splits of synthetic tasks: train, validation, test (independent seeds per split).
 
@@ -98,7 +100,7 @@ def get_dataset(name: str, split: str, *, data_dir: PathLike | None = None,
 
   Args:
     name: a real dataset (anki_mar_eng, tiny_shakespeare, sst2) or a synthetic task (dates,
-      reverse, copy, addition).
+      reverse, copy, addition, induction).
     split: "train", "validation" or "test" where the dataset has it.
     data_dir: TFDS data dir for prepared real datasets (default $TFDS_DATA_DIR).
     manual_dir: folder with a local copy of the raw files of a real dataset.

@@ -5,7 +5,7 @@ seeded by `(seed, split index, i)`, so it does not depend on `num_examples` or o
 examples were read. Splits draw from independent streams but are not de-duplicated against each
 other (identical examples are possible when the task's space is small).
 
-Tasks and example fields (all values are python `str`):
+Tasks and example fields (python `str`, but for induction's ints):
 - `dates`: {"source": a date written in one of DATE_FORMATS, "target": ISO "YYYY-MM-DD"}; dates
   are uniform over 1950-01-01..2049-12-31, two-digit years mean 1950..2049 ("93" -> 1993,
   "07" -> 2007), numeric dates are day first ("09/10/93" = 9 October 1993).
@@ -13,6 +13,13 @@ Tasks and example fields (all values are python `str`):
   the number of tokens is uniform in [min_len, max_len].
 - `addition`: {"source": "123+4567=", "target": "4690", "text": "123+4567=4690"}; each operand
   has a uniform number of digits in [min_digits, max_digits] (no leading zeros).
+- `induction`: {"ids": `length` token ids uniform in [0, vocab_size), "src": int, "dst": int,
+  "span": int}: a segment of `span` ids (uniform in [min_span, max_span]) starting at `src` is
+  copied over the ids at `dst` (src + span <= dst, dst + span <= length; src uniform over where
+  both fit, then dst uniform over where the copy fits), so ids[dst:dst + span] ==
+  ids[src:src + span]. The copy's offset dst - src varies from example to example, so a head
+  attending at a fixed offset cannot find the segment; an induction head (attend to the token
+  after the previous occurrence of the current one) predicts ids dst + 1 .. dst + span - 1.
 """
 
 from __future__ import annotations
@@ -104,6 +111,17 @@ def make_addition(rng: np.random.Generator, min_digits: int, max_digits: int) ->
   a, b = _number(rng, min_digits, max_digits), _number(rng, min_digits, max_digits)
   source, target = f"{a}+{b}=", str(a + b)
   return {"source": source, "target": target, "text": source + target}
+
+
+def make_induction(rng: np.random.Generator, length: int, vocab_size: int, min_span: int,
+                   max_span: int) -> dict[str, Any]:
+  """One `induction` example."""
+  ids = rng.integers(0, vocab_size, length)  # [length]
+  span = int(rng.integers(min_span, max_span + 1))
+  src = int(rng.integers(0, length - 2 * span + 1))
+  dst = int(rng.integers(src + span, length - span + 1))
+  ids[dst:dst + span] = ids[src:src + span]
+  return {"ids": [int(i) for i in ids], "src": src, "dst": dst, "span": span}
 
 
 class SyntheticDataset(collections.abc.Sequence):
@@ -198,6 +216,22 @@ def addition(split: str = "train", *, num_examples: int = 1000, seed: int = 0,
                   num_examples, seed, split)
 
 
+def induction(split: str = "train", *, num_examples: int = 1000, seed: int = 0,
+              length: int = 65, vocab_size: int = 64, min_span: int = 2,
+              max_span: int = 16) -> SyntheticDataset:
+  """Random token ids with a random-length segment copied to a random later offset (module
+  docstring); `length` ids per example (a GPT's block_size + 1: inputs and next-token targets)."""
+  _check_range("induction", "min_span", min_span, "max_span", max_span, 2)
+  if length < 2 * max_span:
+    raise DataError(f"induction: length={length} must be >= 2 * max_span = {2 * max_span} (the "
+                    f"segment and its copy must fit)")
+  if vocab_size < 2:
+    raise DataError(f"induction: vocab_size must be >= 2, got {vocab_size}")
+  return _dataset("induction", lambda rng: make_induction(rng, length, vocab_size, min_span,
+                                                          max_span),
+                  num_examples, seed, split)
+
+
 def _dataset(name: str, make: Callable[[np.random.Generator], dict[str, str]], num_examples: int,
              seed: int, split: str) -> SyntheticDataset:
   if split not in SPLITS:
@@ -216,6 +250,7 @@ SYNTHETIC: dict[str, Callable[..., SyntheticDataset]] = {
     "reverse": reverse,
     "copy": copy,
     "addition": addition,
+    "induction": induction,
 }
 
 

@@ -17,12 +17,20 @@ Datasets (config.data.name):
   exactly the answer and `<end>`. It is computed in one teacher-forced pass: greedy decoding
   reproduces the answer iff the argmax at every answer position equals the target (each greedy
   step then sees exactly the teacher-forced prefix).
+- `induction`: the synthetic task of attnlab.data (`get_dataset("induction")`): block_size + 1
+  random ids in [0, data.vocab_size) per sequence, in which a segment of data.min_span ..
+  data.max_span ids is copied to a random later offset, drawn from data.seed (-1: the run's
+  seed); data.num_train training sequences (batch i holds sequences i * batch_size ... modulo
+  data.num_train, so a resumed run sees the same batches), data.num_eval validation ones.
+  Evaluation adds `copy_loss` and `copy_accuracy`: the loss and argmax accuracy on the copied
+  ids an induction head can predict (the copy's second to last ids: its first is random given
+  what precedes it).
 - `synthetic_tokens`: uniform random token ids in [0, data.vocab_size) drawn from the seed (no
   files), sampled in windows like the text; for throughput measurements (the loss stays at
   ln(vocab_size)). Its "text" is token ids separated by spaces (data.tokenizer is ignored).
 
 Metrics: loss (mean cross-entropy per target token, nats), perplexity = exp(loss), token
-accuracy, and for addition exact_match.
+accuracy, for addition exact_match, for induction copy_loss and copy_accuracy.
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ from attnlab.tasks.base import Task
 from attnlab.tasks.base import data_location
 
 # Datasets this task trains on.
-DATASETS = ("tiny_shakespeare", "addition", "synthetic_tokens")
+DATASETS = ("tiny_shakespeare", "addition", "synthetic_tokens", "induction")
 # synthetic_tokens: tokens in the training stream (windows are drawn from it as from a text) and
 # validation windows.
 SYNTHETIC_TRAIN_TOKENS = 1 << 20
@@ -71,6 +79,21 @@ def _windows(ids: np.ndarray, starts: np.ndarray, block: int) -> dict[str, np.nd
   return {"inputs": ids[pos], "targets": ids[pos + 1]}
 
 
+def _induction_arrays(examples, with_mask: bool = True) -> dict[str, np.ndarray]:
+  """inputs / targets `[n, length - 1]` of `induction` examples, with `weights` and (with_mask)
+  `copy_mask`: True at the targets ids[dst + 1 .. dst + span - 1]."""
+  ids = np.asarray([ex["ids"] for ex in examples], np.int32)  # [n, length]
+  out = {"inputs": ids[:, :-1], "targets": ids[:, 1:]}
+  if with_mask:
+    target = np.arange(1, ids.shape[1])[None, :]  # [1, length - 1]: the id each target is
+    dst = np.asarray([ex["dst"] for ex in examples])[:, None]  # [n, 1]
+    span = np.asarray([ex["span"] for ex in examples])[:, None]
+    out["weights"] = np.ones(out["inputs"].shape, np.float32)
+    out["answer_mask"] = np.zeros(out["inputs"].shape, bool)
+    out["copy_mask"] = ((target > dst) & (target < dst + span)).astype(np.float32)
+  return out
+
+
 @register_task("causal_lm")
 class CausalLMTask(Task):
   """Next-token prediction with attnlab.models.gpt.GPT (see the module docstring)."""
@@ -83,6 +106,8 @@ class CausalLMTask(Task):
     try:
       if d.name == "synthetic_tokens":
         self._setup_synthetic(d)
+      elif d.name == "induction":
+        self._setup_induction(d)
       elif d.name == "tiny_shakespeare":
         self._setup_shakespeare(d)
       else:
@@ -129,6 +154,23 @@ class CausalLMTask(Task):
     self.tokenizer = self.asset_tokenizer("tokenizer", lambda: hf_tokenizer.IdTokenizer(
         d.vocab_size))
 
+  def _setup_induction(self, d) -> None:
+    # Sequences of block_size + 1 ids from attnlab.data's `induction` task, written as ids.
+    if d.vocab_size < 2:
+      raise ConfigError(f"induction needs data.vocab_size >= 2, got {d.vocab_size}")
+    self.train_ids = self.val_ids = None
+    self.seq_len = 0  # sequences of block_size, like windows
+    self.tokenizer = self.asset_tokenizer("tokenizer", lambda: hf_tokenizer.IdTokenizer(
+        d.vocab_size))
+    block = models_lib.config_dims("gpt", self.config.model)["block_size"]
+    options = {"seed": d.seed if d.seed >= 0 else self.config.seed, "length": block + 1,
+               "vocab_size": d.vocab_size, "min_span": d.get("min_span", 2),
+               "max_span": d.get("max_span", 16)}
+    self.induction_train = data_lib.get_dataset("induction", "train", num_examples=d.num_train,
+                                                **options)
+    self.induction_val = _induction_arrays(data_lib.get_dataset(
+        "induction", "validation", num_examples=d.num_eval, **options))
+
   def _texts(self) -> tuple[str, str]:
     """(training text, validation text) of Tiny Shakespeare."""
     return tuple(data_lib.get_dataset("tiny_shakespeare", split,
@@ -155,7 +197,7 @@ class CausalLMTask(Task):
   def validation_ids(self) -> np.ndarray:
     """Token ids `[n]` of Tiny Shakespeare's validation text (read on first use, as for training;
     a reloaded run reads the dataset here)."""
-    if self.seq_len:
+    if self.seq_len or self.config.data.name == "induction":
       raise ValueError(f"validation_ids is the Tiny Shakespeare text's; this task reads "
                        f"{self.config.data.name} (see eval_batches)")
     self._text_ids()
@@ -191,6 +233,10 @@ class CausalLMTask(Task):
 
   def train_iterator(self) -> IndexedBatches:
     size, seed, block = self.config.batch_size, self.config.seed, self.block_size
+    if self.config.data.name == "induction":
+      examples = self.induction_train
+      return IndexedBatches(lambda index: _induction_arrays(
+          [examples[(index * size + r) % len(examples)] for r in range(size)], with_mask=False))
     self._text_ids()
     if self.seq_len == 0:
       ids = self.train_ids
@@ -208,6 +254,8 @@ class CausalLMTask(Task):
   def eval_batches(self) -> list[dict[str, np.ndarray]]:
     """Validation batches with per-position `weights` (0 on padding positions)."""
     size = self.config.data.eval_batch_size
+    if self.config.data.name == "induction":
+      return pipeline.ordered_batches(self.induction_val, size)
     self._text_ids()
     if self.seq_len == 0:
       block, ids = self.block_size, self.val_ids
@@ -251,6 +299,10 @@ class CausalLMTask(Task):
             "token_accuracy": (jnp.sum(correct * weights), tokens)}
     if self.seq_len:
       sums["exact_match"] = (jnp.sum(exact), jnp.sum(has_answer))
+    if "copy_mask" in batch:  # induction: the copied ids an induction head can predict
+      copied = batch["copy_mask"] * weights  # [batch, len]
+      sums["copy_loss"] = (jnp.sum(losses * copied), jnp.sum(copied))
+      sums["copy_accuracy"] = (jnp.sum(correct * copied), jnp.sum(copied))
     return sums
 
   def finish_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
@@ -262,7 +314,7 @@ class CausalLMTask(Task):
   @property
   def default_prompt(self) -> str:
     """A prompt that suits the dataset."""
-    if self.config.data.name == "synthetic_tokens":
+    if self.config.data.name in ("synthetic_tokens", "induction"):
       return "0"
     return "12+34=" if self.seq_len else "ROMEO:"
 
