@@ -347,14 +347,10 @@ def run_python_file(path: str, module_name: str, what: str, function: str,
   """
   module_spec = importlib.util.spec_from_file_location(module_name, path)
   module = importlib.util.module_from_spec(module_spec)
-  folder = os.path.dirname(os.path.abspath(path))  # its helper modules (configs/_translation.py)
-  sys.path.insert(0, folder)
   try:
     module_spec.loader.exec_module(module)
   except Exception as e:  # any error in the user's file: name the file and the line
     raise ConfigError(f"{what} {path!r} failed to import: {_python_error(path, e)}") from e
-  finally:
-    sys.path.remove(folder)
   if not callable(getattr(module, function, None)):
     raise ConfigError(f"{what} {path!r} defines no {function}()")
   try:
@@ -363,6 +359,19 @@ def run_python_file(path: str, module_name: str, what: str, function: str,
     raise
   except Exception as e:
     raise ConfigError(f"{what} {path!r} failed in {function}(): {_python_error(path, e)}") from e
+
+
+def config_helper(config_file: str, name: str) -> Any:
+  """The helper module `name` beside a config file (configs/_translation.py for
+  configs/seq2seq.py: `config_utils.config_helper(__file__, "_translation")`), imported once."""
+  path = os.path.join(os.path.dirname(os.path.abspath(config_file)), f"{name}.py")
+  key = f"attnlab_config_helper_{name}_{abs(hash(path))}"
+  if key not in sys.modules:
+    module_spec = importlib.util.spec_from_file_location(key, path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    sys.modules[key] = module
+  return sys.modules[key]
 
 
 def load_config_file(spec: str) -> ConfigDict:

@@ -240,7 +240,9 @@ ADDED_DEFAULTS: dict[str, Any] = {"num_seeds": 1, "mesh.data": -1, "mesh.fsdp": 
                                   # BERT's (GPT and the Transformer always had the key).
                                   "model.position": "learned", "data.vocab_corpus": "",
                                   # IMDB held-out sentences seen in training were kept before.
-                                  "data.heldout_unseen": False}
+                                  "data.heldout_unseen": False,
+                                  # GPT's induction data set (#52): its span lengths.
+                                  "data.min_span": 2, "data.max_span": 16}
 
 
 # Keys that may change when a run resumes: they change where it runs, not what it computes.

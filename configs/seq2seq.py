@@ -26,8 +26,10 @@ picks that dataset's defaults (tokenizer, sizes, steps) before the other keys ap
 configs/_translation.py's translation_groups.
 """
 
-import _translation  # configs/_translation.py, beside this file
 from attnlab import config_utils
+
+# configs/_translation.py: the data groups shared with configs/transformer.py
+_translation = config_utils.config_helper(__file__, "_translation")
 
 # Short arg keys (config_utils.SHORTCUTS: one meaning in every config file).
 SHORTCUTS = config_utils.shortcut_table("task", "dataset", "attention", "score")

@@ -26,8 +26,10 @@ configs/_translation.py's translation_groups, which documents the `data.*` and `
 this file's model and training defaults for that dataset, then the other keys of the arg.
 """
 
-import _translation  # configs/_translation.py, beside this file
 from attnlab import config_utils
+
+# configs/_translation.py: the data groups shared with configs/seq2seq.py
+_translation = config_utils.config_helper(__file__, "_translation")
 
 # Short arg keys (config_utils.SHORTCUTS: one meaning in every config file).
 SHORTCUTS = config_utils.shortcut_table("task", "dataset", "size", "score", "implementation",

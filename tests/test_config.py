@@ -135,7 +135,7 @@ SHORTCUT_ARGS = {
 
 
 def _config_module(name, monkeypatch):
-  monkeypatch.syspath_prepend(str(CONFIGS))  # a config file's helper modules sit beside it
+  del monkeypatch
   spec = importlib.util.spec_from_file_location(f"test_config_{name[:-3]}", CONFIGS / name)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
