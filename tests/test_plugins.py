@@ -87,40 +87,62 @@ def _train(spec: str, workdir: pathlib.Path, cwd: pathlib.Path) -> None:
   assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family,arg", [
-    ("gpt", "dataset=addition"),
-    ("transformer", "dataset=reverse"),
-    ("bert", "mode=pretrain,data.manual_dir={shared},data.data_dir={tmp}/tfds,"
-             "data.tokenizer_dir={tmp}/tok"),
-])
-def test_plugin_trains_reloads_and_is_analysed(family, arg, shared_data, tmp_path):
-  arg = arg.format(shared=shared_data, tmp=tmp_path)
-  workdir = tmp_path / "run"
-  spec = (f"{CONFIGS / (family + '.py')}:{arg},runlocal=True,num_train_steps=3,eval_every=0,"
+def _temperatures(params) -> list[float]:
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  return [float(t) for path, x in leaves if "log_temperature" in jax.tree_util.keystr(path)
+          for t in np.exp(np.asarray(x)).ravel()]
+
+
+def _check_learned(temps: list[float]) -> None:
+  assert temps and all(3.0 < t < 8.0 for t in temps)  # learned from 5.0, three small steps
+  assert not all(math.isclose(t, 5.0, rel_tol=1e-6) for t in temps)  # and it did learn
+
+
+def _spec(family: str, arg: str) -> str:
+  return (f"{CONFIGS / (family + '.py')}:{arg},runlocal=True,num_train_steps=3,eval_every=0,"
           f"write_plots=False,{USE},model.attention.cosine_temperature.init_temperature=5.0")
-  _train(spec, workdir, cwd=tmp_path)
+
+
+@pytest.mark.slow
+def test_plugin_trains_gpt_and_reloads_in_a_fresh_process(tmp_path):
+  """`attnlab train` with the plugin; then a process that never imported it reloads the run (the
+  run names the module), captures its attention and writes the viewer's page."""
+  workdir = tmp_path / "run"
+  _train(_spec("gpt", "dataset=addition"), workdir, cwd=tmp_path)
   stored = json.loads((workdir / "config.json").read_text())["model"]["attention"]
   assert stored["mechanism"] == "cosine_temperature" and stored["plugins"] == str(PLUGIN)
-  # A fresh process that never imported the plugin reloads the run (the run names the module),
-  # captures its attention and writes the viewer's page.
-  text = {"gpt": "12+34=", "transformer": "abc", "bert": "the king"}[family]
   script = (
       "import json, jax, numpy as np\n"
       "from attnlab import analysis\nfrom attnlab.cli import view\n"
       f"run = analysis.load_run({str(workdir)!r})\n"
       "leaves = jax.tree_util.tree_flatten_with_path(run.params)[0]\n"
-      "temps = [np.exp(np.asarray(x)).ravel().tolist() for path, x in leaves\n"
-      "         if 'log_temperature' in jax.tree_util.keystr(path)]\n"
-      f"cap = analysis.capture_text(run, {text!r})\n"
-      f"page = view.view_text(run, {text!r}, out={str(tmp_path / 'view.html')!r})\n"
-      "print(json.dumps({'temps': temps, 'layers': sorted(cap.weights), "
-      "'page': str(page)}))\n")
+      "temps = [float(t) for path, x in leaves if 'log_temperature' in jax.tree_util.keystr(path)\n"
+      "         for t in np.exp(np.asarray(x)).ravel()]\n"
+      "cap = analysis.capture_text(run, '12+34=')\n"
+      f"page = view.view_text(run, '12+34=', out={str(tmp_path / 'view.html')!r})\n"
+      "print(json.dumps({'temps': temps, 'layers': sorted(cap.weights), 'page': str(page)}))\n")
   proc = subprocess.run([sys.executable, "-c", script], cwd="/", capture_output=True, text=True,
                         timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = json.loads(proc.stdout.strip().splitlines()[-1])
-  temps = [t for layer in out["temps"] for t in layer]
-  assert temps and all(3.0 < t < 8.0 for t in temps)  # learned from 5.0, three small steps
-  assert not all(math.isclose(t, 5.0, rel_tol=1e-6) for t in temps)  # and it did learn
-  assert out["layers"] and pathlib.Path(out["page"]).stat().st_size > 1000
+  _check_learned(out["temps"])
+  assert len(out["layers"]) == 2 and pathlib.Path(out["page"]).stat().st_size > 1000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,arg,text", [
+    ("transformer", "dataset=reverse", "abc"),
+    ("bert", "mode=pretrain,data.manual_dir={shared},data.data_dir={tmp}/tfds,"
+             "data.tokenizer_dir={tmp}/tok", "the king"),
+])
+def test_plugin_trains_bert_and_the_transformer(family, arg, text, shared_data, tmp_path):
+  """The same plugin in the encoder families, in this process (the trainer, load_run, capture)."""
+  from attnlab import analysis, train  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path / "run"
+  config = config_utils.load_config_file(_spec(family, arg.format(shared=shared_data,
+                                                                  tmp=tmp_path)))
+  train.train_and_evaluate(config, workdir)
+  run = analysis.load_run(workdir)
+  assert run.model.attention.mechanism == "cosine_temperature"
+  _check_learned(_temperatures(run.params))
+  assert analysis.capture_text(run, text).weights
