@@ -33,9 +33,10 @@ def use_cpu_devices(count: int, batch_size: int | None = None,
   XLA:CPU runs a step's elementwise fusions one after another on one thread; as separate devices
   the cores each run a slice of the batch (data parallel: same updates, up to float rounding).
   JAX fixes the count when it starts, so this must run before anything touches a device
-  (`attnlab.backends.cpu.enable(config)` calls it, and the trainer calls that first). Afterwards an explicit count that differs from the running one is a
-  ConfigError; -1 and 0 keep whatever is running. Automatic mode leaves the devices alone when
-  JAX may use an accelerator (JAX_PLATFORMS, or an installed GPU/TPU plugin) or when XLA_FLAGS
+  (`attnlab.backends.cpu.enable(config)` calls it, and the trainer calls that first).
+  Afterwards an explicit count that differs from the running one is a ConfigError; -1 and 0
+  keep whatever is running. Automatic mode leaves the devices alone when JAX may use an
+  accelerator (JAX_PLATFORMS, or an installed GPU/TPU plugin) or when XLA_FLAGS
   forces a host device count. Nothing changes on other backends (the mesh takes `jax.devices()`,
   the GPUs or TPUs, whatever the CPU count). Returns the count set, or None when left alone.
   """

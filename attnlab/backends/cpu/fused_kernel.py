@@ -4,7 +4,8 @@ XLA:CPU runs the blocked kernel's tile loops op by op, so each score tile makes 
 memory (matmul out, max in, exp out, matmul in). `flash_attention.cc` (beside this file) does one
 block of query rows at a time with the rows' scores kept in the core's L2 cache: scores, softmax
 and the product with v in one pass, and the same in the backward pass (probabilities recomputed
-from the saved row logsumexp). It runs on every core of the process (threads of its own, one per core).
+from the saved row logsumexp). It runs on every core of the process (threads of its own, one per
+core).
 
 The kernel is compiled on first use with the machine's C++ compiler (`$CXX`, else `c++`/`g++`,
 `-O3 -march=native`) into `$XDG_CACHE_HOME/attnlab/kernels` (default `~/.cache`), once per source,
