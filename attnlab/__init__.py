@@ -1,7 +1,7 @@
-"""attnlab: a JAX/Flax research framework for studying attention mechanisms."""
+"""attnlab: a JAX/Flax research framework for studying attention mechanisms.
 
-from attnlab import allocator as _allocator
+Importing attnlab changes nothing in the process; the CPU tuning (allocator thresholds, the
+device split over cores) is switched on by the entry points through attnlab.backends.cpu.enable.
+"""
 
 __version__ = "0.1.0"
-
-_allocator.keep_freed_memory()

@@ -6,9 +6,10 @@ The mesh has two axes, sized by `config.mesh`:
          largest divisible dimension (FSDP-style; leaves under `mesh.fsdp_min_size` elements stay
          replicated)
 `mesh.data = -1` takes every device not used by `fsdp`. On a CPU-only machine `mesh.cpu_devices`
-(by default -1: one per core) first splits the process into several CPU devices
-(`use_cpu_devices`), so that the data axis spreads each batch over the cores. When the mesh would hold a single device,
-`make_mesh` returns None and the trainer runs exactly its single-device path. Without an fsdp
+(by default -1: one per core) first splits the process into several CPU devices (the CPU
+backend's `enable`, attnlab/backends/cpu/devices.py), so that the data axis spreads each batch
+over the cores. When the mesh would hold a single device, `make_mesh` returns None and the
+trainer runs exactly its single-device path. Without an fsdp
 split the train step runs per device inside `jax.shard_map` and sums the gradients in one
 all-reduce (`sum_over_devices`; losses written with `losses.ratio`, train.make_train_step).
 
@@ -98,107 +99,6 @@ def maybe_initialize_distributed() -> bool:
   _LOG.info("jax.distributed: process %d of %d, %d local / %d global devices",
             jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count())
   return True
-
-
-# `mesh.cpu_devices` value meaning "automatic": one device per core on a CPU-only machine.
-AUTO_CPU_DEVICES = -1
-
-
-def use_cpu_devices(count: int, batch_size: int | None = None,
-                    mesh_config: ml_collections.ConfigDict | None = None) -> int | None:
-  """Splits this process's CPU into JAX devices so that the mesh's data axis spreads a batch over
-  the cores. `count`: -1 (the default, AUTO_CPU_DEVICES) one per core on a CPU-only machine, or
-  fewer, the most that divides `batch_size` (one logged line when that is one device); 0 the same
-  on any machine; 1 leaves JAX's default alone (one device); N > 1 N devices.
-
-  XLA:CPU runs a step's elementwise fusions one after another on one thread; as separate devices
-  the cores each run a slice of the batch (data parallel: same updates, up to float rounding).
-  JAX fixes the count when it starts, so this must run before anything touches a device; the
-  trainer calls it first. Afterwards an explicit count that differs from the running one is a
-  ConfigError; -1 and 0 keep whatever is running. Automatic mode leaves the devices alone when
-  JAX may use an accelerator (JAX_PLATFORMS, or an installed GPU/TPU plugin) or when XLA_FLAGS
-  forces a host device count. Nothing changes on other backends (the mesh takes `jax.devices()`,
-  the GPUs or TPUs, whatever the CPU count). Returns the count set, or None when left alone.
-  """
-  cores = len(os.sched_getaffinity(0))
-  if count == AUTO_CPU_DEVICES:
-    if cores < 2 or not _cpu_only() or "xla_force_host_platform_device_count" in os.environ.get(
-        "XLA_FLAGS", ""):
-      return None
-    data, fsdp = _mesh_sizes(mesh_config)
-    if data != -1:  # an explicit mesh: as many devices as it names
-      wanted = data * fsdp
-    else:
-      wanted = cpu_device_count(0, batch_size, cores, multiple_of=fsdp)
-      if wanted < cores and not _backend_started():
-        _LOG.info("batch_size=%s does not split over the %d CPU cores: training on %d device(s) "
-                  "(a batch_size divisible by %d uses them all; mesh.cpu_devices=1 silences this)",
-                  batch_size, cores, wanted, cores)
-  else:
-    wanted = cpu_device_count(count, batch_size, cores)
-  if wanted <= 1:  # JAX's own default (which honours XLA_FLAGS' forced device count)
-    return None
-  try:
-    jax.config.update("jax_num_cpu_devices", wanted)
-  except RuntimeError:  # JAX has started: the count is fixed
-    running = len(jax.devices("cpu"))
-    if count > 0 and running != count:
-      raise ConfigError(
-          f"mesh.cpu_devices={count} but JAX already started with {running} CPU device(s) in this "
-          f"process; start a fresh process (`attnlab train` does), or call "
-          f"jax.config.update('jax_num_cpu_devices', {count}) right after importing jax") from None
-    return None
-  if count == AUTO_CPU_DEVICES:
-    _LOG.info("training on %d CPU devices, one per core, each taking a slice of every batch "
-              "(mesh.cpu_devices=1: one device)", wanted)
-  else:
-    _LOG.info("mesh.cpu_devices=%d: %d CPU devices", count, wanted)
-  return wanted
-
-
-def _mesh_sizes(mesh_config: ml_collections.ConfigDict | None) -> tuple[int, int]:
-  mesh_config = {} if mesh_config is None else mesh_config
-  return int(mesh_config.get("data", -1)), max(1, int(mesh_config.get("fsdp", 1)))
-
-
-def _backend_started() -> bool:
-  """Whether JAX has created its backends (the device count is then fixed)."""
-  try:
-    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
-    return bool(xla_bridge.backends_are_initialized())
-  except (ImportError, AttributeError):  # other jax versions: assume not
-    return False
-
-
-def _cpu_only() -> bool:
-  """Whether JAX will run on the CPU only: JAX_PLATFORMS (or jax_platforms) names only cpu, or,
-  unset, no GPU/TPU plugin (jax_plugins entry points, jax_cuda*/jax_rocm*, libtpu) is installed.
-  Checked without starting JAX."""
-  platforms = (jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "") or "").lower()
-  if platforms.strip():
-    return {p.strip() for p in platforms.split(",") if p.strip()} == {"cpu"}
-  import importlib.metadata  # pylint: disable=g-import-not-at-top
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  try:
-    if importlib.metadata.entry_points(group="jax_plugins"):
-      return False
-  except Exception:  # pylint: disable=broad-except  (broken metadata: assume accelerators)
-    return False
-  names = {d.metadata.get("Name", "").lower().replace("_", "-")
-           for d in importlib.metadata.distributions()}
-  if any(n.startswith(("jax-cuda", "jax-rocm", "libtpu", "jax-tpu")) for n in names):
-    return False
-  return importlib.util.find_spec("libtpu") is None
-
-
-def cpu_device_count(count: int, batch_size: int | None, cores: int, multiple_of: int = 1) -> int:
-  """`mesh.cpu_devices` resolved: `count` (> 0), or for 0 and -1 the most devices, at most one per
-  core and a multiple of `multiple_of`, that divide `batch_size` (`multiple_of` if none does)."""
-  if count > 0:
-    return count
-  fits = [n for n in range(multiple_of, max(cores, multiple_of) + 1, multiple_of)
-          if not batch_size or batch_size % n == 0]
-  return max(fits) if fits else multiple_of
 
 
 # Environment switch of JAX's persistent compilation cache: a folder, or 0/off for none (default:

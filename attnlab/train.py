@@ -49,6 +49,7 @@ from attnlab import precision
 from attnlab import rundir
 from attnlab import state as state_lib
 from attnlab import tasks
+from attnlab.backends import cpu as cpu_backend
 from attnlab.data import assets as assets_lib
 from attnlab.errors import NonFiniteLossError
 from attnlab.errors import RunStopped
@@ -328,9 +329,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   config_utils.validate(config)
   workdir = pathlib.Path(workdir).absolute()
   check_inputs(config, workdir)
-  # Before anything touches a device:
-  parallel.use_cpu_devices(config.mesh.get("cpu_devices", parallel.AUTO_CPU_DEVICES),
-                           config.batch_size, config.get("mesh"))
+  # Before anything touches a device: the CPU tuning (allocator, `mesh.cpu_devices` split)
+  cpu_backend.enable(config)
   parallel.maybe_initialize_distributed()
   parallel.enable_compilation_cache()
   mesh = parallel.make_mesh(config)

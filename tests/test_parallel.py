@@ -21,7 +21,8 @@ from attnlab import config_utils
 from attnlab import losses
 from attnlab import parallel
 from attnlab import tasks
-from attnlab.attention import cpu_fused
+from attnlab.backends.cpu import devices
+from attnlab.backends.cpu import fused_kernel
 from attnlab.config_utils import ConfigError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -259,10 +260,10 @@ def cpu_devices_worker(out: str) -> None:
             "local_devices": [str(d) for d in
                               parallel.to_local(state.params)["kernel"].sharding.device_set]}
   result["blocked"] = _blocked_on_mesh()
-  parallel.use_cpu_devices(0)  # "one per core" keeps what is running
-  parallel.use_cpu_devices(2)  # the running count
+  devices.use_cpu_devices(0)  # "one per core" keeps what is running
+  devices.use_cpu_devices(2)  # the running count
   try:
-    parallel.use_cpu_devices(3)
+    devices.use_cpu_devices(3)
   except ConfigError as e:
     result["error"] = str(e)
   pathlib.Path(out).write_text(json.dumps(result))
@@ -327,7 +328,7 @@ def _blocked_on_mesh() -> dict[str, list]:
           "fused_device_grads": [np.asarray(g).tolist() for g in fused_device_grads],
           "fused_out": np.asarray(fused_out).tolist(),
           "fused_grads": [np.asarray(g).tolist() for g in fused_grads],
-          "fused_traced": cpu_fused.FORWARD in str(jax.make_jaxpr(plain_grad)(q, k, v, do)),
+          "fused_traced": fused_kernel.FORWARD in str(jax.make_jaxpr(plain_grad)(q, k, v, do)),
           "replicas": np.asarray(replicas).tolist(), "out_devices": len(out.sharding.device_set),
           "device_out": np.asarray(device_out).tolist(),
           "device_grads": [np.asarray(g).tolist() for g in device_grads]}
@@ -364,7 +365,7 @@ def test_cpu_devices_split_a_fresh_process_into_a_data_parallel_mesh(tmp_path):
     for got, want in zip(blocked[name + "grads"], expected):
       np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
   # Without the padding mask: the fused CPU kernel on each device's slice, where it runs.
-  assert blocked["fused_traced"] == (cpu_fused.unavailable_reason() is None)
+  assert blocked["fused_traced"] == (fused_kernel.unavailable_reason() is None)
   p, out_plain = _numpy_attention(q, k, v, np.ones_like(mask))
   d_p = do @ np.swapaxes(v, -1, -2)
   d_s = p * (d_p - (d_p * p).sum(-1, keepdims=True)) / np.sqrt(q.shape[-1])
@@ -383,11 +384,11 @@ def test_cpu_devices_split_a_fresh_process_into_a_data_parallel_mesh(tmp_path):
 
 
 def test_cpu_device_count_takes_the_cores_that_split_the_batch():
-  assert parallel.cpu_device_count(0, 12, cores=2) == 2
-  assert parallel.cpu_device_count(0, 12, cores=5) == 4
-  assert parallel.cpu_device_count(0, 7, cores=2) == 1
-  assert parallel.cpu_device_count(0, None, cores=3) == 3
-  assert parallel.cpu_device_count(3, 12, cores=2) == 3  # explicit: as asked
+  assert devices.cpu_device_count(0, 12, cores=2) == 2
+  assert devices.cpu_device_count(0, 12, cores=5) == 4
+  assert devices.cpu_device_count(0, 7, cores=2) == 1
+  assert devices.cpu_device_count(0, None, cores=3) == 3
+  assert devices.cpu_device_count(3, 12, cores=2) == 3  # explicit: as asked
 
 
 def test_cpu_devices_must_not_be_below_minus_one():
@@ -494,8 +495,8 @@ def test_default_trains_on_every_core_with_the_losses_of_one_device(tmp_path, sh
   as one device does, up to float rounding."""
   result = _in_fresh_process("default_devices_worker", tmp_path / "result.json")
   cores = len(os.sched_getaffinity(0))
-  expected = parallel.cpu_device_count(0, result["batch_size"], cores)
-  assert result["default"] == parallel.AUTO_CPU_DEVICES
+  expected = devices.cpu_device_count(0, result["batch_size"], cores)
+  assert result["default"] == devices.AUTO_CPU_DEVICES
   assert result["devices"] == expected and result["state_devices"] == expected
   # The same run on one device, in this process (conftest started JAX with one CPU device).
   from attnlab import rundir  # pylint: disable=g-import-not-at-top
@@ -513,12 +514,12 @@ def test_automatic_devices_leave_accelerators_and_forced_counts_alone(monkeypatc
   the host device count; the running process is not changed either way."""
   running = jax.device_count()
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-  assert parallel.use_cpu_devices(-1, 12) is None
+  assert devices.use_cpu_devices(-1, 12) is None
   monkeypatch.delenv("XLA_FLAGS")
-  monkeypatch.setattr(parallel, "_cpu_only", lambda: False)
-  assert parallel.use_cpu_devices(-1, 12) is None
-  monkeypatch.setattr(parallel, "_cpu_only", lambda: True)
-  assert parallel.use_cpu_devices(-1, 12) is None  # JAX has started: it keeps what runs
+  monkeypatch.setattr(devices, "_cpu_only", lambda: False)
+  assert devices.use_cpu_devices(-1, 12) is None
+  monkeypatch.setattr(devices, "_cpu_only", lambda: True)
+  assert devices.use_cpu_devices(-1, 12) is None  # JAX has started: it keeps what runs
   assert jax.device_count() == running
 
 
@@ -527,55 +528,16 @@ def test_automatic_devices_fall_back_to_one_with_one_line(monkeypatch):
   import io  # pylint: disable=g-import-not-at-top
   import logging  # pylint: disable=g-import-not-at-top
   lines = io.StringIO()
-  handler, logger = logging.StreamHandler(lines), logging.getLogger("attnlab.parallel")
+  handler, logger = logging.StreamHandler(lines), logging.getLogger("attnlab.backends.cpu.devices")
   monkeypatch.setattr(logger, "level", logging.INFO)
-  monkeypatch.setattr(parallel, "_cpu_only", lambda: True)
-  monkeypatch.setattr(parallel, "_backend_started", lambda: False)
-  monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid: {0, 1})
+  monkeypatch.setattr(devices, "_cpu_only", lambda: True)
+  monkeypatch.setattr(devices, "_backend_started", lambda: False)
+  monkeypatch.setattr(devices.os, "sched_getaffinity", lambda pid: {0, 1})
   monkeypatch.delenv("XLA_FLAGS", raising=False)
   logger.addHandler(handler)
   try:
-    assert parallel.use_cpu_devices(-1, 7) is None  # 7 rows: no split over 2 cores
+    assert devices.use_cpu_devices(-1, 7) is None  # 7 rows: no split over 2 cores
   finally:
     logger.removeHandler(handler)
   [line] = lines.getvalue().splitlines()
   assert line.startswith("batch_size=7 does not split over the 2 CPU cores: training on 1 device")
-
-
-# ----------------------------------------------------------------------------- allocator
-
-_MALLINFO_PROBE = r"""
-import ctypes, json, sys
-import attnlab  # applies (or, with ATTNLAB_MALLOC_TUNING=0, skips) the allocator settings
-class MallInfo2(ctypes.Structure):
-  _fields_ = [(n, ctypes.c_size_t) for n in (
-      "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-      "fordblks", "keepcost")]
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = MallInfo2
-libc.malloc.restype = ctypes.c_void_p
-libc.free.argtypes = [ctypes.c_void_p]
-size = 16 << 20
-before = libc.mallinfo2()
-p = libc.malloc(size)
-during = libc.mallinfo2()
-libc.free(p)
-after = libc.mallinfo2()
-print(json.dumps({"mmapped": during.hblkhd - before.hblkhd,
-                  "kept_free": after.fordblks - before.fordblks}))
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr(
-    "CS_GNU_LIBC_VERSION") is None, reason="glibc's malloc only")
-def test_importing_attnlab_keeps_large_freed_blocks_in_the_heap():
-  """A 16 MiB malloc is mmapped with glibc's defaults (and unmapped at free, so the next call
-  faults its pages in again); after `import attnlab` it comes from the heap and stays there."""
-  def probe(tuning: str) -> dict:
-    env = dict(os.environ, ATTNLAB_MALLOC_TUNING=tuning)
-    out = subprocess.run([sys.executable, "-c", _MALLINFO_PROBE], env=env, check=True,
-                         capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
-  default, tuned = probe("0"), probe("")
-  assert default["mmapped"] >= 16 << 20 and default["kept_free"] < 1 << 20
-  assert tuned["mmapped"] == 0 and tuned["kept_free"] >= 15 << 20

@@ -21,12 +21,14 @@ list of visible tiles, computed from the static table (a global block makes the 
 first to the last visible tile as long as the sequence, the list stays short), so block-sparse
 attention costs time linear in the length.
 
-On a CPU with AVX-512, a float32 call with no bias, sparsity pattern or tile setting, and with
-no mask or only a key (padding) mask, runs the fused C++ kernel of `cpu_fused` instead: what
-`attend(..., implementation="auto")` makes for plain, causal and padded attention, on one device
-or on each device's slice under a batch split. It makes one pass per block of query rows with the
-scores in cache, on every core: 1.01-2.13x torch's fused kernel, where the tile loops below were
-0.76-1.07x (experiments/benchmarks/README.md, 2026-11-26). Other calls take the tile loops.
+A float32 call with no bias, sparsity pattern or tile setting, and with no mask or only a key
+(padding) mask, runs the platform's fused attention kernel instead where there is one (the
+"fused_attention" kernel of attnlab.backends: on a CPU with AVX-512, the C++ kernel of
+attnlab.backends.cpu.fused_kernel): what `attend(..., implementation="auto")` makes for plain,
+causal and padded attention, on one device or on each device's slice under a batch split. It
+makes one pass per block of query rows with the scores in cache, on every core: 1.01-2.13x
+torch's fused kernel, where the tile loops below were 0.76-1.07x
+(experiments/benchmarks/README.md, 2026-11-26). Other calls take the tile loops.
 
 The tile loops are pure JAX (`lax.fori_loop`, `lax.map`, `dot_general`), so the same code compiles
 for CPU, GPU and TPU; the default tile sizes are tuned for XLA:CPU (see
@@ -63,9 +65,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from attnlab import backends
 from attnlab import parallel
 from attnlab.attention import core
-from attnlab.attention import cpu_fused
 from attnlab.attention import masks as masks_lib
 
 Array = jax.Array
@@ -615,20 +617,23 @@ def _batch_shards(q: Array, k: Array, v: Array, mask: Any, bias: Any = None):
   return run
 
 
-def _fused_ok(q: Array, k: Array, v: Array) -> bool:
-  """Whether the fused CPU kernel can compute this call: float32 math (inputs of at most 32
-  bits), matching feature dims, non-empty lengths, and the kernel available here."""
+def _fused_kernel(q: Array, k: Array, v: Array) -> Any:
+  """The fused attention kernel (attnlab.backends' "fused_attention") if it can compute this
+  call: float32 math (inputs of at most 32 bits), matching feature dims, non-empty lengths, and
+  the kernel in use and able to run here (`usable()`); else None."""
   dt = jnp.result_type(q, k, v)
-  return (jnp.issubdtype(dt, jnp.floating) and jnp.dtype(dt).itemsize <= 4
-          and q.shape[-1] == k.shape[-1] and q.shape[-2] > 0 and k.shape[-2] > 0
-          and cpu_fused.usable())
+  if not (jnp.issubdtype(dt, jnp.floating) and jnp.dtype(dt).itemsize <= 4
+          and q.shape[-1] == k.shape[-1] and q.shape[-2] > 0 and k.shape[-2] > 0):
+    return None
+  fused = backends.kernel("fused_attention")
+  return fused if fused is not None and fused.usable() else None
 
 
 def _key_mask_rows(q: Array, k: Array, v: Array, mask: Any) -> Array | None:
   """A mask that hides keys alike for every query (shape `[..., 1, k_len]`) and whose leading
   dims are those of the rows up to some axis, then ones (`[batch, 1, 1, k_len]` against
   `[batch, heads]` rows): as `[mask_rows, k_len]` bool, each row shared by consecutive rows (what
-  cpu_fused.attention takes). None for any other mask (the tile loops take those)."""
+  the fused kernel takes). None for any other mask (the tile loops take those)."""
   lead = tuple(jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
   q_len, k_len = q.shape[-2], k.shape[-2]
   if jnp.issubdtype(jnp.asarray(mask).dtype, jnp.inexact):
@@ -645,10 +650,10 @@ def _key_mask_rows(q: Array, k: Array, v: Array, mask: Any) -> Array | None:
   return mask.reshape((math.prod(lead[:shared]), k_len))
 
 
-def _fused(q: Array, k: Array, v: Array, key_mask: Array | None, scale: float | None,
-           causal: bool, threads: int | None = None) -> Array:
-  """blocked_attention's result through cpu_fused.attention (q, k, v `[..., len, feat]`;
-  key_mask None or what _key_mask_rows made of the call's mask)."""
+def _fused(fused: Any, q: Array, k: Array, v: Array, key_mask: Array | None,
+           scale: float | None, causal: bool, threads: int | None = None) -> Array:
+  """blocked_attention's result through the fused kernel's `attention` (q, k, v
+  `[..., len, feat]`; key_mask None or what _key_mask_rows made of the call's mask)."""
   out_dtype = jnp.result_type(q, k, v)
   lead = tuple(jnp.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
   rows = math.prod(lead)
@@ -659,8 +664,8 @@ def _fused(q: Array, k: Array, v: Array, key_mask: Array | None, scale: float | 
   def rows_of(x: Array) -> Array:
     x = jnp.broadcast_to(x.astype(jnp.float32), lead + x.shape[-2:])
     return x.reshape((rows,) + x.shape[-2:])
-  out = cpu_fused.attention(rows_of(q) * scale, rows_of(k), rows_of(v), bool(causal), threads,
-                            key_mask)
+  out = fused.attention(rows_of(q) * scale, rows_of(k), rows_of(v), bool(causal), threads,
+                        key_mask)
   return out.reshape(lead + (q.shape[-2], v.shape[-1])).astype(out_dtype)
 
 
@@ -714,24 +719,26 @@ def blocked_attention(q: Array, k: Array, v: Array, *, scale: float | None = Non
   core.check_qkv(q, k, v)
   per_shard = _batch_shards(q, k, v, mask, bias)
   # A call with no bias, sparsity or tile settings, and no mask or only a key (padding) mask
-  # `[batch, 1, 1, k_len]`, may run the fused C++ kernel (cpu_fused: float32 math on an AVX-512
-  # CPU), which keeps each block's scores in cache; under a batch split over CPU devices each
-  # device runs it on its slice with its share of the cores.
+  # `[batch, 1, 1, k_len]`, may run the platform's fused kernel (attnlab.backends; on an AVX-512
+  # CPU, float32 math, the C++ kernel), which keeps each block's scores in cache; under a batch
+  # split over devices each device runs it on its slice with its share of the threads.
   plain_call = (tiles is None and bias is None and pattern is None
                 and not block_sparse and block_q is None and block_k is None
                 and head_group is None and parallel is None)
   key_rows = None if mask is None or not plain_call else _key_mask_rows(q, k, v, mask)
-  if plain_call and (mask is None or key_rows is not None) and _fused_ok(q, k, v):
-    # on a mesh of CPU devices (split here, or inside the data-parallel step's shard_map) each
-    # device's call gets its share of the cores
+  fused = (_fused_kernel(q, k, v) if plain_call and (mask is None or key_rows is not None)
+           else None)
+  if fused is not None:
+    # on a mesh of devices (split here, or inside the data-parallel step's shard_map) each
+    # device's call gets its share of the threads
     mesh = jax.sharding.get_abstract_mesh()
-    threads = None if mesh.empty else max(1, cpu_fused.default_threads() // mesh.size)
+    threads = None if mesh.empty else max(1, fused.default_threads() // mesh.size)
     if per_shard is None:
-      return _fused(q, k, v, key_rows, scale, causal, threads)
+      return _fused(fused, q, k, v, key_rows, scale, causal, threads)
 
     def on_slice(q, k, v, mask, bias):  # the mask as each device's slice of it
       rows = None if mask is None else _key_mask_rows(q, k, v, mask)
-      return _fused(q, k, v, rows, scale, causal, threads)
+      return _fused(fused, q, k, v, rows, scale, causal, threads)
     return per_shard(on_slice)
   # the smaller tiles for each device's slice (one thread per device) and for sparsity patterns
   # (their efficiency was measured with them); the large ones for a whole device

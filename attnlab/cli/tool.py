@@ -23,6 +23,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from attnlab import config_utils
+from attnlab.backends import cpu as cpu_backend
 from attnlab.errors import RunStopped
 from attnlab.errors import UserError
 from attnlab.errors import error_line
@@ -201,12 +202,14 @@ def setup_logging() -> None:
 
 
 def launch(prog: str, usage_error: str | None, body: Callable[[], int | None]) -> int:
-  """A command-line tool's end: its usage error in one line (status 2), or logging set up and
-  `body` run as `run_tool` runs it."""
+  """A command-line tool's end: its usage error in one line (status 2), or logging set up, the
+  CPU tuning switched on (attnlab.backends.cpu.enable: the allocator; the trainer adds the device
+  split of its config) and `body` run as `run_tool` runs it."""
   if usage_error is not None:
     print(f"{prog}: error: {usage_error}", file=sys.stderr)
     return USAGE_ERROR
   setup_logging()
+  cpu_backend.enable()
   return run_tool(prog, body)
 
 

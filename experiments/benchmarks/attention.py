@@ -5,7 +5,7 @@ causal mask, for
   reference   attnlab `attend(implementation="reference")` (einsum + masked softmax)
   blocked     attnlab `attend(implementation="blocked")` (attnlab.attention.blocked), what
               `attend()` runs by default at these shapes: on an AVX-512 CPU, float32, the fused
-              C++ kernel of attnlab.attention.cpu_fused (since 2026-11-26)
+              C++ kernel of attnlab.backends.cpu.fused_kernel (since 2026-11-26)
   blocked-loops  the pure-JAX tile loops of the same module on one device with their one-device
               tiles (blocked.ONE_DEVICE_TILES), what `attend()` ran before the fused kernel and
               still runs with a mask, a bias or on a CPU without AVX-512
@@ -67,6 +67,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from attnlab.attention import core
+from attnlab.backends import cpu as cpu_backend
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/machine.py
 import machine  # pylint: disable=g-bad-import-order,wrong-import-position
@@ -481,6 +482,7 @@ def mechanism_table(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> None:
   args = parse_args(argv)
+  cpu_backend.enable()  # the allocator settings, as the trainer and `attnlab` commands
   if args.mechanisms:
     b, h, d = args.batch, args.heads, args.head_dim
     print(f"attention mechanisms: B={b} H={h} D={d} float32, causal={args.mech_causal}, best "

@@ -33,9 +33,11 @@ SHARED = REPO.parent / "shared"
 def build(position: str, devices: int, per_device: bool, data_dir: str) -> dict:
   from attnlab import config_utils, parallel, tasks, train  # pylint: disable=g-import-not-at-top
   from attnlab import state as state_lib  # pylint: disable=g-import-not-at-top
+  from attnlab.backends import cpu as cpu_backend  # pylint: disable=g-import-not-at-top
   config = config_utils.load_config_file(
       f"{REPO / 'configs' / 'gpt.py'}:size=nano,model.position={position},"
       f"data.manual_dir={data_dir},num_train_steps=2000,mesh.cpu_devices={devices}")
+  cpu_backend.enable(config)  # as the trainer: the allocator, the device split (the first call)
   mesh = parallel.make_mesh(config)
   task = tasks.build_task(config)
   parts = state_lib.training(task, config, mesh)  # what the trainer builds
@@ -76,8 +78,6 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.rounds < 3:
     parser.error(f"--rounds must be >= 3 (the first two rounds are warm-up), got {args.rounds}")
-  from attnlab import parallel  # pylint: disable=g-import-not-at-top
-  parallel.use_cpu_devices(args.devices)  # before JAX starts
   uptime = lambda: subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
   print(f"uptime before: {uptime()}")
   rows = []

@@ -168,7 +168,9 @@ def attnlab_trainer(args):
   import jax  # pylint: disable=g-import-not-at-top
   from attnlab import tasks, train  # pylint: disable=g-import-not-at-top
   from attnlab import state as state_lib  # pylint: disable=g-import-not-at-top
+  from attnlab.backends import cpu as cpu_backend  # pylint: disable=g-import-not-at-top
 
+  cpu_backend.enable()  # the allocator settings, as the trainer (one device: no split here)
   arg = (f"size={args.size},model.activation={args.activation},model.position={args.position},"
          f"implementation={args.implementation}")
   if args.data_dir:

@@ -159,8 +159,9 @@ def time_train_steps(config, iters: int) -> list[float]:
   iteration: fetch the batch, train step, host sync on the loss; step to step wall clock."""
   from attnlab import parallel, tasks, train  # pylint: disable=g-import-not-at-top
   from attnlab import state as state_lib  # pylint: disable=g-import-not-at-top
+  from attnlab.backends import cpu as cpu_backend  # pylint: disable=g-import-not-at-top
 
-  parallel.use_cpu_devices(config.mesh.cpu_devices, config.batch_size, config.mesh)  # as the trainer
+  cpu_backend.enable(config)  # as the trainer: the allocator, the `mesh.cpu_devices` split
   mesh = parallel.make_mesh(config)
   task = tasks.build_task(config)
   parts = state_lib.training(task, config, mesh)  # what the trainer builds

@@ -535,6 +535,8 @@ def attention_part(args) -> None:
 def main(argv=None) -> int:
   args = parse_args(argv)
   if args.worker:
+    from attnlab.backends import cpu as cpu_backend  # pylint: disable=g-import-not-at-top
+    cpu_backend.enable()  # the allocator settings, as the trainer and `attnlab` commands
     run_worker(args)
     return 0
   scratch = pathlib.Path(args.scratch or tempfile.mkdtemp(prefix="gpu_bench_"))

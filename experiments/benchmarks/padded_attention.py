@@ -6,7 +6,7 @@
 Each batch element keeps a random number of its S keys (S/4..S, seed 0) and hides the rest with
 a padding mask `[batch, 1, 1, S]`, as BERT's and the long-range classifiers' batches do; not
 causal, float32. Contenders: `fused` is `blocked_attention` as `attend()` calls it (on an AVX-512
-CPU the fused kernel of attnlab.attention.cpu_fused, which skips each row's padded keys at the
+CPU the fused kernel of attnlab.backends.cpu.fused_kernel, which skips each row's padded keys at the
 end), `loops` the same call with the one-device tiles given explicitly (the pure-JAX tile loops,
 which skip the key tiles the mask hides completely). Forward and forward+backward (gradient of the
 sum), best of --reps calls after a warm-up, the contenders' order rotating from round to round;
@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from attnlab.attention import blocked
-from attnlab.attention import cpu_fused
+from attnlab.backends import cpu as cpu_backend
+from attnlab.backends.cpu import fused_kernel
 
 
 def main() -> None:
@@ -35,9 +36,10 @@ def main() -> None:
   p.add_argument("--head-dim", type=int, default=64)
   p.add_argument("--reps", type=int, default=6)
   args = p.parse_args()
+  cpu_backend.enable()  # the allocator settings, as the trainer and `attnlab` commands
   b, h, d = args.batch, args.heads, args.head_dim
   print(f"padded attention: B={b} H={h} D={d} float32, best of {args.reps}; fused kernel: "
-        f"{cpu_fused.unavailable_reason() or 'available'}")
+        f"{fused_kernel.unavailable_reason() or 'available'}")
   print("load average before: %.2f %.2f %.2f" % os.getloadavg())
   print("|    S |    pass | fused ms | loops ms | fused speed-up |")
   print("|------|---------|----------|----------|----------------|")

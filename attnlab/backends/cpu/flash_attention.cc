@@ -1,4 +1,5 @@
-// Fused softmax attention for XLA:CPU, called through the jax FFI (attnlab/attention/cpu_fused.py).
+// Fused softmax attention for XLA:CPU, called through the jax FFI
+// (attnlab/backends/cpu/fused_kernel.py).
 //
 // softmax(q kᵀ) v over flattened rows (batch * heads), float32, AVX-512. The queries arrive
 // already scaled. For each block of query rows the kernel forms the rows' scores against every

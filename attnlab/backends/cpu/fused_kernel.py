@@ -1,16 +1,20 @@
 """Fused softmax attention on the CPU: a C++ kernel (AVX-512) called through the jax FFI.
 
 XLA:CPU runs the blocked kernel's tile loops op by op, so each score tile makes four trips through
-memory (matmul out, max in, exp out, matmul in). `cpu_kernel/flash_attention.cc` does one block
-of query rows at a time with the rows' scores kept in the core's L2 cache: scores, softmax and the
-product with v in one pass, and the same in the backward pass (probabilities recomputed from the
-saved row logsumexp). It runs on every core of the process (threads of its own, one per core).
+memory (matmul out, max in, exp out, matmul in). `flash_attention.cc` (beside this file) does one
+block of query rows at a time with the rows' scores kept in the core's L2 cache: scores, softmax
+and the product with v in one pass, and the same in the backward pass (probabilities recomputed
+from the saved row logsumexp). It runs on every core of the process (threads of its own, one per
+core).
 
 The kernel is compiled on first use with the machine's C++ compiler (`$CXX`, else `c++`/`g++`,
 `-O3 -march=native`) into `$XDG_CACHE_HOME/attnlab/kernels` (default `~/.cache`), once per source,
 jax version and compiler. It is used only where it applies: float32, an x86-64 CPU with AVX-512,
 a compiler present (else `blocked_attention` keeps its pure-JAX path, with one logged line saying
 why), no mask or a key (padding) mask. `ATTNLAB_CPU_KERNEL=0` turns it off.
+
+It is the default "fused_attention" kernel of attnlab.backends: attnlab.attention.blocked asks for
+it by that name (and calls `usable`, `default_threads` and `attention`), knowing nothing of the CPU.
 
   out = attention(q, k, v, causal=False)   # q (already scaled), k, v: [rows, len, d] float32
   out = attention(q, k, v, False, None, key_mask)   # key_mask: bool [mask_rows, k_len]
@@ -35,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 _LOG = logging.getLogger(__name__)
-SOURCE = pathlib.Path(__file__).with_name("cpu_kernel") / "flash_attention.cc"
+SOURCE = pathlib.Path(__file__).with_name("flash_attention.cc")
 FORWARD, BACKWARD = "attnlab_fused_attention_fwd", "attnlab_fused_attention_bwd"
 # Set ATTNLAB_CPU_KERNEL=0 to keep the pure-JAX blocked kernel everywhere.
 ENV_SWITCH = "ATTNLAB_CPU_KERNEL"

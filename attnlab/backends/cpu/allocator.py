@@ -5,11 +5,13 @@ glibc's defaults, buffers of a few MiB come from fresh `mmap`s or are trimmed ba
 `free`, so every call faults their pages in again; the cost shows once a call's buffers outgrow
 the trim threshold (measured: causal linear attention's forward+backward at 4096 tokens, 4 heads,
 took 64 ms with the defaults and 42 ms with these settings, at 1024 tokens 10.6 against 11.2 ms;
-experiments/benchmarks/README.md). `import attnlab` applies them once: malloc then serves
-allocations of up to 1 GiB from its heap and keeps freed memory for the next call (a process's
-resident memory stays at its peak instead of shrinking). Both thresholds must move together:
-either one alone disables glibc's own adjustment of the other and measured twice as slow.
-ATTNLAB_MALLOC_TUNING=0 leaves the allocator alone; other C libraries are left alone.
+experiments/benchmarks/README.md). They change the whole process, so only an entry point applies
+them, through `attnlab.backends.cpu.enable` (the trainer, every `attnlab` command; `import
+attnlab` leaves the allocator alone): malloc then serves allocations of up to 1 GiB from its heap
+and keeps freed memory for the next call (a process's resident memory stays at its peak instead
+of shrinking). Both thresholds must move together: either one alone disables glibc's own
+adjustment of the other and measured twice as slow. ATTNLAB_MALLOC_TUNING=0 leaves the allocator
+alone; other C libraries are left alone.
 """
 
 from __future__ import annotations

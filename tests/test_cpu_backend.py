@@ -1,0 +1,157 @@
+"""attnlab.backends.cpu: importing attnlab changes nothing in the process; `enable` (called by the
+trainer and the command-line entry points) applies the CPU tuning.
+
+The allocator settings are observed through glibc itself: `mallinfo2` tells whether a 64 MiB
+block came from a fresh `mmap` (glibc's defaults: above its largest dynamic threshold, 32 MiB)
+or from the heap, and whether freeing it gave the memory back (`enable` keeps it).
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from attnlab.cli import tool as main_lib
+from attnlab import train
+from attnlab.backends import cpu
+from attnlab.config_utils import ConfigError
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# What a process looks like after importing the library: the allocator (a 64 MiB block from
+# mmap, its memory returned at free), the tuning variables of os.environ, JAX's device settings
+# and whether JAX started;
+# after running a Dense layer and attention through it; and after cpu.enable() (the control).
+_PROBE = r"""
+import ctypes, json, os, sys
+MODULES = ("attnlab", "attnlab.attention", "attnlab.attention.blocked", "attnlab.layers",
+           "attnlab.models", "attnlab.backends", "attnlab.backends.cpu", "attnlab.parallel",
+           "attnlab.train", "attnlab.cli.tool")
+
+class MallInfo2(ctypes.Structure):
+  _fields_ = [(n, ctypes.c_size_t) for n in (
+      "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+      "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+
+def malloc_probe(size=64 << 20):
+  before = libc.mallinfo2()
+  p = libc.malloc(size)
+  during = libc.mallinfo2()
+  libc.free(p)
+  after = libc.mallinfo2()
+  return {"mmapped": during.hblkhd - before.hblkhd, "kept_free": after.fordblks - before.fordblks}
+
+# the variables that tune the allocator, XLA, JAX and the thread pools (importing jax itself sets
+# TF_CPP_MIN_LOG_LEVEL: not ours)
+TUNING = ("MALLOC_", "GLIBC_TUNABLES", "XLA_", "JAX_", "ATTNLAB_", "OMP_", "MKL_", "OPENBLAS_")
+tuning = lambda: {k: v for k, v in os.environ.items() if k.startswith(TUNING)}
+environ = tuning()
+import importlib
+for name in MODULES:
+  importlib.import_module(name)
+import jax
+from jax._src import xla_bridge
+result = {"imported": malloc_probe(), "environ_changed": sorted(
+              set(environ.items()) ^ set(tuning().items())),
+          "jax_started": xla_bridge.backends_are_initialized(),
+          "num_cpu_devices": jax.config.jax_num_cpu_devices}
+import jax.numpy as jnp
+from attnlab import layers
+from attnlab.attention import core
+x = jnp.ones((2, 256, 16), jnp.float32)  # [batch, len, features]: attend's blocked path
+layers.Dense(16).init(jax.random.key(0), x)
+jax.block_until_ready(core.attend(x, x, x, causal=True, return_weights=False)[0])
+result["ran"] = malloc_probe()
+from attnlab.backends import cpu
+result["enabled"] = cpu.enable().allocator
+result["after_enable"] = malloc_probe()
+print(json.dumps(result))
+"""
+
+_GLIBC = sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION") is not None
+
+
+def _probe(**env) -> dict:
+  env = {**{k: v for k, v in os.environ.items()
+            if k not in ("ATTNLAB_MALLOC_TUNING", "XLA_FLAGS")}, **env}
+  out = subprocess.run([sys.executable, "-c", _PROBE], env=env, check=True, capture_output=True,
+                       text=True).stdout
+  return json.loads(out.strip().splitlines()[-1])
+
+
+def _untouched(probe: dict) -> bool:
+  return probe["mmapped"] >= 64 << 20 and probe["kept_free"] < 1 << 20
+
+
+@pytest.mark.skipif(not _GLIBC, reason="glibc's malloc only")
+def test_importing_attnlab_changes_nothing_in_the_process():
+  """Importing attnlab and its library modules (models, layers, attention, the trainer, the
+  command-line module, the CPU backend itself) leaves glibc's allocator, the environment's tuning
+  variables and JAX's devices as they were, and so does running a layer and attention; cpu.enable() then
+  keeps a freed 64 MiB block in the heap (the probe sees the settings when they are made)."""
+  result = _probe()
+  assert _untouched(result["imported"]), result
+  assert result["environ_changed"] == []
+  assert not result["jax_started"] and result["num_cpu_devices"] == -1  # JAX's own default
+  assert _untouched(result["ran"]), result
+  assert result["enabled"]
+  assert result["after_enable"]["mmapped"] == 0, result
+  assert result["after_enable"]["kept_free"] >= 63 << 20, result
+
+
+@pytest.mark.skipif(not _GLIBC, reason="glibc's malloc only")
+def test_enable_leaves_the_allocator_alone_when_told():
+  result = _probe(ATTNLAB_MALLOC_TUNING="0")
+  assert not result["enabled"]
+  assert _untouched(result["after_enable"]), result
+
+
+def test_launch_switches_the_tuning_on_before_the_tool_runs(monkeypatch):
+  """Every `attnlab` command (and `python -m attnlab.cli <tool>`) ends in attnlab.cli.tool.launch: it calls
+  cpu.enable() before the tool's body; a usage error returns first."""
+  calls = []
+  monkeypatch.setattr(cpu, "enable", lambda config=None: calls.append(("enable", config)))
+  assert main_lib.launch("attnlab x", None, lambda: calls.append(("body", None))) == 0
+  assert calls == [("enable", None), ("body", None)]
+  calls.clear()
+  assert main_lib.launch("attnlab x", "bad flag", lambda: None) == main_lib.USAGE_ERROR
+  assert calls == []
+
+
+class _Stop(Exception):
+  pass
+
+
+def test_the_trainer_enables_the_tuning_with_its_config(monkeypatch, tmp_path):
+  """train_and_evaluate hands its config to cpu.enable before anything touches a device."""
+  from attnlab import config_utils  # pylint: disable=g-import-not-at-top
+  seen = []
+
+  def enable(config=None):
+    seen.append(config)
+    raise _Stop()
+  monkeypatch.setattr(cpu, "enable", enable)
+  config = config_utils.load_config_file(f"{REPO / 'configs' / 'nadaraya_watson.py'}:runlocal=True")
+  with pytest.raises(_Stop):
+    train.train_and_evaluate(config, tmp_path / "run")
+  assert seen == [config]
+
+
+def test_enable_refuses_a_device_count_jax_does_not_run(monkeypatch):
+  """After JAX started (conftest starts it with one CPU device), an explicit mesh.cpu_devices
+  other than the running count is one ConfigError; 1 and the automatic -1 keep what runs."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(cpu.allocator, "keep_freed_memory", lambda: False)  # this process as it is
+  config = lambda n: ml_collections.ConfigDict({"batch_size": 12, "mesh": {"cpu_devices": n}})
+  assert cpu.enable(config(1)).cpu_devices is None
+  assert cpu.enable(config(-1)).cpu_devices is None
+  assert cpu.enable().cpu_devices is None
+  with pytest.raises(ConfigError, match="mesh.cpu_devices=3 but JAX already started"):
+    cpu.enable(config(3))
