@@ -103,11 +103,12 @@ def get_config(arg: str | None = None):
   config.model.attention = "bahdanau"
   # Score function: dot, scaled_dot, cosine, general, additive, location.
   config.model.score = "additive"
-  # global (all positions) | local (local-p window of half-width D) | hard (one sampled position).
+  # global (all positions) | local (local-p window of half-width D) | local_m (local-m: the window
+  # of half-width D at p_t = t, clipped to the source) | hard (one sampled position).
   config.model.window = "global"
   # Hidden size of the additive score and of the local-p position predictor (0: hidden_dim).
   config.model.attn_dim = 0
-  # Half-width D of the local-p window.
+  # Half-width D of the local-p and local-m windows.
   config.model.local_half_width = 3
   # Luong: feed the previous attentional state into the next step.
   config.model.input_feeding = True

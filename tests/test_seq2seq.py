@@ -83,11 +83,25 @@ def _np_encode(p, tokens, length, bidirectional):
   return states, np.concatenate([h_f, h_b])
 
 
-def _np_seq2seq(params, attention, bidirectional):
+def _np_local_m(scores, t, half_width):
+  """Luong et al. 2015 local-m (eq. 7 over the window): p_t = t, clipped to the last source
+  position; a_t = softmax of the scores over [p_t - D, p_t + D], zero outside."""
+  n = len(scores)
+  p_t = min(t, n - 1)
+  inside = np.abs(np.arange(n) - p_t) <= half_width
+  a = np.zeros(n)
+  a[inside] = _np_softmax(scores[inside])
+  return a
+
+
+def _np_seq2seq(params, attention, bidirectional, local_m_width=None):
   """Logits [batch, tgt_len, vocab] and weights [batch, tgt_len, src_len] of a 1-layer GRU.
 
-  bahdanau uses the additive score, luong the general score with input feeding.
+  bahdanau uses the additive score, luong the general score with input feeding; with
+  local_m_width D the weights are local-m's window of half-width D (global otherwise).
   """
+  attend = (_np_softmax if local_m_width is None
+            else lambda scores: _np_local_m(scores, t, local_m_width))
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
   dec = p["decoder_cell"]
   batch, tgt_len = TGT_IN.shape
@@ -104,14 +118,14 @@ def _np_seq2seq(params, attention, bidirectional):
       if attention == "bahdanau":
         s = dec["score"]
         scores = np.tanh(h @ s["w_q"] + states @ s["w_k"]) @ s["v"]  # [n]
-        a = _np_softmax(scores)
+        a = attend(scores)
         c = a @ states
         h = _np_gru(dec["cell_0"], h, np.concatenate([e, c]))
         features = np.concatenate([h, c])
       else:
         h = _np_gru(dec["cell_0"], h, np.concatenate([e, feed]))
         scores = states @ (dec["score"]["w"].T @ h)  # h W k_j: [n]
-        a = _np_softmax(scores)
+        a = attend(scores)
         c = a @ states
         features = np.tanh(np.concatenate([c, h]) @ dec["combine"]["kernel"])
         feed = features
@@ -139,6 +153,28 @@ def test_scan_decoder_matches_numpy_reference(attention, score, bidirectional):
   np.testing.assert_array_equal(sown, aux["attention_weights"])
 
 
+@pytest.mark.parametrize("attention,score", [("luong", "general"), ("bahdanau", "additive")])
+def test_local_m_window_matches_numpy_reference(attention, score):
+  half_width = 1
+  model = _model(attention=attention, score=score, window="local_m",
+                 local_half_width=half_width)
+  params = _init(model)
+  apply = lambda p: model.apply({"params": p}, SRC, SRC_LEN, TGT_IN)
+  logits, aux = _compile(apply, params)(params)
+  ref_logits, ref_weights = _np_seq2seq(params, attention, False, local_m_width=half_width)
+  weights = np.asarray(aux["attention_weights"])
+  np.testing.assert_allclose(weights, ref_weights, atol=2e-6)
+  np.testing.assert_allclose(logits, ref_logits, atol=2e-5, rtol=1e-4)
+  # The window's centre is t, then the source's last position (lengths 5, 3, 1; D = 1):
+  # example 1 (length 3) at t = 3 keeps positions 1..2 only; example 2 always position 0.
+  support = weights > 0
+  assert support[0, 0].tolist() == [True, True, False, False, False]
+  assert support[0, 3].tolist() == [False, False, True, True, True]
+  assert support[1, 3].tolist() == [False, True, True, False, False]
+  np.testing.assert_allclose(weights[2, :, 0], 1.0, atol=1e-6)
+  np.testing.assert_allclose(weights.sum(-1)[TGT_OUT > 0], 1.0, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------ every variant trains
 
 # One variant per score; together they cover every attention style, window, cell and layout.
@@ -150,6 +186,7 @@ VARIANTS = [
     dict(attention="bahdanau", score="cosine", window="local", cell="lstm"),
     dict(attention="luong", score="location", input_feeding=False, num_layers=2),
     dict(attention="bahdanau", score="additive", window="hard", bidirectional=True),
+    dict(attention="luong", score="dot", window="local_m", bidirectional=True),
 ]
 
 
@@ -281,7 +318,7 @@ def test_beam_size_one_equals_greedy_and_beams_are_ranked(greedy_and_beams):
 
 @pytest.mark.parametrize("kw,words", [
     (dict(attention="soft"), ["attention", "bahdanau", "luong", "none"]),
-    (dict(window="wide"), ["window", "global", "local", "hard"]),
+    (dict(window="wide"), ["window", "global", "local", "local_m", "hard"]),
     (dict(cell="rnn"), ["cell", "gru", "lstm"]),
     (dict(score="mlp"), ["score", "additive", "scaled_dot"]),
 ])

@@ -160,6 +160,19 @@ def test_dates_runlocal_end_to_end_and_translate(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_dates_runlocal_local_m_trains_and_plots(tmp_path):
+  """model.window=local_m (Luong's monotonic window) trains, evaluates and plots like local-p."""
+  workdir = tmp_path / "dates_local_m"
+  arg = ("runlocal=True,num_train_steps=6,eval_every=0,data.length_bins=(12,40),"
+         "attention=luong,score=general,model.window=local_m")
+  assert _train(workdir, arg) == 0
+  [record] = _eval_records(workdir)
+  assert np.isfinite(record["loss"]) and np.isfinite(record["bleu"])
+  assert json.loads((workdir / "config.json").read_text())["model"]["window"] == "local_m"
+  assert len(list(workdir.glob("attention_*.png"))) == translation.NUM_PLOTS
+
+
+@pytest.mark.slow
 def test_reverse_runlocal_without_attention(tmp_path):
   workdir = tmp_path / "reverse"
   arg = ("runlocal=True,num_train_steps=4,eval_every=0,data.name=reverse,data.max_len=6,"

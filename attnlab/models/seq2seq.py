@@ -13,8 +13,10 @@ the two directions' states concatenated). The decoder is one recurrent cell scan
 
 The score function comes from `attnlab.attention.scores` by name, and `window` picks how the
 weights are spread: `global` (a softmax over every source position), `local` (local-p: a predicted
-centre and a Gaussian-weighted window of half-width D), or `hard` (one sampled position, trained
-with REINFORCE; the most likely position when decoding). Every step's attention weights are
+centre and a Gaussian-weighted window of half-width D), `local_m` (local-m: the window of
+half-width D centred at p_t = t, the decoder step, clipped to the source's last position; a softmax
+over the window, no Gaussian), or `hard` (one sampled position, trained with REINFORCE; the most
+likely position when decoding). Every step's attention weights are
 returned in `aux["attention_weights"]` `[batch, tgt_len, src_len]` and sown under
 `intermediates/attention_weights`. The part of the score that depends on the source alone (the
 additive score's W_k h_j) is computed once per source in `encode`, not at every decoder step.
@@ -36,7 +38,7 @@ from attnlab.attention import masks as attn_masks
 from attnlab.attention import scores as attn_scores
 
 ATTENTIONS = ("none", "bahdanau", "luong")
-WINDOWS = ("global", "local", "hard")
+WINDOWS = ("global", "local", "local_m", "hard")
 CELLS = ("gru", "lstm")
 # Scores with no parameters of their own need queries and keys of the same size.
 _SAME_SIZE_SCORES = ("dot", "scaled_dot", "cosine")
@@ -114,11 +116,11 @@ class _Options(nn.Module, kw_only=True):
   attention: str = "bahdanau"
   # Score function name from attnlab.attention.scores.
   score: str = "additive"
-  # global | local (local-p window) | hard (sampled, REINFORCE).
+  # global | local (local-p window) | local_m (window at p_t = t) | hard (sampled, REINFORCE).
   window: str = "global"
   # Hidden size of the additive score and of the local-p position predictor (None: hidden_dim).
   attn_dim: int | None = None
-  # Half-width D of the local-p window.
+  # Half-width D of the local-p and local-m windows.
   local_half_width: int = 2
   # Luong: feed the previous attentional state into the next step.
   input_feeding: bool = True
@@ -175,9 +177,10 @@ class DecoderCell(_Options):
       return keys
     return attn_scores.precompute_keys(self.score, self.score_params, keys)[0]
 
-  def _attend(self, query: jax.Array, memory: dict[str, jax.Array],
-              deterministic: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Context `[batch, enc_dim]`, weights `[batch, src_len]`, log-prob `[batch]` of one step."""
+  def _attend(self, query: jax.Array, memory: dict[str, jax.Array], deterministic: bool,
+              step: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Context `[batch, enc_dim]`, weights `[batch, src_len]`, log-prob `[batch]` of one step
+    (`step` `[batch]`: the decoder step t, local-m's window centre)."""
     q = query[:, None, :]  # [batch, 1, hidden]
     keys, values, mask = memory["keys"], memory["values"], memory["mask"]
     # memory["keys"] come from score_keys: the score params that go with them.
@@ -190,6 +193,13 @@ class DecoderCell(_Options):
       center = attn_core.predict_position(q, self.w_p, self.v_p, memory["lengths"])  # [batch, 1]
       context, weights = attn_core.local_attend(
           q, keys, values, center=center, half_width=self.local_half_width, **score)
+    elif self.window == "local_m":
+      # local-m: p_t = t (attn_core.monotonic_centers), clipped to each source's last position.
+      last = jnp.maximum(memory["lengths"] - 1, 0)  # [batch]
+      center = jnp.minimum(step, last).astype(jnp.float32)[:, None]  # [batch, 1]
+      context, weights = attn_core.local_attend(
+          q, keys, values, center=center, half_width=self.local_half_width, gaussian=False,
+          **score)
     elif deterministic:
       # Hard attention at test time: the single most likely position. The weights reported are
       # the distribution the position is chosen from (as when training).
@@ -213,12 +223,14 @@ class DecoderCell(_Options):
   def __call__(self, carry: dict[str, Any], embedded: jax.Array, memory: dict[str, jax.Array],
                deterministic: bool = True):
     rnn = list(carry["rnn"])
+    step = carry.get("step")  # [batch] int32: the decoder step t (local-m only)
     if self.attention == "none":
       rnn, h = self._step_cells(rnn, embedded)
       weights = jnp.zeros(memory["mask"].shape[:1] + memory["mask"].shape[-1:], h.dtype)
       features, log_prob = h, jnp.zeros(h.shape[:1], jnp.float32)
     elif self.attention == "bahdanau":
-      context, weights, log_prob = self._attend(_hidden(rnn[-1]), memory, deterministic)
+      context, weights, log_prob = self._attend(_hidden(rnn[-1]), memory, deterministic,
+                                                 step)
       rnn, h = self._step_cells(rnn, jnp.concatenate([embedded, context], axis=-1))
       features = jnp.concatenate([h, context], axis=-1)  # [batch, hidden + enc_dim]
     else:  # luong
@@ -226,10 +238,12 @@ class DecoderCell(_Options):
       if self.input_feeding:
         x = jnp.concatenate([embedded, carry["feed"]], axis=-1)  # [batch, embed + hidden]
       rnn, h = self._step_cells(rnn, x)
-      context, weights, log_prob = self._attend(h, memory, deterministic)
+      context, weights, log_prob = self._attend(h, memory, deterministic, step)
       features = jnp.tanh(self.combine(jnp.concatenate([context, h], axis=-1)))  # [batch, hidden]
     new_carry = {"rnn": tuple(rnn), "feed": features if self.attention == "luong"
                  else carry["feed"]}
+    if step is not None:
+      new_carry["step"] = step + 1
     return new_carry, (features, weights, log_prob)
 
 
@@ -280,6 +294,8 @@ class Seq2Seq(_Options):
     mask = attn_masks.padding_mask(src_lengths, src.shape[1])[:, 0]  # [batch, 1, src_len]
     batch = src.shape[0]
     carry = {"rnn": tuple(finals), "feed": jnp.zeros((batch, self.hidden_dim), states.dtype)}
+    if self.window == "local_m" and self.attention != "none":
+      carry["step"] = jnp.zeros((batch,), jnp.int32)  # [batch]: local-m's p_t = t
     memory = {"keys": self.decoder_cell.score_keys(keys), "values": states, "mask": mask,
               "lengths": src_lengths}
     return {"carry": carry, "memory": memory}
