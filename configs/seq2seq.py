@@ -112,6 +112,9 @@ def get_config(arg: str | None = None):
   config.model.local_half_width = 3
   # Luong: feed the previous attentional state into the next step.
   config.model.input_feeding = True
+  # What attention reads from the encoder states h: states (keys and values are h) | projected
+  # (separate key and value transforms: key = W_k h, value = W_v h).
+  config.model.attention_values = "states"
   # Initial (trainable) key strength of the cosine score.
   config.model.cosine_beta = 5.0
   # Dropout on embeddings, between layers and before the output layer.

@@ -94,11 +94,12 @@ def _np_local_m(scores, t, half_width):
   return a
 
 
-def _np_seq2seq(params, attention, bidirectional, local_m_width=None):
+def _np_seq2seq(params, attention, bidirectional, local_m_width=None, projected=False):
   """Logits [batch, tgt_len, vocab] and weights [batch, tgt_len, src_len] of a 1-layer GRU.
 
   bahdanau uses the additive score, luong the general score with input feeding; with
-  local_m_width D the weights are local-m's window of half-width D (global otherwise).
+  local_m_width D the weights are local-m's window of half-width D (global otherwise). With
+  projected, the scores read keys W_k h and the context averages values W_v h (else both are h).
   """
   attend = (_np_softmax if local_m_width is None
             else lambda scores: _np_local_m(scores, t, local_m_width))
@@ -110,6 +111,9 @@ def _np_seq2seq(params, attention, bidirectional, local_m_width=None):
   for b in range(batch):
     n = SRC_LEN[b]
     states, h = _np_encode(p["encoder"], SRC[b], n, bidirectional)
+    keys = values = states  # [n, enc_dim]
+    if projected:
+      keys, values = states @ p["key_proj"]["kernel"], states @ p["value_proj"]["kernel"]
     if bidirectional:
       h = np.tanh(h @ p["bridge_0"]["kernel"] + p["bridge_0"]["bias"])
     feed = np.zeros(HIDDEN)
@@ -117,16 +121,16 @@ def _np_seq2seq(params, attention, bidirectional, local_m_width=None):
       e = p["tgt_embed"]["embedding"][TGT_IN[b, t]]
       if attention == "bahdanau":
         s = dec["score"]
-        scores = np.tanh(h @ s["w_q"] + states @ s["w_k"]) @ s["v"]  # [n]
+        scores = np.tanh(h @ s["w_q"] + keys @ s["w_k"]) @ s["v"]  # [n]
         a = attend(scores)
-        c = a @ states
+        c = a @ values
         h = _np_gru(dec["cell_0"], h, np.concatenate([e, c]))
         features = np.concatenate([h, c])
       else:
         h = _np_gru(dec["cell_0"], h, np.concatenate([e, feed]))
-        scores = states @ (dec["score"]["w"].T @ h)  # h W k_j: [n]
+        scores = keys @ (dec["score"]["w"].T @ h)  # h W k_j: [n]
         a = attend(scores)
-        c = a @ states
+        c = a @ values
         features = np.tanh(np.concatenate([c, h]) @ dec["combine"]["kernel"])
         feed = features
       weights[b, t, :n] = a
@@ -175,6 +179,30 @@ def test_local_m_window_matches_numpy_reference(attention, score):
   np.testing.assert_allclose(weights.sum(-1)[TGT_OUT > 0], 1.0, atol=1e-5)
 
 
+@pytest.mark.parametrize("attention,score", [("luong", "general"), ("bahdanau", "additive")])
+def test_projected_keys_and_values_match_numpy_reference(attention, score):
+  model = _model(attention=attention, score=score, attention_values="projected")
+  params = _init(model)
+  assert params["key_proj"]["kernel"].shape == (HIDDEN, HIDDEN)
+  assert params["value_proj"]["kernel"].shape == (HIDDEN, HIDDEN)
+  apply = lambda p: model.apply({"params": p}, SRC, SRC_LEN, TGT_IN)
+  logits, aux = _compile(apply, params)(params)
+  ref_logits, ref_weights = _np_seq2seq(params, attention, False, projected=True)
+  np.testing.assert_allclose(aux["attention_weights"], ref_weights, atol=2e-6)
+  np.testing.assert_allclose(logits, ref_logits, atol=2e-5, rtol=1e-4)
+  # The values are not the states: the reference that averages the states is far off.
+  states_logits, _ = _np_seq2seq(params, attention, False)
+  assert np.abs(np.asarray(logits) - states_logits).max() > 1e-2
+
+
+def test_states_values_add_no_parameters():
+  """attention_values=states (the default) is the model without the key: same parameters."""
+  params = _init(_model(attention="luong", score="general", attention_values="states"))
+  assert "value_proj" not in params and "key_proj" not in params
+  default = _init(_model(attention="luong", score="general"))
+  jax.tree.map(np.testing.assert_array_equal, params, default)
+
+
 # ------------------------------------------------------------------------------ every variant trains
 
 # One variant per score; together they cover every attention style, window, cell and layout.
@@ -187,6 +215,7 @@ VARIANTS = [
     dict(attention="luong", score="location", input_feeding=False, num_layers=2),
     dict(attention="bahdanau", score="additive", window="hard", bidirectional=True),
     dict(attention="luong", score="dot", window="local_m", bidirectional=True),
+    dict(attention="bahdanau", score="general", attention_values="projected", bidirectional=True),
 ]
 
 
@@ -320,6 +349,7 @@ def test_beam_size_one_equals_greedy_and_beams_are_ranked(greedy_and_beams):
     (dict(attention="soft"), ["attention", "bahdanau", "luong", "none"]),
     (dict(window="wide"), ["window", "global", "local", "local_m", "hard"]),
     (dict(cell="rnn"), ["cell", "gru", "lstm"]),
+    (dict(attention_values="keys"), ["attention_values", "states", "projected"]),
     (dict(score="mlp"), ["score", "additive", "scaled_dot"]),
 ])
 def test_unknown_names_list_the_valid_ones(kw, words):

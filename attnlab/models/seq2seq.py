@@ -20,6 +20,10 @@ likely position when decoding). Every step's attention weights are
 returned in `aux["attention_weights"]` `[batch, tgt_len, src_len]` and sown under
 `intermediates/attention_weights`. The part of the score that depends on the source alone (the
 additive score's W_k h_j) is computed once per source in `encode`, not at every decoder step.
+With `attention_values=projected` the attention reads separate transforms of the encoder states,
+key = W_k h and value = W_v h (Dense, no bias; the values keep the states' size); the default
+`states` scores the states (projected only where a parameter-free score needs the size) and
+averages the states themselves.
 
 Decoding goes through `attnlab.decoding` with `init_decode_state` and `Seq2Seq.decode_step`
 (see `make_step_fn`).
@@ -40,6 +44,9 @@ from attnlab.attention import scores as attn_scores
 ATTENTIONS = ("none", "bahdanau", "luong")
 WINDOWS = ("global", "local", "local_m", "hard")
 CELLS = ("gru", "lstm")
+# What the attention reads from the encoder states: the states themselves, or key = W_k h and
+# value = W_v h (separate transforms).
+ATTENTION_VALUES = ("states", "projected")
 # Scores with no parameters of their own need queries and keys of the same size.
 _SAME_SIZE_SCORES = ("dot", "scaled_dot", "cosine")
 
@@ -124,6 +131,8 @@ class _Options(nn.Module, kw_only=True):
   local_half_width: int = 2
   # Luong: feed the previous attentional state into the next step.
   input_feeding: bool = True
+  # states (keys and values are the encoder states h) | projected (key = W_k h, value = W_v h).
+  attention_values: str = "states"
   # Longest source the model accepts (the location score's parameter size).
   max_src_len: int | None = None
   # Initial key strength of the cosine score (trainable; cosine alone lies in [-1, 1]).
@@ -267,6 +276,7 @@ class Seq2Seq(_Options):
   def setup(self):
     _check_choice("attention", self.attention, ATTENTIONS)
     _check_choice("window", self.window, WINDOWS)
+    _check_choice("attention_values", self.attention_values, ATTENTION_VALUES)
     if self.score == "location" and not self.max_src_len:
       raise ValueError("score='location' needs max_src_len (the longest source length)")
     self.encoder = Encoder(self.src_vocab_size, self.embed_dim, self.hidden_dim, self.cell,
@@ -277,8 +287,12 @@ class Seq2Seq(_Options):
       # The encoder's final states (2 * hidden) -> the decoder's first states.
       self.bridge = [nn.Dense(self.hidden_dim, name=f"bridge_{i}") for i in range(self.num_layers)]
     # Parameter-free scores compare same-size vectors: project the (2 * hidden) encoder states.
-    self.key_proj = (nn.Dense(self.hidden_dim, use_bias=False)
-                     if self.attention != "none" and self.key_dim != self.enc_dim else None)
+    # attention_values=projected: keys W_k h and values W_v h (the values keep enc_dim).
+    projected = self.attention != "none" and self.attention_values == "projected"
+    self.key_proj = (nn.Dense(self.key_dim, use_bias=False)
+                     if self.attention != "none" and (self.key_dim != self.enc_dim or projected)
+                     else None)
+    self.value_proj = nn.Dense(self.enc_dim, use_bias=False) if projected else None
     self.dropout = nn.Dropout(self.dropout_rate)
     self.output = nn.Dense(self.tgt_vocab_size)
 
@@ -291,12 +305,14 @@ class Seq2Seq(_Options):
       finals = [jax.tree.map(lambda a, bridge=bridge: jnp.tanh(bridge(a)), f)
                 for f, bridge in zip(finals, self.bridge)]
     keys = states if self.key_proj is None else self.key_proj(states)  # [batch, src_len, key_dim]
+    values = (states if self.value_proj is None
+              else self.value_proj(states))  # [batch, src_len, enc_dim]
     mask = attn_masks.padding_mask(src_lengths, src.shape[1])[:, 0]  # [batch, 1, src_len]
     batch = src.shape[0]
     carry = {"rnn": tuple(finals), "feed": jnp.zeros((batch, self.hidden_dim), states.dtype)}
     if self.window == "local_m" and self.attention != "none":
       carry["step"] = jnp.zeros((batch,), jnp.int32)  # [batch]: local-m's p_t = t
-    memory = {"keys": self.decoder_cell.score_keys(keys), "values": states, "mask": mask,
+    memory = {"keys": self.decoder_cell.score_keys(keys), "values": values, "mask": mask,
               "lengths": src_lengths}
     return {"carry": carry, "memory": memory}
 
@@ -355,8 +371,12 @@ def from_config(model_config: Any, src_vocab_size: int, tgt_vocab_size: int,
   """
   models_lib.check_choices(model_config,
                            {"cell": CELLS, "attention": ATTENTIONS, "window": WINDOWS})
+  # Runs written before the key existed: their values were the encoder states.
+  values = model_config.get("attention_values", "states")
+  models_lib.check_choices({"attention_values": values}, {"attention_values": ATTENTION_VALUES})
   precision.compute_dtype(model_config, "seq2seq")  # float32 only: ConfigError otherwise
   fields = ("embed_dim", "hidden_dim", "cell", "num_layers", "bidirectional", "attention", "score",
             "window", "local_half_width", "input_feeding", "cosine_beta", "dropout_rate")
   return Seq2Seq(src_vocab_size, tgt_vocab_size, attn_dim=model_config.attn_dim or None,
-                 max_src_len=max_src_len, **{key: model_config[key] for key in fields})
+                 max_src_len=max_src_len, attention_values=values,
+                 **{key: model_config[key] for key in fields})
