@@ -56,3 +56,48 @@ def test_devanagari_labels_draw_with_the_packaged_font(tmp_path):
       [str(w.message) for w in caught]
   assert (tmp_path / "marathi.png").stat().st_size > 0
   plotting.plt.close(fig)
+
+
+def _np_sinusoidal(length, dim):
+  """Vaswani et al. 2017: P[i, 2j] = sin(i / 10000^(2j/dim)), P[i, 2j+1] = cos(same)."""
+  pos = np.arange(length)[:, None]  # [length, 1]
+  col = np.arange(dim)  # [dim]
+  angle = pos / 10000.0 ** (2 * (col // 2) / dim)  # [length, dim]
+  return np.where(col % 2 == 0, np.sin(angle), np.cos(angle))
+
+
+@pytest.mark.parametrize("length", [10, 10000])
+def test_plot_positions_command_writes_the_heatmap(tmp_path, monkeypatch, capsys, length):
+  import matplotlib.image  # pylint: disable=g-import-not-at-top
+  from attnlab import cli  # pylint: disable=g-import-not-at-top
+  monkeypatch.chdir(tmp_path)  # --out defaults to positions.png in the current folder
+  assert cli.main(["attnlab", "plot", "positions", f"--length={length}", "--dim=512"]) == 0
+  assert "positions.png" in capsys.readouterr().out
+  image = matplotlib.image.imread(tmp_path / "positions.png")  # [400, 600, RGBA] in [0, 1]
+  assert image.shape[:2] == (400, 600)
+  inner = image[60:340, 100:420, :3]  # a region inside the heatmap's axes
+  red, blue = inner[..., 0] - inner[..., 2] > 0.25, inner[..., 2] - inner[..., 0] > 0.25
+  table = _np_sinusoidal(length, 512)
+  # RdBu on [-1, 1]: clearly red pixels are values below about -0.4, clearly blue above 0.4.
+  assert abs(red.mean() - (table < -0.4).mean()) < 0.15, (red.mean(), (table < -0.4).mean())
+  assert abs(blue.mean() - (table > 0.4).mean()) < 0.15, (blue.mean(), (table > 0.4).mean())
+  assert red.mean() > 0.01 and blue.mean() > 0.2  # not blank
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--dim=511"], "--dim must be a positive even integer"),
+    (["--dim=0"], "--dim must be a positive even integer"),
+    (["--length=-3"], "--length must be a positive integer"),
+    (["--length=1.5"], "--length must be a positive integer, got '1.5'"),
+    (["--dim=abc"], "--dim must be a positive integer, got 'abc'"),
+    (["--out=p.jpg"], "--out must name a .png file"),
+])
+def test_plot_positions_bad_values_get_one_line(tmp_path, monkeypatch, capsys, args, words):
+  from attnlab import cli  # pylint: disable=g-import-not-at-top
+  monkeypatch.chdir(tmp_path)
+  assert cli.main(["attnlab", "plot", "positions", "--length=10"] + args) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("attnlab plot: error: ") and words in err[0], err
+  assert not list(tmp_path.iterdir())
+  assert cli.main(["attnlab", "plot", "rings"]) == 2
+  assert "positions" in capsys.readouterr().err

@@ -19,6 +19,7 @@ COMMANDS = {
     "import-hf": ("attnlab.cli.import_hf",
                   "import (or export) a Hugging Face GPT-2/BERT checkpoint"),
     "view": ("attnlab.cli.view", "write an interactive HTML page of a run's attention on a text"),
+    "plot": ("attnlab.cli.plot", "draw a figure that needs no run (positions: the sinusoidal table)"),
 }
 
 
