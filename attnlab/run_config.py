@@ -242,7 +242,9 @@ ADDED_DEFAULTS: dict[str, Any] = {"num_seeds": 1, "mesh.data": -1, "mesh.fsdp": 
                                   # IMDB held-out sentences seen in training were kept before.
                                   "data.heldout_unseen": False,
                                   # GPT's induction data set (#52): its span lengths.
-                                  "data.min_span": 2, "data.max_span": 16}
+                                  "data.min_span": 2, "data.max_span": 16,
+                                  # GPT's own text corpus and pretrained start (#49).
+                                  "data.path": "", "init_from": ""}
 
 
 # Keys that may change when a run resumes: they change where it runs, not what it computes.

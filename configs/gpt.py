@@ -8,6 +8,12 @@ Launch (from the repository root):
       --workdir=runs/gpt2_synthetic                  # GPT-2 small on a GPU, no corpus needed
   attnlab train --config=configs/gpt.py:dataset=addition,num_train_steps=3000 --workdir=runs/gpt_add
   attnlab generate --workdir=runs/gpt_nano --prompt="ROMEO:" --num_tokens=300 --temperature=0.8
+  attnlab train --config=configs/gpt.py:dataset=text,data.path=my_corpus.txt --workdir=runs/mine
+Fine-tuning a pretrained run (an attnlab GPT run, or a GPT-2 imported with `attnlab import-hf`) on
+any text, tokenized with that run's tokenizer:
+  attnlab train --config=configs/gpt.py:pretrained=runs/gpt_nano,dataset=text,data.path=my.txt,\
+num_train_steps=500,optimizer.learning_rate=3e-4 --workdir=runs/gpt_nano_mine
+  attnlab generate --workdir=runs/gpt_nano_mine --prompt="ROMEO:"
 A seconds-long check of the whole pipeline:
   attnlab train --config=configs/gpt.py:runlocal=True --workdir=/tmp/gpt_local
 
@@ -26,9 +32,20 @@ Shortcuts in the arg (besides any field; the same names as in the other config f
   score=NAME                      = model.attention.score (dot, scaled_dot, cosine, general, ...)
   implementation=NAME             = model.attention.implementation (auto, reference, xla, ...)
   mechanism=NAME                  = model.attention.mechanism (full, linear, performer, ...)
-  dataset=NAME, or task=NAME      = data.name (tiny_shakespeare, addition, synthetic_tokens,
-                                  induction)
+  dataset=NAME, or task=NAME      = data.name (tiny_shakespeare, text, addition,
+                                  synthetic_tokens, induction)
   tokenizer=char|subword          = data.tokenizer
+  pretrained=DIR                  start from run DIR (a causal_lm run, e.g. a GPT-2 imported with
+                                  `attnlab import-hf`): sets init_from=DIR and copies DIR's
+                                  architecture (PRETRAINED_FIELDS: sizes, positions, the
+                                  model.attention subtree, vocabulary) and tokenizer fields; the
+                                  text is tokenized with DIR's kept tokenizer. Keys set after it
+                                  that differ from DIR are refused in one line (before anything
+                                  is written); optimizer, steps, dropout and data stay free.
+`dataset=text,data.path=FILE_OR_DIR`: your own corpus, a UTF-8 text file or a folder whose *.txt
+files are read in sorted order; the last 10% of the characters are held out for validation
+(attnlab/data/text_corpus.py), the character vocabulary is built from the first 90% (or is the
+pretrained run's); characters it cannot encode are named in one line.
 Tiny Shakespeare is read from data.manual_dir, else $ATTNLAB_DATA_DIR/tinyshakespeare/, else
 downloaded (see attnlab.data). `synthetic_tokens` is uniform random token ids (data.vocab_size
 of them, token-id "text") for throughput measurements without a corpus. `induction` is random
@@ -38,11 +55,64 @@ ids an induction head can predict:
   attnlab train --config=configs/gpt.py:dataset=induction,model.mlp_ratio=0,model.num_layers=2,data.vocab_size=64 --workdir=runs/gpt_induction
 """
 
-from attnlab import config_utils
+import json
+import os
 
-# Short arg keys (config_utils.SHORTCUTS: one meaning in every config file).
+from attnlab import config_utils
+from attnlab import run_config
+from attnlab.errors import ConfigError
+
+# Fields that `pretrained=DIR` copies from DIR/config.json (when DIR's config has them; a group,
+# model.attention, with all of its fields).
+PRETRAINED_FIELDS = ("model.size", "model.num_layers", "model.num_heads", "model.d_model",
+                     "model.block_size", "model.mlp_ratio", "model.position",
+                     "model.vocab_multiple", "model.vocab_size", "model.activation",
+                     "model.use_bias", "model.layer_norm_epsilon", "model.attention",
+                     "data.tokenizer", "data.tokenizer_path", "data.vocab_size")
+# Datasets whose token ids come from the pretrained run's tokenizer (others: the run's own data).
+TEXT_DATASETS = ("tiny_shakespeare", "text")
+
+
+def _pretrained_fields(workdir: str) -> dict:
+  """{field: value} of PRETRAINED_FIELDS in the causal_lm run `workdir` (its config.json), and
+  its data.name when that is not a text dataset (addition, induction: the same ids)."""
+  path = os.path.join(os.path.expanduser(workdir), "config.json")
+  if not os.path.isfile(path):
+    raise ConfigError(f"pretrained={workdir}: no config.json there; give the --workdir of a GPT "
+                      f"(causal_lm) run or of `attnlab import-hf`")
+  try:
+    with open(path, encoding="utf-8") as f:
+      # from_jsonable checks the keys and the value types, as reading the run itself would.
+      stored = config_utils.flatten(run_config.from_jsonable(json.load(f)))
+  except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or a ConfigError
+    raise ConfigError(f"pretrained={workdir}: {path}: {e}") from None
+  if stored.get("task") != "causal_lm":
+    raise ConfigError(f"pretrained={workdir} is a {stored.get('task')!r} run; a causal_lm run "
+                      f"(configs/gpt.py, or a GPT-2 imported with attnlab import-hf) is needed")
+  fields = {key: value for key, value in stored.items()
+            if any(key == f or key.startswith(f + ".") for f in PRETRAINED_FIELDS)}
+  if stored.get("data.name") not in TEXT_DATASETS:
+    fields["data.name"] = stored.get("data.name")
+  return fields
+
+
+def _set_pretrained(config, workdir: str) -> None:
+  """pretrained=DIR: init_from=DIR and DIR's architecture and tokenizer (PRETRAINED_FIELDS)."""
+  config.init_from = workdir
+  for key, value in _pretrained_fields(workdir).items():
+    *groups, field = key.split(".")
+    node = config
+    for group in groups:
+      if group not in node:
+        node[group] = config_utils.ConfigDict()
+      node = node[group]
+    node[field] = value  # adds the fields an imported run has (model.vocab_size, ...)
+
+
+# Short arg keys (config_utils.SHORTCUTS: one meaning in every config file). Under runlocal=True,
+# finalize applies them again after the runlocal overrides, so a pretrained run's fields win.
 SHORTCUTS = config_utils.shortcut_table("size", "score", "implementation", "mechanism",
-                                        "dataset", "task", "tokenizer")
+                                        "dataset", "task", "tokenizer", pretrained=_set_pretrained)
 
 
 def get_config(arg: str | None = None):
@@ -61,6 +131,9 @@ def get_config(arg: str | None = None):
   # of Shakespeare's validation text); the last one on all of it.
   config.eval_batches = 4
   config.checkpoint_every = 500
+  # Workdir of a causal_lm run whose weights and tokenizer start this model ("" = from scratch;
+  # the pretrained= shortcut also copies its architecture).
+  config.init_from = ""
   config.optimizer.name = "adamw"
   config.optimizer.learning_rate = 1e-3
   config.optimizer.warmup_steps = 100
@@ -116,10 +189,13 @@ def get_config(arg: str | None = None):
   # Dropout on the attention weights (runs the reference attention path while training).
   config.model.attention_dropout_rate = 0.0
 
-  # Dataset: tiny_shakespeare, addition, synthetic_tokens (random ids, for throughput) or
-  # induction (random ids with a segment copied to a random later offset).
+  # Dataset: tiny_shakespeare, text (your files, data.path), addition, synthetic_tokens (random
+  # ids, for throughput) or induction (random ids with a segment copied to a random later offset).
   config.data.name = "tiny_shakespeare"
-  # Tokenizer for tiny_shakespeare: char or subword (sentencepiece); addition is always char.
+  # text: a UTF-8 text file, or a folder of *.txt files (sorted); the last 10% held out.
+  config.data.path = ""
+  # Tokenizer for tiny_shakespeare and text: char or subword (sentencepiece); addition is always
+  # char.
   config.data.tokenizer = "char"
   # Subword vocabulary size (tokenizer=subword); token ids of synthetic_tokens and induction
   # (GPT-2's 50257 with size=gpt2).

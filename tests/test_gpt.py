@@ -300,7 +300,7 @@ def test_addition_exact_match_counts_only_correct_answers(tmp_path):
 def test_bad_config_values_raise_clear_errors(tmp_path):
   from attnlab import tasks  # pylint: disable=g-import-not-at-top
   for arg, pattern in [("size=huge", "valid sizes"),
-                       ("dataset=wiki", "valid: tiny_shakespeare, addition"),
+                       ("dataset=wiki", "valid: tiny_shakespeare, text, addition"),
                        ("model.position=fourier", "valid: learned")]:
     with pytest.raises(ConfigError, match=pattern):
       tasks.build_task(_load_config(f"runlocal=True,dataset=addition,{arg}"))

@@ -11,6 +11,11 @@ Datasets (config.data.name):
   A run imported from a Hugging Face checkpoint (attnlab import-hf) uses the checkpoint's
   tokenizer (`data.tokenizer=hf`, files in `data.tokenizer_path`; or `ids`: text written as token
   ids).
+- `text`: the user's own corpus, `data.path` a UTF-8 text file or a folder of *.txt files (read
+  in sorted order; attnlab.data.text_corpus): the first 90% of its characters train, the last
+  10% are the held-out validation text; windows and evaluation as for Tiny Shakespeare. Character
+  tokenizer built from the training part (`data.tokenizer=subword`: a sentencepiece model trained
+  on it); characters a character vocabulary cannot encode are named in one line.
 - `addition`: the synthetic "a+b=c" texts of attnlab.data, one per sequence:
   inputs `<start> a+b=c`, targets `a+b=c <end>`, padded to a fixed length. Evaluation adds the
   exact-answer accuracy: the fraction of validation sums whose greedy continuation after "=" is
@@ -29,12 +34,23 @@ Datasets (config.data.name):
   files), sampled in windows like the text; for throughput measurements (the loss stays at
   ln(vocab_size)). Its "text" is token ids separated by spaces (data.tokenizer is ignored).
 
+Starting from a pretrained run (`config.init_from = WORKDIR` of a causal_lm run: an attnlab GPT
+run or a GPT-2 imported with `attnlab import-hf`; `configs/gpt.py:pretrained=WORKDIR` sets it and
+copies the run's architecture): the text datasets (tiny_shakespeare, text) are tokenized with
+that run's tokenizer (its assets folder: an attnlab vocabulary, or the imported GPT-2's byte-level
+BPE files), so token ids mean what they meant in pretraining; the other datasets need a run of
+the same dataset. The architecture (sizes, positions, model.attention but its implementation, the
+vocabulary; the output layer is always tied to the token table) must equal the run's
+(`check_pretrained`, before the trainer writes anything, the differing keys in one line), and
+`load_pretrained` gives the step-0 parameters that run's latest ones.
+
 Metrics: loss (mean cross-entropy per target token, nats), perplexity = exp(loss), token
 accuracy, for addition exact_match, for induction copy_loss and copy_accuracy.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from typing import Any
 
@@ -42,11 +58,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attnlab import checkpoint as checkpoint_lib
 from attnlab import data as data_lib
 from attnlab import losses as losses_lib
 from attnlab import models as models_lib
 from attnlab.data import hf_tokenizer
+from attnlab.data import assets as assets_lib
 from attnlab.data import pipeline
+from attnlab.data import text_corpus
 from attnlab.data import tokenizers as tok_lib
 from attnlab.data.pipeline import IndexedBatches
 from attnlab.data.pipeline import rng_for
@@ -59,7 +78,15 @@ from attnlab.tasks.base import Task
 from attnlab.tasks.base import data_location
 
 # Datasets this task trains on.
-DATASETS = ("tiny_shakespeare", "addition", "synthetic_tokens", "induction")
+DATASETS = ("tiny_shakespeare", "text", "addition", "synthetic_tokens", "induction")
+# Datasets of text read from files, windows drawn from the token stream (`text`: data.path).
+TEXT_DATASETS = ("tiny_shakespeare", "text")
+# Datasets whose "text" is token ids (the vocabulary is data.vocab_size ids).
+ID_DATASETS = ("synthetic_tokens", "induction")
+# Model fields that must agree with a pretrained run (absent in an older config: these defaults).
+PRETRAINED_MODEL_KEYS = {"mlp_ratio": 4, "position": "rotary", "activation": "gelu_tanh",
+                         "use_bias": False, "layer_norm_epsilon": 1e-5, "vocab_size": 0,
+                         "vocab_multiple": 1}
 # synthetic_tokens: tokens in the training stream (windows are drawn from it as from a text) and
 # validation windows.
 SYNTHETIC_TRAIN_TOKENS = 1 << 20
@@ -94,6 +121,41 @@ def _induction_arrays(examples, with_mask: bool = True) -> dict[str, np.ndarray]
   return out
 
 
+def _data_kind(data) -> str:
+  """What the token ids of a dataset are: "text" for the text datasets (the tokenizer goes with
+  the pretrained run), else the dataset's name."""
+  return "text" if data.get("name") in TEXT_DATASETS else data.get("name")
+
+
+def pretraining_mismatch(pretrain, config) -> list[str]:
+  """"key: value in the pretraining run, value here" for each architecture or data key in which
+  a causal_lm config differs from the pretraining run's (module docstring)."""
+  diffs = []
+  a, b = (models_lib.config_dims("gpt", c.model) for c in (pretrain, config))
+  for key in a:
+    if a[key] != b[key]:
+      diffs.append(f"model.{key}: {a[key]!r} in the pretraining run, {b[key]!r} here")
+  for key, default in PRETRAINED_MODEL_KEYS.items():
+    a, b = pretrain.model.get(key, default), config.model.get(key, default)
+    if a != b:
+      diffs.append(f"model.{key}: {a!r} in the pretraining run, {b!r} here")
+  a, b = (dataclasses.asdict(dataclasses.replace(models_lib.attention_config(c.model),
+                                                 implementation="auto")) for c in (pretrain, config))
+  for key in sorted(a):
+    if a[key] != b[key]:
+      diffs.append(f"model.attention.{key}: {a[key]!r} in the pretraining run, {b[key]!r} here")
+  a, b = _data_kind(pretrain.data), _data_kind(config.data)
+  if a != b:
+    diffs.append(f"data.name: {pretrain.data.get('name')!r} in the pretraining run, "
+                 f"{config.data.get('name')!r} here (text datasets: {', '.join(TEXT_DATASETS)})")
+  keys = ("tokenizer",) if b == "text" else ("vocab_size",) if b in ID_DATASETS else ()
+  for key in keys:
+    if pretrain.data.get(key) != config.data.get(key):
+      diffs.append(f"data.{key}: {pretrain.data.get(key)!r} in the pretraining run, "
+                   f"{config.data.get(key)!r} here")
+  return diffs
+
+
 @register_task("causal_lm")
 class CausalLMTask(Task):
   """Next-token prediction with attnlab.models.gpt.GPT (see the module docstring)."""
@@ -108,8 +170,8 @@ class CausalLMTask(Task):
         self._setup_synthetic(d)
       elif d.name == "induction":
         self._setup_induction(d)
-      elif d.name == "tiny_shakespeare":
-        self._setup_shakespeare(d)
+      elif d.name in TEXT_DATASETS:
+        self._setup_text(d)
       else:
         self._setup_addition(d)
     except data_lib.DataError as e:  # missing files, bad options: one line for the user
@@ -130,19 +192,27 @@ class CausalLMTask(Task):
 
   # ---------------------------------------------------------------------------- data
 
-  def _setup_shakespeare(self, d) -> None:
+  def _setup_text(self, d) -> None:
     # The text is read on first use (training, evaluation): a reloaded run keeps its tokenizer
     # (assets), so it generates text without the dataset.
     self.train_ids = self.val_ids = None
     self.seq_len = 0  # windows of block_size
-    if d.tokenizer in PRETRAINED_TOKENIZERS:
+    kept = self._pretrained_tokenizer()
+    if kept is not None:  # config.init_from's: ids mean what they meant in pretraining
+      build = lambda: kept
+    elif d.tokenizer in PRETRAINED_TOKENIZERS:
       build = lambda: hf_tokenizer.load(d.tokenizer, d.get("tokenizer_path", ""),
                                         self.config.model.get("vocab_size", 0))
     elif d.tokenizer == "char":
       build = lambda: tok_lib.CharTokenizer.train([self._texts()[0]])
     else:
-      build = lambda: tok_lib.cached_subword("tiny_shakespeare", {"vocab_size": d.vocab_size},
-                                             lambda: [self._texts()[0]], d.tokenizer_dir)
+      # A text corpus's cache entry is named by its absolute path (edit the files: a new
+      # data.tokenizer_dir, or delete the cached one).
+      options = {"vocab_size": d.vocab_size}
+      if d.name == "text":
+        options["path"] = str(pathlib.Path(d.get("path", "")).expanduser().absolute())
+      build = lambda: tok_lib.cached_subword(d.name, options, lambda: [self._texts()[0]],
+                                             d.tokenizer_dir)
     self.tokenizer = self.asset_tokenizer("tokenizer", build)
 
   def _setup_synthetic(self, d) -> None:
@@ -171,8 +241,19 @@ class CausalLMTask(Task):
     self.induction_val = _induction_arrays(data_lib.get_dataset(
         "induction", "validation", num_examples=d.num_eval, **options))
 
+  def _pretrained_tokenizer(self) -> Any | None:
+    """The tokenizer kept by the run config.init_from (None: no such run, or it keeps none, as an
+    import without tokenizer files: then the data options build it)."""
+    init_from = self.config.get("init_from", "")
+    if not init_from:
+      return None
+    kept = pathlib.Path(init_from).expanduser() / assets_lib.DIRNAME
+    return assets_lib.load_tokenizer(kept, "tokenizer") if kept.is_dir() else None
+
   def _texts(self) -> tuple[str, str]:
-    """(training text, validation text) of Tiny Shakespeare."""
+    """(training text, validation text) of Tiny Shakespeare or of data.path (`text`)."""
+    if self.config.data.name == "text":
+      return text_corpus.split_corpus(text_corpus.read_corpus(self.config.data.get("path", "")))
     return tuple(data_lib.get_dataset("tiny_shakespeare", split,
                                       **data_location(self.config.data))[0]["text"]
                  for split in ("train", "validation"))
@@ -191,11 +272,27 @@ class CausalLMTask(Task):
       train_text, val_text = self._texts()
     except data_lib.DataError as e:
       raise ConfigError(f"causal_lm data ({self.config.data.name}): {e}") from e
+    if isinstance(self.tokenizer, tok_lib.Vocab) and self.tokenizer.kind == "char":
+      self._check_characters(train_text, val_text)
     self.train_ids = np.asarray(self.tokenizer.encode(train_text), np.int32)
     self.val_ids = np.asarray(self.tokenizer.encode(val_text), np.int32)
 
+  def _check_characters(self, train_text: str, val_text: str) -> None:
+    """ConfigError naming the characters of the text the character vocabulary lacks."""
+    for part, text in (("training", train_text), ("validation", val_text)):
+      unknown = self.tokenizer.unknown(text)
+      if unknown:
+        shown = " ".join(repr(c) for c in unknown[:20])
+        more = f" and {len(unknown) - 20} more" if len(unknown) > 20 else ""
+        whose = (f"the pretrained run's ({self.config.init_from})" if self.config.get("init_from")
+                 else "this run's (built from the training part, the first 90%)")
+        raise ConfigError(
+            f"causal_lm data ({self.config.data.name}): the {part} text has {len(unknown)} "
+            f"character{'s' if len(unknown) > 1 else ''} outside {whose} character vocabulary: "
+            f"{shown}{more}; remove or replace {'them' if len(unknown) > 1 else 'it'} in the text")
+
   def validation_ids(self) -> np.ndarray:
-    """Token ids `[n]` of Tiny Shakespeare's validation text (read on first use, as for training;
+    """Token ids `[n]` of the validation text of Tiny Shakespeare (or `text`) (read on first use, as for training;
     a reloaded run reads the dataset here)."""
     if self.seq_len or self.config.data.name == "induction":
       raise ValueError(f"validation_ids is the Tiny Shakespeare text's; this task reads "
@@ -276,6 +373,37 @@ class CausalLMTask(Task):
     # jit: one compilation instead of one per operation of an eager init
     return jax.jit(self.model.init)(rng, tokens)["params"]
 
+  @classmethod
+  def check_pretrained(cls, config, pretrained_config) -> None:
+    """A causal_lm run with this model's architecture and a dataset whose token ids mean the
+    same (module docstring), else ConfigError naming the differing keys in one line."""
+    task = pretrained_config.get("task")
+    if task != "causal_lm":
+      raise ConfigError(f"config.init_from={config.init_from} is a {task!r} run; a causal_lm run "
+                        f"is needed (configs/gpt.py, or a GPT-2 imported with attnlab import-hf)")
+    diffs = pretraining_mismatch(pretrained_config, config)
+    if diffs:
+      raise ConfigError(f"config.init_from={config.init_from} does not fit this model: "
+                        f"{'; '.join(diffs)}; leave these keys to the pretrained run "
+                        f"(configs/gpt.py:pretrained={config.init_from} copies them)")
+
+  def load_pretrained(self, params, pretrained_config, pretrained_params):
+    """The parameters of the run `config.init_from` (its latest checkpoint), every leaf of the
+    same path, shape and dtype as `params`."""
+    CausalLMTask.check_pretrained(self.config, pretrained_config)
+    flat = lambda tree: {jax.tree_util.keystr(path): leaf for path, leaf
+                         in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    diffs = checkpoint_lib.signature_diffs(checkpoint_lib.tree_signature(pretrained_params),
+                                           checkpoint_lib.tree_signature(params), "pretrained")
+    if diffs:
+      raise ConfigError(f"config.init_from={self.config.init_from}: its parameters do not fit "
+                        f"this model ({'; '.join(diffs[:3])}); fine-tune with "
+                        f"configs/gpt.py:pretrained={self.config.init_from}")
+    source = flat(pretrained_params)
+    paths, tree = jax.tree_util.tree_flatten_with_path(params)
+    return jax.tree_util.tree_unflatten(
+        tree, [np.array(source[jax.tree_util.keystr(path)]) for path, _ in paths])
+
   def loss_fn(self, params, batch, rng):
     deterministic = rng is None
     rngs = None if deterministic else {"dropout": rng}
@@ -314,8 +442,10 @@ class CausalLMTask(Task):
   @property
   def default_prompt(self) -> str:
     """A prompt that suits the dataset."""
-    if self.config.data.name in ("synthetic_tokens", "induction"):
+    if self.config.data.name in ID_DATASETS:
       return "0"
+    if self.config.data.name == "text":
+      return "\n"
     return "12+34=" if self.seq_len else "ROMEO:"
 
   def encode_prompt(self, text: str) -> np.ndarray:
