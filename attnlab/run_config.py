@@ -261,3 +261,23 @@ def config_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
     if a != b:
       lines.append(f"{key}: {a!r} -> {b!r}")
   return lines
+
+
+def pretrained_fields(workdir: str, task: str, fields: tuple[str, ...], needed: str
+                      ) -> dict[str, Any]:
+  """{key: value} of the run `workdir`'s config.json for `fields` (a group, e.g. model.attention,
+  with all of its fields), read as reading the run itself would (keys, types, older versions), for
+  a config file's `pretrained=DIR` shortcut; ConfigError, one line, unless it is a `task` run
+  (`needed` names what is needed)."""
+  path = os.path.join(os.path.expanduser(workdir), "config.json")
+  if not os.path.isfile(path):
+    raise ConfigError(f"pretrained={workdir}: no config.json there; give the --workdir of {needed}")
+  try:
+    with open(path, encoding="utf-8") as f:
+      stored = flatten(from_jsonable(json.load(f)))
+  except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or a ConfigError
+    raise ConfigError(f"pretrained={workdir}: {path}: {e}") from None
+  if stored.get("task") != task:
+    raise ConfigError(f"pretrained={workdir} is a {stored.get('task')!r} run; {needed} is needed")
+  return {key: value for key, value in stored.items()
+          if key == "task" or any(key == f or key.startswith(f + ".") for f in fields)}

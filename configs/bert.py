@@ -33,8 +33,6 @@ Seconds-long checks of both modes (`init_from` must name a run of the same size 
 The study (pretrain, fine-tune vs scratch, 3 seeds): python experiments/bert_sst2/run.py
 """
 
-import json
-import os
 
 from attnlab import config_utils
 
@@ -57,22 +55,10 @@ PRETRAINED_FIELDS = ("model.num_layers", "model.d_model", "model.num_heads", "mo
 
 def _pretrained_fields(workdir: str) -> dict:
   """{field: value} of PRETRAINED_FIELDS in the run `workdir` (its config.json)."""
-  path = os.path.join(workdir, "config.json")
-  if not os.path.isfile(path):
-    raise ConfigError(f"pretrained={workdir}: no config.json there; give the --workdir of a "
-                      f"masked_lm run or of `attnlab import-hf`")
-  try:
-    with open(path, encoding="utf-8") as f:
-      # from_jsonable checks the keys and the value types, as reading the run itself would.
-      stored = config_utils.flatten(run_config.from_jsonable(json.load(f)))
-  except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or a ConfigError
-    raise ConfigError(f"pretrained={workdir}: {path}: {e}") from None
-  if stored.get("task") != "masked_lm":
-    raise ConfigError(f"pretrained={workdir} is a {stored.get('task')!r} run; a masked_lm run "
-                      f"(BERT pretraining or import) is needed")
-  # A group of PRETRAINED_FIELDS (model.attention) copies all of its fields.
-  return {key: value for key, value in stored.items()
-          if any(key == f or key.startswith(f + ".") for f in PRETRAINED_FIELDS)}
+  stored = run_config.pretrained_fields(workdir, "masked_lm", PRETRAINED_FIELDS,
+                                        "a masked_lm run (BERT pretraining or import)")
+  del stored["task"]
+  return stored
 
 
 def _set_mode(config, mode: str) -> None:

@@ -55,12 +55,9 @@ ids an induction head can predict:
   attnlab train --config=configs/gpt.py:dataset=induction,model.mlp_ratio=0,model.num_layers=2,data.vocab_size=64 --workdir=runs/gpt_induction
 """
 
-import json
-import os
 
 from attnlab import config_utils
 from attnlab import run_config
-from attnlab.errors import ConfigError
 
 # Fields that `pretrained=DIR` copies from DIR/config.json (when DIR's config has them; a group,
 # model.attention, with all of its fields).
@@ -76,24 +73,13 @@ TEXT_DATASETS = ("tiny_shakespeare", "text")
 def _pretrained_fields(workdir: str) -> dict:
   """{field: value} of PRETRAINED_FIELDS in the causal_lm run `workdir` (its config.json), and
   its data.name when that is not a text dataset (addition, induction: the same ids)."""
-  path = os.path.join(os.path.expanduser(workdir), "config.json")
-  if not os.path.isfile(path):
-    raise ConfigError(f"pretrained={workdir}: no config.json there; give the --workdir of a GPT "
-                      f"(causal_lm) run or of `attnlab import-hf`")
-  try:
-    with open(path, encoding="utf-8") as f:
-      # from_jsonable checks the keys and the value types, as reading the run itself would.
-      stored = config_utils.flatten(run_config.from_jsonable(json.load(f)))
-  except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or a ConfigError
-    raise ConfigError(f"pretrained={workdir}: {path}: {e}") from None
-  if stored.get("task") != "causal_lm":
-    raise ConfigError(f"pretrained={workdir} is a {stored.get('task')!r} run; a causal_lm run "
-                      f"(configs/gpt.py, or a GPT-2 imported with attnlab import-hf) is needed")
-  fields = {key: value for key, value in stored.items()
-            if any(key == f or key.startswith(f + ".") for f in PRETRAINED_FIELDS)}
-  if stored.get("data.name") not in TEXT_DATASETS:
-    fields["data.name"] = stored.get("data.name")
-  return fields
+  stored = run_config.pretrained_fields(
+      workdir, "causal_lm", PRETRAINED_FIELDS + ("data.name",),
+      "a GPT (causal_lm) run (configs/gpt.py, or a GPT-2 imported with attnlab import-hf)")
+  del stored["task"]
+  if stored.get("data.name") in TEXT_DATASETS:
+    del stored["data.name"]
+  return stored
 
 
 def _set_pretrained(config, workdir: str) -> None:

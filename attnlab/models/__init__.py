@@ -113,6 +113,16 @@ def attention_config(model_config: Any) -> Any:
   return attention_lib.from_config(model_config.get("attention"))
 
 
+def attention_mismatch(pretrain_model: Any, model_config: Any) -> list[str]:
+  """"model.attention.KEY: a in the pretraining run, b here" for each field of the attention
+  config (its implementation aside: how it runs, not what it computes) in which a fine-tuning
+  config differs from its pretraining run's."""
+  a, b = (dataclasses.asdict(dataclasses.replace(attention_config(m), implementation="auto"))
+          for m in (pretrain_model, model_config))
+  return [f"model.attention.{key}: {a[key]!r} in the pretraining run, {b[key]!r} here"
+          for key in sorted(a) if a[key] != b[key]]
+
+
 def score_name(model_config: Any) -> str:
   """The score of a `config.model`: the Transformer families' `attention.score`, the RNN's
   `score`."""

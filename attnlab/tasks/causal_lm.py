@@ -50,7 +50,6 @@ accuracy, for addition exact_match, for induction copy_loss and copy_accuracy.
 
 from __future__ import annotations
 
-import dataclasses
 import pathlib
 from typing import Any
 
@@ -139,11 +138,7 @@ def pretraining_mismatch(pretrain, config) -> list[str]:
     a, b = pretrain.model.get(key, default), config.model.get(key, default)
     if a != b:
       diffs.append(f"model.{key}: {a!r} in the pretraining run, {b!r} here")
-  a, b = (dataclasses.asdict(dataclasses.replace(models_lib.attention_config(c.model),
-                                                 implementation="auto")) for c in (pretrain, config))
-  for key in sorted(a):
-    if a[key] != b[key]:
-      diffs.append(f"model.attention.{key}: {a[key]!r} in the pretraining run, {b[key]!r} here")
+  diffs += models_lib.attention_mismatch(pretrain.model, config.model)
   a, b = _data_kind(pretrain.data), _data_kind(config.data)
   if a != b:
     diffs.append(f"data.name: {pretrain.data.get('name')!r} in the pretraining run, "

@@ -20,7 +20,6 @@ the same vocabulary as the pretrained model.
 
 from __future__ import annotations
 
-import dataclasses
 import pathlib
 from typing import Any
 
@@ -29,7 +28,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from attnlab import config_utils
 from attnlab import data as data_lib
 from attnlab import losses
 from attnlab import models as models_lib
@@ -76,11 +74,7 @@ def pretraining_mismatch(pretrain: ml_collections.ConfigDict,
     a, b = pretrain.model.get(key, default), config.model.get(key, default)
     if a != b:
       diffs.append(f"model.{key}: {a!r} in the pretraining run, {b!r} here")
-  a, b = (dataclasses.asdict(dataclasses.replace(models_lib.attention_config(c.model),
-                                                 implementation="auto")) for c in (pretrain, config))
-  for key in sorted(a):
-    if a[key] != b[key]:
-      diffs.append(f"model.attention.{key}: {a[key]!r} in the pretraining run, {b[key]!r} here")
+  diffs += models_lib.attention_mismatch(pretrain.model, config.model)
   a, b = masked_lm.tokenizer_options(pretrain.data), masked_lm.tokenizer_options(config.data)
   for key in sorted(a):
     if a[key] != b[key]:
