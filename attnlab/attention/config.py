@@ -29,12 +29,6 @@ import ml_collections
 
 from attnlab.attention import registry
 
-# The plain fields of the subtree and their defaults (today's multi-head softmax attention).
-FIELDS: dict[str, Any] = {"mechanism": "full", "score": "scaled_dot", "implementation": "auto",
-                          "normalizer": "softmax", "topk": 8, "num_kv_heads": 0,
-                          "talking_heads": False, "plugins": ""}
-
-
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
   """What a MultiHeadAttention computes, beside its sizes and positions."""
@@ -93,20 +87,33 @@ class AttentionConfig:
     return self
 
 
-def validate_tree(node: Any, *, prefix: str = "model.attention.", **context: Any
-                  ) -> AttentionConfig:
-  """The one check of a config's attention subtree (registry.validate, keys named with
-  `prefix`); `context`: directions, num_heads, position_bias, attention_dropout, where."""
+# The plain fields of the subtree and their defaults (today's multi-head softmax attention): the
+# dataclass's own, but its options (a group per mechanism), and the plugins that register them.
+FIELDS: dict[str, Any] = {**{f.name: f.default for f in dataclasses.fields(AttentionConfig)
+                             if f.name != "options"}, "plugins": ""}
+
+
+def _read(node: Any) -> tuple[str, dict[str, Any] | None, dict[str, Any]]:
+  """(mechanism, its options group or None, the other plain fields) of an attention subtree (a
+  ConfigDict or dict; absent fields take their defaults), after importing the plugins it names."""
   if isinstance(node, ml_collections.ConfigDict):
     node = node.to_dict()
   node = dict(node or {})
   registry.load_plugins(node.get("plugins", ""))
   name = node.get("mechanism", FIELDS["mechanism"])
+  options = node.get(name)
   values = {key: node.get(key, default) for key, default in FIELDS.items()
             if key not in ("mechanism", "plugins")}
-  options = node.get(name) if isinstance(node.get(name), Mapping) else None
-  registry.validate(name, options, prefix=prefix, **values, **context)
-  return from_config(node)
+  return name, (dict(options) if isinstance(options, Mapping) else None), values
+
+
+def validate_tree(node: Any, *, prefix: str = "model.attention.", **context: Any
+                  ) -> AttentionConfig:
+  """The one check of a config's attention subtree (registry.validate, keys named with
+  `prefix`); `context`: directions, num_heads, position_bias, attention_dropout, where."""
+  name, options, values = _read(node)
+  built = registry.validate(name, options, prefix=prefix, **values, **context)
+  return AttentionConfig(mechanism=name, options=built, **values)
 
 
 def config_tree(plugins: str = "") -> ml_collections.ConfigDict:
@@ -127,16 +134,8 @@ def from_config(node: Mapping[str, Any] | None) -> AttentionConfig:
   """The AttentionConfig of `config.model.attention` (a ConfigDict or dict; absent fields take
   their defaults). Imports the plugins it names first. Names and options are checked here;
   `validate` checks the combinations against the model."""
-  if isinstance(node, ml_collections.ConfigDict):
-    node = node.to_dict()
-  node = dict(node or {})
-  registry.load_plugins(node.get("plugins", ""))
-  name = node.get("mechanism", FIELDS["mechanism"])
-  entry = registry.get_mechanism(name)
-  options = node.get(name)
-  options = dict(options) if isinstance(options, Mapping) else None
-  kwargs = {key: node.get(key, default) for key, default in FIELDS.items() if key != "plugins"}
-  return AttentionConfig(options=entry.make_options(options), **kwargs)
+  name, options, values = _read(node)
+  return AttentionConfig(mechanism=name, options=options, **values)
 
 
 # ----------------------------------------------------------------------------- older runs

@@ -153,10 +153,9 @@ def worker(args) -> None:
   print("TIMES " + json.dumps(time_train_steps(config, args.iters)), flush=True)
 
 
-def time_train_steps(config, iters: int) -> list[float]:
-  """ms of each of `iters` steps of the real trainer's pieces for `config` (task, optimizer,
-  train step on the config's mesh, training-batch iterator), timed as nanoGPT's loop times an
-  iteration: fetch the batch, train step, host sync on the loss; step to step wall clock."""
+def train_pieces(config):
+  """(state, train_step, batch iterator, train rng) as the trainer builds them for `config`
+  (task, optimizer, train step on the config's mesh, training-batch iterator)."""
   from attnlab import parallel, tasks, train  # pylint: disable=g-import-not-at-top
   from attnlab import state as state_lib  # pylint: disable=g-import-not-at-top
   from attnlab.backends import cpu as cpu_backend  # pylint: disable=g-import-not-at-top
@@ -166,9 +165,16 @@ def time_train_steps(config, iters: int) -> list[float]:
   task = tasks.build_task(config)
   parts = state_lib.training(task, config, mesh)  # what the trainer builds
   state = state_lib.initial_state(task, parts.tx, parts.init_rng, 1, mesh, parts.shardings)
-  train_rng, iterator = parts.train_rng, parts.batches
   train_step = train.make_train_step(task, parts.tx, parts.schedule, mesh=mesh,
                                      state_shardings=parts.shardings)
+  return state, train_step, parts.batches, parts.train_rng
+
+
+def time_train_steps(config, iters: int) -> list[float]:
+  """ms of each of `iters` steps of the real trainer's pieces for `config` (`train_pieces`),
+  timed as nanoGPT's loop times an iteration: fetch the batch, train step, host sync on the loss;
+  step to step wall clock."""
+  state, train_step, iterator, train_rng = train_pieces(config)
   times = []
   t0 = time.perf_counter()
   for _ in range(iters):

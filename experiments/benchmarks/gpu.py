@@ -199,24 +199,18 @@ def profile_worker(args) -> dict:
   import glob  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
-  from attnlab import config_utils, parallel, tasks, train  # pylint: disable=g-import-not-at-top
-  from attnlab import state as state_lib  # pylint: disable=g-import-not-at-top
+  from attnlab import config_utils, parallel  # pylint: disable=g-import-not-at-top
   parallel.enable_compilation_cache()
   config = config_utils.load_config_file(
       f"{REPO / 'configs' / 'gpt.py'}:{attnlab_train_arg(args, args.impl)}")
-  mesh = parallel.make_mesh(config)
-  task = tasks.build_task(config)
-  parts = state_lib.training(task, config, mesh)
-  state = state_lib.initial_state(task, parts.tx, parts.init_rng, 1, mesh, parts.shardings)
-  step = train.make_train_step(task, parts.tx, parts.schedule, mesh=mesh,
-                               state_shardings=parts.shardings)
+  state, step, batches, rng = gpt_vs_nanogpt.train_pieces(config)
   for _ in range(5):  # compile and warm up
-    state, metrics = step(state, next(parts.batches), parts.train_rng)
+    state, metrics = step(state, next(batches), rng)
     float(metrics["loss"])
   untraced = []  # the step without the tracer (tracing slows the host side down)
   for _ in range(10):
     t0 = time.perf_counter()
-    state, metrics = step(state, next(parts.batches), parts.train_rng)
+    state, metrics = step(state, next(batches), rng)
     float(metrics["loss"])
     untraced.append((time.perf_counter() - t0) * 1e3)
   trace_dir = tempfile.mkdtemp(prefix="gpu_profile_")
@@ -224,7 +218,7 @@ def profile_worker(args) -> dict:
   t0 = time.perf_counter()
   with jax.profiler.trace(trace_dir):
     for _ in range(n):
-      state, metrics = step(state, next(parts.batches), parts.train_rng)
+      state, metrics = step(state, next(batches), rng)
       float(metrics["loss"])
   wall_ms = (time.perf_counter() - t0) * 1e3 / n
   files = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
