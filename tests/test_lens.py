@@ -2,18 +2,21 @@
 duplicate-token detector (#52), against a NumPy GPT with biases written here."""
 
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from attnlab import config_utils
 from attnlab import tasks
 from attnlab.analysis import detectors
 from attnlab.analysis import hooks
 from attnlab.analysis import lens
 from attnlab.models import gpt
-from configs import gpt as gpt_config
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # Clean tokens are ids below BASE; the ids from BASE on are per-(row, position) tokens whose
 # embeddings the attribution-patching test sets to a clean token's plus a small perturbation.
@@ -233,9 +236,9 @@ def test_duplicate_token_score_is_one_on_a_perfect_pattern_and_chance_on_random_
 
 
 def test_induction_task_batches_and_copy_loss():
-  config = gpt_config.get_config("dataset=induction,runlocal=True,model.mlp_ratio=0,"
-                                 "data.vocab_size=20,data.max_span=6,data.num_eval=24,"
-                                 "data.eval_batch_size=16,batch_size=4")
+  config = config_utils.load_config_file(
+      f"{REPO / 'configs' / 'gpt.py'}:dataset=induction,runlocal=True,model.mlp_ratio=0,"
+      "data.vocab_size=20,data.max_span=6,data.num_eval=24,data.eval_batch_size=16,batch_size=4")
   task = tasks.build_task(config)
   block = task.block_size
   batches = task.eval_batches()
