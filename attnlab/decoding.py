@@ -118,19 +118,48 @@ def sample(step_fn: StepFn, state, start_tokens: jax.Array, rng: jax.Array, *, n
 
 
 def length_normalizer(lengths: jax.Array, alpha: float) -> jax.Array:
-  """GNMT length penalty ((5 + length) / 6) ** alpha; alpha 0 leaves scores unchanged."""
+  """GNMT length penalty lp(Y) = (5 + |Y|)^alpha / (5 + 1)^alpha (Wu et al. 2016, eq. 14);
+  alpha 0 leaves scores unchanged."""
   return ((5.0 + lengths.astype(jnp.float32)) / 6.0) ** alpha
 
 
+# The least attention a source position counts as having received in the coverage penalty: a
+# position no step attended (a local window's outside, padding left unmasked) adds
+# beta * log(COVERAGE_FLOOR) rather than -inf, so every hypothesis keeps a finite score.
+COVERAGE_FLOOR = 1e-10
+
+
+def coverage_penalty(coverage: jax.Array, beta: float, mask: jax.Array | None = None
+                     ) -> jax.Array:
+  """GNMT coverage penalty cp(X; Y) = beta * sum_i log(min(sum_j p_ij, 1)) (Wu et al. 2016, eq.
+  14): `coverage` `[..., src_len]` holds sum_j p_ij, the attention source position i received over
+  the output steps j; `mask` `[..., src_len]` (True: a real position) limits the sum to the source.
+  Returns `[...]`; a position below COVERAGE_FLOOR counts as the floor."""
+  terms = jnp.log(jnp.clip(coverage.astype(jnp.float32), COVERAGE_FLOOR, 1.0))  # [..., src_len]
+  if mask is not None:
+    terms = jnp.where(mask, terms, 0.0)
+  return beta * jnp.sum(terms, axis=-1)
+
+
 def beam_search(step_fn: StepFn, state, start_tokens: jax.Array, *, beam_size: int, max_len: int,
-                end_id: int, length_penalty: float = 0.0, pad_id: int = 0) -> Decoded:
+                end_id: int, length_penalty: float = 0.0, coverage_penalty: float = 0.0,
+                coverage_mask: jax.Array | None = None, pad_id: int = 0) -> Decoded:
   """Keeps the `beam_size` best partial outputs of every sequence; returns them best first.
 
-  Hypotheses are ranked by summed log-probability during the search; a finished hypothesis stays in
-  the beam and competes with unfinished ones. At the end the beams are re-ranked by score divided by
-  `length_normalizer(length, length_penalty)`. Every field of the result has shape
-  `[batch, beam, ...]`, and `aux` holds each kept hypothesis's own per-step aux (reordered with it).
-  With beam_size 1 the result equals `greedy`.
+  Hypotheses rank by GNMT's score (Wu et al. 2016, eq. 14)
+      s(Y, X) = log P(Y | X) / lp(Y) + cp(X; Y),
+  lp = `length_normalizer(|Y|, length_penalty)` (|Y| counts <end>), cp = `coverage_penalty` of
+  the attention each source position has received so far, weighted by `coverage_penalty` (beta).
+  At every step the candidates (each kept hypothesis extended by each token) are pruned to the best
+  `beam_size` by this score, with each candidate's own length and coverage; a finished hypothesis
+  stays in the beam with its final score and competes with unfinished ones. With both weights 0
+  the score is the summed log-probability. The coverage penalty needs `coverage_mask`
+  `[batch, src_len]` (True: a real source position) and a step function whose aux is the step's
+  attention weights `[batch, src_len]`; a finished hypothesis's padding steps add none.
+
+  Every field of the result has shape `[batch, beam, ...]`; `scores` are s(Y, X), and `aux` holds
+  each kept hypothesis's own per-step aux (reordered with it). With beam_size 1 the result equals
+  `greedy` (the penalties are the same for every extension of one hypothesis).
   """
   batch, k = start_tokens.shape[0], beam_size
   flat = lambda x: jnp.repeat(x, k, axis=0)  # [batch, ...] -> [batch * beam, ...]
@@ -142,37 +171,71 @@ def beam_search(step_fn: StepFn, state, start_tokens: jax.Array, *, beam_size: i
   aux_hist = jax.tree.map(lambda s: jnp.zeros((batch, k, max_len) + s.shape[1:], s.dtype),
                           aux_shape)  # [batch, beam, max_len, ...]
   rows = jnp.arange(batch)[:, None]  # [batch, 1]
+  use_coverage = coverage_mask is not None
+  if not use_coverage and isinstance(coverage_penalty, (int, float)) and coverage_penalty != 0:
+    raise ValueError("beam search's coverage penalty needs coverage_mask [batch, src_len] (True "
+                     "at real source positions)")
+  if use_coverage:
+    src_len = coverage_mask.shape[-1]
+    if (not isinstance(aux_shape, jax.ShapeDtypeStruct)
+        or aux_shape.shape != (batch * k, src_len)):
+      raise ValueError(f"beam search's coverage penalty needs attention weights [batch, "
+                       f"src_len={src_len}] as the step function's aux; this model's step gives "
+                       f"{jax.tree.map(lambda s: s.shape, aux_shape)}")
+    coverage_mask = coverage_mask.astype(bool)[:, None, :]  # [batch, 1, src_len]
+  coverage = jnp.zeros((batch, k, coverage_mask.shape[-1] if use_coverage else 0),
+                       jnp.float32)  # [batch, beam, src_len]: attention received so far
+
+  def penalty(coverage):
+    """cp `[batch, beam]` of the attention `coverage` [batch, beam, src_len] received (0: none)."""
+    if not use_coverage:
+      return 0.0
+    return coverage_penalty_fn(coverage, coverage_penalty, coverage_mask)
 
   def body(carry, t):
-    state, prev, scores, done, lengths, tokens, aux_hist = carry
+    state, prev, scores, done, lengths, coverage, tokens, aux_hist = carry
     logits, state, aux = step_fn(state, prev)  # [batch * beam, vocab]
     vocab = logits.shape[-1]
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(batch, k, vocab)
     # A finished hypothesis may only continue with padding, at no cost.
     pad_only = jnp.full((vocab,), NEG_INF).at[pad_id].set(0.0)
     log_probs = jnp.where(done[..., None], pad_only, log_probs)
-    candidates = (scores[..., None] + log_probs).reshape(batch, k * vocab)
-    scores, index = jax.lax.top_k(candidates, k)  # [batch, beam]
+    # Every extension of a hypothesis shares its new length and coverage.
+    lengths = lengths + (~done).astype(jnp.int32)  # [batch, beam]
+    unflat = lambda x: x.reshape((batch, k) + x.shape[1:])  # [batch * beam, ...] -> [b, beam, ...]
+    if use_coverage:
+      coverage = coverage + jnp.where(done[..., None], 0.0, unflat(aux).astype(jnp.float32))
+    raw = scores[..., None] + log_probs  # [batch, beam, vocab]
+    # s(Y, X) of every extension: the parent's lp and cp are shared by its tokens.
+    ranked = (raw / length_normalizer(lengths, length_penalty)[..., None]
+              + jnp.asarray(penalty(coverage))[..., None])  # [batch, beam, vocab]
+    _, index = jax.lax.top_k(ranked.reshape(batch, k * vocab), k)  # [batch, beam]
+    scores = jnp.take_along_axis(raw.reshape(batch, k * vocab), index, axis=-1)
     parent, token = index // vocab, (index % vocab).astype(jnp.int32)
 
     reorder = lambda x: x[rows, parent]  # [batch, beam, ...]: follow each new beam's parent
-    unflat = lambda x: x.reshape((batch, k) + x.shape[1:])  # [batch * beam, ...] -> [batch, beam, ...]
     state = jax.tree.map(lambda x: reorder(unflat(x)).reshape(x.shape), state)
     was_done = reorder(done)
     tokens = reorder(tokens).at[:, :, t].set(jnp.where(was_done, pad_id, token))
     aux_hist = jax.tree.map(lambda h, a: reorder(h).at[:, :, t].set(reorder(unflat(a))),
                             aux_hist, aux)
-    lengths = reorder(lengths) + (~was_done).astype(jnp.int32)
+    lengths, coverage = reorder(lengths), reorder(coverage)
     done = was_done | (token == end_id)
-    return (state, token.reshape(batch * k), scores, done, lengths, tokens, aux_hist), None
+    return (state, token.reshape(batch * k), scores, done, lengths, coverage, tokens,
+            aux_hist), None
 
   init = (state, prev, scores, jnp.zeros((batch, k), bool), jnp.zeros((batch, k), jnp.int32),
-          jnp.zeros((batch, k, max_len), jnp.int32), aux_hist)
-  (_, _, scores, _, lengths, tokens, aux_hist), _ = jax.lax.scan(body, init, jnp.arange(max_len))
-  normalized = scores / length_normalizer(lengths, length_penalty)  # [batch, beam]
-  order = jnp.argsort(-normalized, axis=-1)  # best first
+          coverage, jnp.zeros((batch, k, max_len), jnp.int32), aux_hist)
+  (_, _, scores, _, lengths, coverage, tokens, aux_hist), _ = jax.lax.scan(
+      body, init, jnp.arange(max_len))
+  final = scores / length_normalizer(lengths, length_penalty) + penalty(coverage)  # [b, beam]
+  order = jnp.argsort(-final, axis=-1)  # best first
   pick = lambda x: x[rows, order]
-  return Decoded(pick(tokens), pick(lengths), pick(normalized), jax.tree.map(pick, aux_hist))
+  return Decoded(pick(tokens), pick(lengths), pick(final), jax.tree.map(pick, aux_hist))
+
+
+# beam_search's own argument shadows the function inside it.
+coverage_penalty_fn = coverage_penalty
 
 
 def check_decode_len(model: Any, max_len: int) -> None:

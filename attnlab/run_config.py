@@ -244,7 +244,10 @@ ADDED_DEFAULTS: dict[str, Any] = {"num_seeds": 1, "mesh.data": -1, "mesh.fsdp": 
                                   # GPT's induction data set (#52): its span lengths.
                                   "data.min_span": 2, "data.max_span": 16,
                                   # GPT's own text corpus and pretrained start (#49).
-                                  "data.path": "", "init_from": ""}
+                                  "data.path": "", "init_from": "",
+                                  # The RNN's GNMT wiring and beam search's coverage penalty (#50).
+                                  "model.bidirectional_layers": 0, "model.residual_start": 0,
+                                  "model.attention_from": "top", "decode.coverage_penalty": 0.0}
 
 
 # Keys that may change when a run resumes: they change where it runs, not what it computes.

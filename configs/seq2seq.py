@@ -7,6 +7,9 @@ Launch (from the repository root):
       --workdir=runs/reverse_none
   attnlab train --config=configs/seq2seq.py:attention=luong,score=general,model.window=local \
       --workdir=runs/dates_luong
+  attnlab train --config=configs/seq2seq.py:preset=gnmt,model.num_layers=4 --workdir=runs/gnmt4
+  attnlab train --config=configs/seq2seq.py:preset=gnmt,decode.beam_size=4,\
+decode.length_penalty=0.6,decode.coverage_penalty=0.2 --workdir=runs/gnmt          # GNMT's beam
 A seconds-long check of the whole pipeline:
   attnlab train --config=configs/seq2seq.py:runlocal=True --workdir=/tmp/s2s_local
 Translate with a trained run (prints the output, saves the alignment heatmap):
@@ -18,6 +21,11 @@ Shortcuts in the arg (besides any field; the same names as in the other config f
   task=NAME, or dataset=NAME      = data.name (dates, marathi, reverse, copy)
   attention=none|bahdanau|luong   = model.attention
   score=NAME                      = model.score (dot, scaled_dot, cosine, general, additive, ...)
+  preset=gnmt                     = GNMT's stack (Wu et al. 2016): model.cell=lstm,
+                                    model.num_layers=8, model.bidirectional=True,
+                                    model.bidirectional_layers=1 (bottom encoder layer only),
+                                    model.residual_start=3, model.attention_from=bottom; keys after
+                                    it in the arg win, e.g. preset=gnmt,model.num_layers=4
 
 The dataset is chosen in the arg (`task=marathi`, `dataset=marathi` or `data.name=marathi`): it
 picks that dataset's defaults (tokenizer, sizes, steps) before the other keys apply. Setting
@@ -31,8 +39,31 @@ from attnlab import config_utils
 # configs/_translation.py: the data groups shared with configs/transformer.py
 _translation = config_utils.config_helper(__file__, "_translation")
 
-# Short arg keys (config_utils.SHORTCUTS: one meaning in every config file).
-SHORTCUTS = config_utils.shortcut_table("task", "dataset", "attention", "score")
+# preset=NAME -> the model fields it sets (each also settable on its own, after it in the arg).
+MODEL_PRESETS = {
+    # Wu et al. 2016 (GNMT), section 3: 8 LSTM layers in encoder and decoder, the bottom encoder
+    # layer bidirectional, residual connections from the third layer on, and the attention queried
+    # by the bottom decoder layer with its context fed to every layer above.
+    "gnmt": {
+        "model.cell": "lstm",
+        "model.num_layers": 8,
+        "model.bidirectional": True,
+        "model.bidirectional_layers": 1,
+        "model.residual_start": 3,
+        "model.attention_from": "bottom",
+    },
+}
+
+
+def _set_preset(config, name: str) -> None:
+  """preset=NAME: the model fields of MODEL_PRESETS[NAME]."""
+  preset = MODEL_PRESETS[config_utils.check_choice("preset", name, MODEL_PRESETS, "presets")]
+  config_utils.apply_overrides(config, preset)
+
+
+# Short arg keys (config_utils.SHORTCUTS: one meaning in every config file; preset is this file's).
+SHORTCUTS = config_utils.shortcut_table("task", "dataset", "attention", "score",
+                                        preset=_set_preset)
 
 # data.name -> {key: value} applied over the defaults below (and the data set's data fields of
 # _translation.TRANSLATION_DATA) before the arg.
@@ -95,6 +126,14 @@ def get_config(arg: str | None = None):
   config.model.num_layers = 1
   # Encoder reads both ways (states concatenated).
   config.model.bidirectional = True
+  # Bottom encoder layers that read both ways when bidirectional (0: all; GNMT: 1).
+  config.model.bidirectional_layers = 0
+  # First layer (1-based) whose input is added to its output, in encoder and decoder: layer i+1
+  # reads x_i + layer_i(x_i) (0: no residuals; GNMT: 3).
+  config.model.residual_start = 0
+  # Decoder layer whose state queries the attention: top (context fed to the bottom layer) |
+  # bottom (GNMT: context fed to every layer above it and to the output layer too).
+  config.model.attention_from = "top"
   # Size of the source and target token embeddings.
   config.model.embed_dim = 32
   # Size of each recurrent layer (per direction in the encoder).

@@ -115,7 +115,8 @@ def get_config(arg: str | None = None):
   config.model.attention_dropout_rate = 0.0
   # Longest source/target: position tables and KV cache (0: max(64, 2 * longest source + 2)).
   config.model.max_len = 0
-  # Decoder layer whose head-averaged cross-attention is plotted by the task (-1: the last).
+  # Decoder layer whose head-averaged cross-attention the task plots and beam search's coverage
+  # penalty (decode.coverage_penalty) sums (-1: the last).
   config.model.weights_layer = -1
   # Compute dtype: float32, bfloat16 or float16 (loss-scaled); parameters, softmax, layer-norm
   # statistics and losses stay float32 (attnlab/precision.py).

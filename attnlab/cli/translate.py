@@ -2,6 +2,8 @@
 
   attnlab translate --workdir=runs/marathi "Rahul is a good boy"
   attnlab translate --workdir=runs/dates --beam_size=4 --output=/tmp/date.png "9 October 1993"
+  attnlab translate --workdir=runs/gnmt --beam_size=4 --length_penalty=0.6 --coverage_penalty=0.2 \
+      "9 October 1993"                       # GNMT's beam score (Wu et al. 2016, eq. 14)
   python -m attnlab.cli.translate --workdir=runs/dates "tuesday 9 october 1993" "09/10/93"
 
 Prints one translation per input on stdout and writes one PNG per input: the attention weights with
@@ -19,6 +21,7 @@ the model as <unk>, with a warning naming them.
 from __future__ import annotations
 
 import logging
+import math
 import pathlib
 import sys
 from collections.abc import Callable, Sequence
@@ -35,6 +38,10 @@ def _define_flags() -> flags.FlagValues:
   flag_values = tool.tool_flags("Run directory of a trained translation run.", step=True)
   flags.DEFINE_integer("beam_size", None, "Beams (1 = greedy); default: the run's decode.beam_size.",
                        flag_values=flag_values)
+  flags.DEFINE_float("length_penalty", None, "Beam search's GNMT length penalty alpha (0: none); "
+                     "default: the run's decode.length_penalty.", flag_values=flag_values)
+  flags.DEFINE_float("coverage_penalty", None, "Beam search's GNMT coverage penalty beta (0: none); "
+                     "default: the run's decode.coverage_penalty.", flag_values=flag_values)
   flags.DEFINE_string("output", None, "PNG path of the heatmap (several inputs: suffixed _<i>); "
                       "default: DIR/alignment.png.", flag_values=flag_values)
   return flag_values
@@ -52,8 +59,11 @@ def output_paths(workdir: str, output: str | None, count: int) -> list[pathlib.P
 
 def translate(workdir: str, sentences: Sequence[str], *, step: str = "latest",
               beam_size: int | None = None, output: str | None = None,
-              warn: Callable[[str], None] | None = None) -> list[str]:
+              warn: Callable[[str], None] | None = None, length_penalty: float | None = None,
+              coverage_penalty: float | None = None) -> list[str]:
   """Loads the run, translates, saves the heatmaps; returns the lines to print.
+
+  `length_penalty` and `coverage_penalty` (None: the run's decode.*) weigh beam search's score.
 
   `warn` (default: a logged warning) gets one line per input with symbols outside the source
   vocabulary.
@@ -75,7 +85,8 @@ def translate(workdir: str, sentences: Sequence[str], *, step: str = "latest",
     if message is not None:
       (warn or _LOG.warning)(message)
   try:
-    results = run.task.translate(run.params, list(sentences), beam_size)
+    results = run.task.translate(run.params, list(sentences), beam_size,
+                                 length_penalty=length_penalty, coverage_penalty=coverage_penalty)
   except ValueError as e:
     raise UserError(str(e)) from e
   lines = []
@@ -97,6 +108,10 @@ def _check(fv: flags.FlagValues, sentences: Sequence[str]) -> str | None:
     return 'give the sentence(s) to translate, e.g. attnlab translate --workdir=DIR "Hello"'
   if fv.beam_size is not None and not 1 <= fv.beam_size <= MAX_BEAM_SIZE:
     return f"--beam_size must be between 1 (greedy) and {MAX_BEAM_SIZE}, got {fv.beam_size}"
+  for name in ("length_penalty", "coverage_penalty"):
+    value = getattr(fv, name)
+    if value is not None and not (math.isfinite(value) and value >= 0):
+      return f"--{name} must be a number >= 0 (0: none), got {value}"
   return tool.step_error(fv.step)
 
 
@@ -116,7 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   def body() -> None:
     warn = lambda message: print(f"{prog}: warning: {message}", file=sys.stderr)
     for line in translate(flag_values.workdir, sentences, step=flag_values.step,
-                          beam_size=flag_values.beam_size, output=flag_values.output, warn=warn):
+                          beam_size=flag_values.beam_size, output=flag_values.output, warn=warn,
+                          length_penalty=flag_values.length_penalty,
+                          coverage_penalty=flag_values.coverage_penalty):
       print(line)
   return tool.launch(prog, message, body)
 

@@ -1,8 +1,9 @@
 """RNN encoder-decoder for sequence-to-sequence tasks, with or without attention.
 
 The encoder embeds the source and runs 1..n GRU or LSTM layers over it (optionally bidirectional,
-the two directions' states concatenated). The decoder is one recurrent cell scanned over time
-(`nn.scan`, no Python loop over steps); what it sees of the source is the `attention` choice:
+the two directions' states concatenated; `bidirectional_layers` keeps that to the bottom layers).
+The decoder is one recurrent cell scanned over time (`nn.scan`, no Python loop over steps); what it
+sees of the source is the `attention` choice:
 
 - `none`: the encoder's final state initialises the decoder and is its only view of the source;
 - `bahdanau`: before the cell step, the previous decoder state scores every encoder state; the
@@ -25,6 +26,22 @@ key = W_k h and value = W_v h (Dense, no bias; the values keep the states' size)
 `states` scores the states (projected only where a parameter-free score needs the size) and
 averages the states themselves.
 
+GNMT's wiring (Wu et al. 2016, "Google's Neural Machine Translation System", section 3; the
+`preset=gnmt` key of configs/seq2seq.py sets all three):
+
+- `residual_start=3`: from the third layer on, in encoder and decoder, a layer's input is added to
+  its output, so the input of layer i+1 is x_i + LSTM_i(x_i) (the paper's eq. 6). Layer 1 reads the
+  embeddings and cannot have one; layer 2 of an encoder whose bottom layer alone is bidirectional
+  reads 2 * hidden and cannot either. In the decoder the sum is over the previous layer's output
+  only, not the context concatenated to it.
+- `bidirectional_layers=1`: only the bottom encoder layer reads both ways; the layers above are
+  unidirectional (`0`, the default, keeps every layer bidirectional when `bidirectional` is on).
+- `attention_from=bottom`: the bottom decoder layer's state queries the attention (bahdanau: its
+  previous state, the paper's y_{i-1}; luong: its new state) and the context is concatenated to the
+  input of every decoder layer above it, as well as to the bottom layer's input (bahdanau) and the
+  output layer's input. `top` (the default) queries with the top layer's state and gives the
+  context to the bottom layer alone.
+
 Decoding goes through `attnlab.decoding` with `init_decode_state` and `Seq2Seq.decode_step`
 (see `make_step_fn`).
 """
@@ -40,6 +57,7 @@ from attnlab import precision
 from attnlab.attention import core as attn_core
 from attnlab.attention import masks as attn_masks
 from attnlab.attention import scores as attn_scores
+from attnlab.errors import ConfigError
 
 ATTENTIONS = ("none", "bahdanau", "luong")
 WINDOWS = ("global", "local", "local_m", "hard")
@@ -47,6 +65,8 @@ CELLS = ("gru", "lstm")
 # What the attention reads from the encoder states: the states themselves, or key = W_k h and
 # value = W_v h (separate transforms).
 ATTENTION_VALUES = ("states", "projected")
+# Which decoder layer's state queries the attention (and which layers read the context).
+ATTENTION_FROM = ("top", "bottom")
 # Scores with no parameters of their own need queries and keys of the same size.
 _SAME_SIZE_SCORES = ("dot", "scaled_dot", "cosine")
 
@@ -70,6 +90,38 @@ def _hidden(carry: Carry) -> jax.Array:
   return carry[1] if isinstance(carry, tuple) else carry
 
 
+def residual_layer(layer: int, residual_start: int) -> bool:
+  """Whether 0-based `layer` adds its input to its output (1-based `residual_start`; 0: none)."""
+  return residual_start > 0 and layer + 1 >= residual_start
+
+
+def structure_error(num_layers: int, bidirectional: bool, bidirectional_layers: int,
+                    residual_start: int, attention: str, attention_from: str) -> str | None:
+  """What is wrong with a stack's wiring (one line naming the keys to change), or None."""
+  if attention_from not in ATTENTION_FROM:
+    return (f"unknown model.attention_from {attention_from!r}; valid choices: "
+            f"{', '.join(ATTENTION_FROM)}")
+  if attention_from == "bottom" and attention == "none":
+    return ("model.attention_from=bottom needs an attention to feed up the stack; set "
+            "model.attention=bahdanau or luong, or model.attention_from=top")
+  if not 0 <= bidirectional_layers <= num_layers:
+    return (f"model.bidirectional_layers={bidirectional_layers} must lie in 0..model.num_layers="
+            f"{num_layers} (0: every encoder layer reads both ways)")
+  if bidirectional_layers and not bidirectional:
+    return (f"model.bidirectional_layers={bidirectional_layers} needs model.bidirectional=True "
+            f"(or set model.bidirectional_layers=0)")
+  if residual_start < 0 or residual_start == 1:
+    return (f"model.residual_start={residual_start}: the first layer reads the embeddings and "
+            f"cannot add them to its output; give 0 (no residuals) or a layer >= 2 (GNMT: 3)")
+  # The first unidirectional layer above bidirectional ones reads 2 * hidden, returns hidden.
+  first_uni = bidirectional_layers if bidirectional else 0
+  if 0 < first_uni < num_layers and residual_layer(first_uni, residual_start):
+    return (f"model.residual_start={residual_start}: encoder layer {first_uni + 1} reads the "
+            f"bidirectional layer's 2 * hidden_dim states and returns hidden_dim, so it cannot "
+            f"add them; start at {first_uni + 2} or above (GNMT: 3)")
+  return None
+
+
 class Encoder(nn.Module):
   """Embedding + stacked (bi)directional GRU/LSTM layers over the source."""
   vocab_size: int
@@ -79,31 +131,42 @@ class Encoder(nn.Module):
   num_layers: int = 1
   bidirectional: bool = False
   dropout_rate: float = 0.0
+  # Bottom layers that read both ways when bidirectional (0: all of them).
+  bidirectional_layers: int = 0
+  # First layer (1-based) that adds its input to its output (0: none).
+  residual_start: int = 0
+
+  def layer_is_bidirectional(self, layer: int) -> bool:
+    return self.bidirectional and (self.bidirectional_layers == 0
+                                   or layer < self.bidirectional_layers)
 
   @nn.compact
   def __call__(self, tokens: jax.Array, lengths: jax.Array, *,
                deterministic: bool = True) -> tuple[jax.Array, list[Carry]]:
     """Returns the top layer's states `[batch, src_len, enc_dim]` and each layer's final carry.
 
-    enc_dim is hidden_dim, or 2 * hidden_dim when bidirectional (forward; backward). Positions at
-    or after a sequence's length do not change its final carry.
+    enc_dim is hidden_dim, or 2 * hidden_dim when the top layer is bidirectional (forward;
+    backward); a bidirectional layer's final carry is the two directions' concatenated. Positions
+    at or after a sequence's length do not change its final carry.
     """
     x = nn.Embed(self.vocab_size, self.embed_dim, name="embed")(tokens)  # [batch, src_len, embed]
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
     finals = []
     for layer in range(self.num_layers):
-      if self.bidirectional:
+      if self.layer_is_bidirectional(layer):
         rnn = nn.Bidirectional(
             nn.RNN(_make_cell(self.cell, self.hidden_dim, f"layer{layer}_fwd")),
             nn.RNN(_make_cell(self.cell, self.hidden_dim, f"layer{layer}_bwd")),
             return_carry=True)
-        (fwd, bwd), x = rnn(x, seq_lengths=lengths)  # x: [batch, src_len, 2 * hidden]
+        (fwd, bwd), y = rnn(x, seq_lengths=lengths)  # y: [batch, src_len, 2 * hidden]
         final = jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=-1), fwd, bwd)
       else:
         rnn = nn.RNN(_make_cell(self.cell, self.hidden_dim, f"layer{layer}"), return_carry=True)
-        final, x = rnn(x, seq_lengths=lengths)  # x: [batch, src_len, hidden]
+        final, y = rnn(x, seq_lengths=lengths)  # y: [batch, src_len, hidden]
       if layer < self.num_layers - 1:
-        x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+        y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
+      # GNMT's residual: the next layer reads x_i + layer_i(x_i).
+      x = y + x if residual_layer(layer, self.residual_start) else y
       finals.append(final)
     return x, finals
 
@@ -119,6 +182,14 @@ class _Options(nn.Module, kw_only=True):
   num_layers: int = 1
   # Whether the encoder also reads the source right to left.
   bidirectional: bool = False
+  # Bottom encoder layers that read both ways when bidirectional (0: all; GNMT: 1).
+  bidirectional_layers: int = 0
+  # First layer (1-based) that adds its input to its output, in encoder and decoder (0: none;
+  # GNMT: 3).
+  residual_start: int = 0
+  # Decoder layer whose state queries the attention: top (the context enters the bottom layer) |
+  # bottom (GNMT: the context also enters every layer above).
+  attention_from: str = "top"
   # none | bahdanau | luong.
   attention: str = "bahdanau"
   # Score function name from attnlab.attention.scores.
@@ -139,9 +210,16 @@ class _Options(nn.Module, kw_only=True):
   cosine_beta: float = 5.0
 
   @property
+  def num_bidirectional(self) -> int:
+    """Encoder layers (the bottom ones) that read both ways."""
+    if not self.bidirectional:
+      return 0
+    return self.bidirectional_layers or self.num_layers
+
+  @property
   def enc_dim(self) -> int:
-    """Size of the encoder states: hidden_dim per direction."""
-    return self.hidden_dim * (2 if self.bidirectional else 1)
+    """Size of the encoder states: hidden_dim per direction of the top encoder layer."""
+    return self.hidden_dim * (2 if self.num_bidirectional == self.num_layers else 1)
 
   @property
   def key_dim(self) -> int:
@@ -222,32 +300,49 @@ class DecoderCell(_Options):
       context, weights, log_prob = hard.context, hard.weights, hard.log_prob[:, 0]
     return context[:, 0], weights[:, 0], log_prob
 
-  def _step_cells(self, carry: list[Carry], x: jax.Array) -> tuple[list[Carry], jax.Array]:
+  def _step_cells(self, carry: list[Carry], x: jax.Array, first: int = 0,
+                  context: jax.Array | None = None) -> tuple[list[Carry], jax.Array]:
+    """Steps the layers `first`.. of the stack (their carries `carry`) on input `x`; layers above
+    the bottom one also read `context` when given (attention_from=bottom). Returns their new
+    carries and the top output `[batch, hidden]`."""
     new = []
-    for cell, c in zip(self.cells, carry):
-      c, x = cell(c, x)  # x: [batch, hidden]
+    for layer, c in enumerate(carry, start=first):
+      inputs = x if layer == 0 or context is None else jnp.concatenate([x, context], axis=-1)
+      c, y = self.cells[layer](c, inputs)  # y: [batch, hidden]
+      # GNMT's residual: over the previous layer's output only, not the context beside it.
+      x = y + x if residual_layer(layer, self.residual_start) else y
       new.append(c)
     return new, x
 
-  def __call__(self, carry: dict[str, Any], embedded: jax.Array, memory: dict[str, jax.Array],
+  def __call__(self, carry: dict[str, Any], embedded: jax.Array, memory: dict[str, Any],
                deterministic: bool = True):
     rnn = list(carry["rnn"])
     step = carry.get("step")  # [batch] int32: the decoder step t (local-m only)
+    bottom = self.attention_from == "bottom"
     if self.attention == "none":
       rnn, h = self._step_cells(rnn, embedded)
       weights = jnp.zeros(memory["mask"].shape[:1] + memory["mask"].shape[-1:], h.dtype)
       features, log_prob = h, jnp.zeros(h.shape[:1], jnp.float32)
     elif self.attention == "bahdanau":
-      context, weights, log_prob = self._attend(_hidden(rnn[-1]), memory, deterministic,
-                                                 step)
-      rnn, h = self._step_cells(rnn, jnp.concatenate([embedded, context], axis=-1))
+      # The previous state of the querying layer (GNMT: the bottom one, y_{i-1}).
+      query = _hidden(rnn[0] if bottom else rnn[-1])
+      context, weights, log_prob = self._attend(query, memory, deterministic, step)
+      rnn, h = self._step_cells(rnn, jnp.concatenate([embedded, context], axis=-1),
+                                context=context if bottom else None)
       features = jnp.concatenate([h, context], axis=-1)  # [batch, hidden + enc_dim]
     else:  # luong
       x = embedded
       if self.input_feeding:
         x = jnp.concatenate([embedded, carry["feed"]], axis=-1)  # [batch, embed + hidden]
-      rnn, h = self._step_cells(rnn, x)
-      context, weights, log_prob = self._attend(h, memory, deterministic, step)
+      if bottom:
+        # The bottom layer's new state queries; the layers above read [output below; context].
+        first, h = self._step_cells(rnn[:1], x)
+        context, weights, log_prob = self._attend(h, memory, deterministic, step)
+        rest, h = self._step_cells(rnn[1:], h, first=1, context=context)
+        rnn = first + rest
+      else:
+        rnn, h = self._step_cells(rnn, x)
+        context, weights, log_prob = self._attend(h, memory, deterministic, step)
       features = jnp.tanh(self.combine(jnp.concatenate([context, h], axis=-1)))  # [batch, hidden]
     new_carry = {"rnn": tuple(rnn), "feed": features if self.attention == "luong"
                  else carry["feed"]}
@@ -277,15 +372,21 @@ class Seq2Seq(_Options):
     _check_choice("attention", self.attention, ATTENTIONS)
     _check_choice("window", self.window, WINDOWS)
     _check_choice("attention_values", self.attention_values, ATTENTION_VALUES)
+    error = structure_error(self.num_layers, self.bidirectional, self.bidirectional_layers,
+                            self.residual_start, self.attention, self.attention_from)
+    if error:
+      raise ValueError(error)
     if self.score == "location" and not self.max_src_len:
       raise ValueError("score='location' needs max_src_len (the longest source length)")
     self.encoder = Encoder(self.src_vocab_size, self.embed_dim, self.hidden_dim, self.cell,
-                           self.num_layers, self.bidirectional, self.dropout_rate)
+                           self.num_layers, self.bidirectional, self.dropout_rate,
+                           bidirectional_layers=self.bidirectional_layers,
+                           residual_start=self.residual_start)
     self.tgt_embed = nn.Embed(self.tgt_vocab_size, self.embed_dim)
     self.decoder_cell = DecoderCell(**models_lib.shared_fields(self, _Options))
-    if self.bidirectional:
-      # The encoder's final states (2 * hidden) -> the decoder's first states.
-      self.bridge = [nn.Dense(self.hidden_dim, name=f"bridge_{i}") for i in range(self.num_layers)]
+    # The bidirectional encoder layers' final states (2 * hidden) -> the decoder's first states.
+    self.bridge = [nn.Dense(self.hidden_dim, name=f"bridge_{i}")
+                   for i in range(self.num_bidirectional)]
     # Parameter-free scores compare same-size vectors: project the (2 * hidden) encoder states.
     # attention_values=projected: keys W_k h and values W_v h (the values keep enc_dim).
     projected = self.attention != "none" and self.attention_values == "projected"
@@ -301,9 +402,9 @@ class Seq2Seq(_Options):
     """The decoder's start state: {"carry": {...}, "memory": {...}}, every leaf batch-first."""
     src_lengths = src_lengths.astype(jnp.int32)
     states, finals = self.encoder(src, src_lengths, deterministic=deterministic)  # [b, s, enc]
-    if self.bidirectional:
-      finals = [jax.tree.map(lambda a, bridge=bridge: jnp.tanh(bridge(a)), f)
-                for f, bridge in zip(finals, self.bridge)]
+    # The bottom (bidirectional) layers go through their bridge; the others fit as they are.
+    finals = [jax.tree.map(lambda a, bridge=bridge: jnp.tanh(bridge(a)), f)
+              for f, bridge in zip(finals, self.bridge)] + finals[len(self.bridge):]
     keys = states if self.key_proj is None else self.key_proj(states)  # [batch, src_len, key_dim]
     values = (states if self.value_proj is None
               else self.value_proj(states))  # [batch, src_len, enc_dim]
@@ -367,16 +468,25 @@ def from_config(model_config: Any, src_vocab_size: int, tgt_vocab_size: int,
   """The Seq2Seq module described by a `config.model` group (see configs/seq2seq.py).
 
   Raises ConfigError (a ValueError) naming the valid choices for an unknown cell, attention or
-  window (model.score is checked by config_utils.validate, where the config is read).
+  window (model.score is checked by config_utils.validate, where the config is read), and for a
+  wiring `structure_error` refuses.
   """
   models_lib.check_choices(model_config,
                            {"cell": CELLS, "attention": ATTENTIONS, "window": WINDOWS})
   # Runs written before the key existed: their values were the encoder states.
   values = model_config.get("attention_values", "states")
   models_lib.check_choices({"attention_values": values}, {"attention_values": ATTENTION_VALUES})
+  # Runs written before GNMT's wiring existed (run_config.ADDED_DEFAULTS): the plain stack.
+  wiring = {"bidirectional_layers": model_config.get("bidirectional_layers", 0),
+            "residual_start": model_config.get("residual_start", 0),
+            "attention_from": model_config.get("attention_from", "top")}
+  error = structure_error(model_config.num_layers, model_config.bidirectional,
+                          attention=model_config.attention, **wiring)
+  if error:
+    raise ConfigError(error)
   precision.compute_dtype(model_config, "seq2seq")  # float32 only: ConfigError otherwise
   fields = ("embed_dim", "hidden_dim", "cell", "num_layers", "bidirectional", "attention", "score",
             "window", "local_half_width", "input_feeding", "cosine_beta", "dropout_rate")
   return Seq2Seq(src_vocab_size, tgt_vocab_size, attn_dim=model_config.attn_dim or None,
-                 max_src_len=max_src_len, attention_values=values,
+                 max_src_len=max_src_len, attention_values=values, **wiring,
                  **{key: model_config[key] for key in fields})

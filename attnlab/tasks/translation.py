@@ -19,7 +19,8 @@ Flax module with
 so the RNN (`seq2seq`) and a Transformer share this task and `attnlab.decoding`.
 
 Metrics: training/teacher-forced `ce`, `token_accuracy`, `seq_accuracy`; evaluation adds, on the
-decoded output (greedy, or beam search with `config.decode.beam_size` > 1), `exact_match`,
+decoded output (greedy, or beam search with `config.decode.beam_size` > 1, ranked with GNMT's
+`decode.length_penalty` and `decode.coverage_penalty`, attnlab.decoding.beam_search), `exact_match`,
 `decoded_token_accuracy` (position-wise matches / max(output, reference) length) and corpus
 `bleu` (sacrebleu over the target tokenizer's tokens: characters for dates/reverse/copy, words for
 Marathi; detokenized text with the 13a tokenizer for subwords), and the same per source-length bin
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import pathlib
 import re
 from collections.abc import Sequence
@@ -122,7 +124,8 @@ class TranslationTask(Task):
         b for b in self._buckets if b >= self.max_src_len)
     self.model = _build_model(config.model, len(self.src_tok), len(self.tgt_tok),
                               self.src_width)
-    self._decode_fns: dict[tuple[int, int], Any] = {}
+    self._decode_fns: dict[tuple[int, int, float, float], Any] = {}
+    self.penalties()  # decode.length_penalty and coverage_penalty checked once, here
 
   # ----------------------------------------------------------------------------------- data
 
@@ -261,12 +264,29 @@ class TranslationTask(Task):
 
   # ----------------------------------------------------------------------------------- decoding
 
-  def _decoder(self, beam_size: int, max_len: int):
+  def penalties(self, length_penalty: float | None = None,
+                coverage_penalty: float | None = None) -> tuple[float, float]:
+    """Beam search's (alpha, beta): the arguments, else the run's decode.length_penalty and
+    decode.coverage_penalty (0 for runs written before the key). ConfigError (one line) for a
+    negative or non-finite weight, or a coverage penalty on a model without attention weights."""
+    decode = self.config.decode
+    alpha = decode.get("length_penalty", 0.0) if length_penalty is None else length_penalty
+    beta = decode.get("coverage_penalty", 0.0) if coverage_penalty is None else coverage_penalty
+    for key, value in (("length_penalty", alpha), ("coverage_penalty", beta)):
+      if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        raise ConfigError(f"decode.{key}={value!r} must be a number >= 0 (0: none; GNMT used "
+                          f"{'0.6 to 1' if key == 'length_penalty' else '0.2'})")
+    if beta and self.config.model.get("attention") == "none":
+      raise ConfigError("decode.coverage_penalty sums attention weights, and model.attention=none "
+                        "has none; set decode.coverage_penalty=0 or train with an attention")
+    return float(alpha), float(beta)
+
+  def _decoder(self, beam_size: int, max_len: int, length_penalty: float = 0.0,
+               coverage_penalty: float = 0.0):
     """jit(params, src, src_len) -> (tokens [b, max_len], weights [b, max_len, s]) of the best."""
-    key = (beam_size, max_len)
+    key = (beam_size, max_len, length_penalty, coverage_penalty)
     if key not in self._decode_fns:
       model, end_id = self.model, self.tgt_tok.end_id
-      length_penalty = self.config.decode.length_penalty
 
       def run(params, src, src_len):
         state = model.apply({"params": params}, src, src_len, method="encode")
@@ -276,8 +296,11 @@ class TranslationTask(Task):
         if beam_size <= 1:
           out = decoding.greedy(step_fn, state, start, max_len=max_len, end_id=end_id)
           return out.tokens, out.aux
+        # The coverage penalty sums the attention over the real source positions.
+        mask = (jnp.arange(src.shape[1])[None, :] < src_len[:, None]) if coverage_penalty else None
         out = decoding.beam_search(step_fn, state, start, beam_size=beam_size, max_len=max_len,
-                                   end_id=end_id, length_penalty=length_penalty)
+                                   end_id=end_id, length_penalty=length_penalty,
+                                   coverage_penalty=coverage_penalty, coverage_mask=mask)
         return out.tokens[:, 0], out.aux[:, 0]
 
       self._decode_fns[key] = jax.jit(run)
@@ -289,16 +312,18 @@ class TranslationTask(Task):
 
   def decode_arrays(self, params, src: np.ndarray, src_len: np.ndarray,
                     beam_size: int | None = None, max_len: int | None = None,
-                    batch_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+                    batch_size: int | None = None, length_penalty: float | None = None,
+                    coverage_penalty: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Decodes padded sources: (tokens [n, max_len], weights [n, max_len, s]).
 
     Runs in batches of `batch_size` rows (default data.eval_batch_size), the last one padded, so
-    every call with the same source width reuses one compiled decoder.
+    every call with the same source width reuses one compiled decoder. The beam search's penalties
+    default to the run's (`penalties`).
     """
     beam_size = self.config.decode.beam_size if beam_size is None else beam_size
     max_len = max_len or self._max_decode_len()
     decoding.check_decode_len(self.model, max_len)
-    fn = self._decoder(beam_size, max_len)
+    fn = self._decoder(beam_size, max_len, *self.penalties(length_penalty, coverage_penalty))
     size = batch_size or self.config.data.eval_batch_size
     tokens, weights = [], []
     for start in range(0, len(src), size):
@@ -342,9 +367,11 @@ class TranslationTask(Task):
       raise ValueError(f"{what} has {len(ids)} source tokens but this model reads at most "
                        f"{limit} ({why}); shorten it or split it into sentences")
 
-  def translate(self, params, texts: Sequence[str], beam_size: int | None = None
+  def translate(self, params, texts: Sequence[str], beam_size: int | None = None,
+                length_penalty: float | None = None, coverage_penalty: float | None = None
                 ) -> list[Translation]:
-    """Translates raw source texts; returns the outputs and their attention weights.
+    """Translates raw source texts; returns the outputs and their attention weights (beam search's
+    penalties: the arguments, else the run's decode.length_penalty and decode.coverage_penalty).
 
     Raises ValueError for an input longer than `max_source_len` tokens (decoding is bounded by
     twice that in steps, and runs data.eval_batch_size inputs at a time).
@@ -362,7 +389,8 @@ class TranslationTask(Task):
     max_len = min(max_len, getattr(self.model, "max_decode_len", max_len))
     tokens, weights = self.decode_arrays(
         params, src, src_len, beam_size, max_len,
-        batch_size=min(len(texts), self.config.data.eval_batch_size))
+        batch_size=min(len(texts), self.config.data.eval_batch_size),
+        length_penalty=length_penalty, coverage_penalty=coverage_penalty)
     return [self._translation(text, encoded[i], tokens[i], weights[i])
             for i, text in enumerate(texts)]
 
