@@ -31,7 +31,7 @@ class Decoded(NamedTuple):
   """The output of a decoder; a beam search adds a beam axis after batch to every field."""
   tokens: jax.Array  # [batch, steps] int32, pad after <end>; the <end> token itself is kept
   lengths: jax.Array  # [batch] int32, tokens up to and including <end>
-  scores: jax.Array  # [batch] float32, summed log-probability (length-normalised in beam search)
+  scores: jax.Array  # [batch] float32, summed log-probability (beam search: GNMT's s(Y, X))
   aux: Any  # the step function's aux, stacked as [batch, steps, ...]
 
 
@@ -141,6 +141,10 @@ def coverage_penalty(coverage: jax.Array, beta: float, mask: jax.Array | None = 
   return beta * jnp.sum(terms, axis=-1)
 
 
+# The same function under a name that beam_search's argument `coverage_penalty` does not shadow.
+_coverage_penalty = coverage_penalty
+
+
 def beam_search(step_fn: StepFn, state, start_tokens: jax.Array, *, beam_size: int, max_len: int,
                 end_id: int, length_penalty: float = 0.0, coverage_penalty: float = 0.0,
                 coverage_mask: jax.Array | None = None, pad_id: int = 0) -> Decoded:
@@ -190,7 +194,7 @@ def beam_search(step_fn: StepFn, state, start_tokens: jax.Array, *, beam_size: i
     """cp `[batch, beam]` of the attention `coverage` [batch, beam, src_len] received (0: none)."""
     if not use_coverage:
       return 0.0
-    return coverage_penalty_fn(coverage, coverage_penalty, coverage_mask)
+    return _coverage_penalty(coverage, coverage_penalty, coverage_mask)
 
   def body(carry, t):
     state, prev, scores, done, lengths, coverage, tokens, aux_hist = carry
@@ -232,10 +236,6 @@ def beam_search(step_fn: StepFn, state, start_tokens: jax.Array, *, beam_size: i
   order = jnp.argsort(-final, axis=-1)  # best first
   pick = lambda x: x[rows, order]
   return Decoded(pick(tokens), pick(lengths), pick(final), jax.tree.map(pick, aux_hist))
-
-
-# beam_search's own argument shadows the function inside it.
-coverage_penalty_fn = coverage_penalty
 
 
 def check_decode_len(model: Any, max_len: int) -> None:

@@ -378,6 +378,55 @@ def test_gnmt_stack_matches_numpy(attention, residual_start):
     assert np.abs(plain - np.asarray(state["memory"]["values"][0])).max() > 1e-2
 
 
+def _family(name):
+  """(model, params, make_step_fn, init_decode_state, teacher-forced weights fn) of a tiny model."""
+  from attnlab.models import transformer  # pylint: disable=g-import-not-at-top
+  src, tgt = np.array([[3, 4, 5, 6], [8, 3, 0, 0]], np.int32), TGT_IN
+  if name == "seq2seq":
+    model = _model(num_layers=3, attention="bahdanau", **GNMT)
+    module = seq2seq
+    weights = lambda inter, aux: np.asarray(aux["attention_weights"])
+  else:
+    model = transformer.Transformer(src_vocab_size=V_SRC, tgt_vocab_size=V_TGT, num_layers=1,
+                                    num_decoder_layers=2, num_heads=2, d_model=16, mlp_dim=32,
+                                    max_len=10)
+    module = transformer
+    # The last decoder layer's cross-attention, averaged over its heads: [batch, tgt, src].
+    weights = lambda inter, aux: np.asarray(
+        inter["decoder_layer_1"]["cross_attention"]["attention_weights"][0]).mean(axis=1)
+  params = model.init({"params": jax.random.key(3), "sample": jax.random.key(3)}, src,
+                      np.array([4, 2], np.int32), tgt)["params"]
+  return model, params, module, weights
+
+
+@pytest.mark.parametrize("family", ["seq2seq", "transformer"])
+def test_beam_scores_are_eq14_of_the_models_own_attention(family):
+  # The beam's best score equals eq. 14 recomputed from a teacher-forced pass of the model over
+  # the chosen output: log P from its logits, cp from its attention weights (the RNN's; the
+  # Transformer's last decoder layer's cross-attention averaged over heads).
+  model, params, module, weights_of = _family(family)
+  src, src_len = np.array([[3, 4, 5, 6], [8, 3, 0, 0]], np.int32), np.array([4, 2], np.int32)
+  alpha, beta, steps, start, end = 0.6, 0.5, 3, 1, 2
+  out = decoding.beam_search(
+      module.make_step_fn(model, params), module.init_decode_state(model, params, src, src_len),
+      jnp.full((2,), start, jnp.int32), beam_size=3, max_len=steps, end_id=end,
+      length_penalty=alpha, coverage_penalty=beta,
+      coverage_mask=jnp.arange(4)[None, :] < src_len[:, None])
+  tokens, lengths = np.asarray(out.tokens[:, 0]), np.asarray(out.lengths[:, 0])
+  tgt_in = np.concatenate([np.full((2, 1), start), tokens[:, :-1]], axis=1).astype(np.int32)
+  (logits, aux), state = model.apply({"params": params}, src, src_len, tgt_in,
+                                     mutable=["intermediates"])
+  log_probs = _np_log_softmax(np.asarray(logits, np.float64))  # [batch, steps, vocab]
+  weights = weights_of(state["intermediates"], aux)  # [batch, steps, src]
+  for b in range(2):
+    n = lengths[b]
+    log_p = sum(log_probs[b, j, tokens[b, j]] for j in range(n))
+    want = log_p / np_lp(n, alpha) + np_cp(weights[b, :n], beta, src_len[b])
+    np.testing.assert_allclose(out.scores[b, 0], want, rtol=1e-4)
+  # The coverage term is in play: 3 steps leave row 0's 4 positions short of 1.
+  assert np_cp(weights[0, :lengths[0]], beta, 4) < -0.05
+
+
 # ------------------------------------------------------------------------------ config and CLI
 
 
