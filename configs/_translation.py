@@ -80,10 +80,10 @@ def translation_groups(config: ConfigDict, arg: str | None,
       # 1: greedy decoding; > 1: beam search with this many beams.
       "beam_size": 1,
       # GNMT length penalty alpha of beam search: hypotheses rank by log P / lp, lp = ((5 + |Y|) /
-      # 6) ** alpha (0: none; GNMT used 0.6 to 1).
+      # 6) ** alpha (0: none).
       "length_penalty": 0.0,
       # GNMT coverage penalty beta of beam search: + beta * sum over source positions of
-      # log(min(attention received, 1)) (0: none; GNMT used 0.2). The RNN's attention weights, the
+      # log(min(attention received, 1)) (0: none). The RNN's attention weights, the
       # Transformer's cross-attention of model.weights_layer averaged over heads.
       "coverage_penalty": 0.0,
       # Most output tokens, <end> included (0: the longest training target + 1).

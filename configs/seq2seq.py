@@ -15,7 +15,7 @@ A seconds-long check of the whole pipeline:
 Translate with a trained run (prints the output, saves the alignment heatmap):
   attnlab translate --workdir=runs/marathi "Rahul is a good boy"
 Studies built on it: experiments/dates, experiments/bottleneck, experiments/score_functions,
-experiments/marathi (each: README + run.py).
+experiments/marathi, experiments/gnmt (each: README + run.py).
 
 Shortcuts in the arg (besides any field; the same names as in the other config files):
   task=NAME, or dataset=NAME      = data.name (dates, marathi, reverse, copy)

@@ -274,8 +274,7 @@ class TranslationTask(Task):
     beta = decode.get("coverage_penalty", 0.0) if coverage_penalty is None else coverage_penalty
     for key, value in (("length_penalty", alpha), ("coverage_penalty", beta)):
       if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-        raise ConfigError(f"decode.{key}={value!r} must be a number >= 0 (0: none; GNMT used "
-                          f"{'0.6 to 1' if key == 'length_penalty' else '0.2'})")
+        raise ConfigError(f"decode.{key}={value!r} must be a number >= 0 (0: none)")
     if beta and self.config.model.get("attention") == "none":
       raise ConfigError("decode.coverage_penalty sums attention weights, and model.attention=none "
                         "has none; set decode.coverage_penalty=0 or train with an attention")
