@@ -15,7 +15,7 @@ Studies built on it: experiments/dates, experiments/bottleneck, experiments/scor
 experiments/marathi (each: README + run.py).
 
 Shortcuts in the arg (besides any field; the same names as in the other config files):
-  task=NAME, or dataset=NAME      = data.name (dates, marathi, reverse, copy)
+  task=NAME, or dataset=NAME      = data.name (dates, marathi, reverse, copy, anki, tsv)
   attention=none|bahdanau|luong   = model.attention
   score=NAME                      = model.score (dot, scaled_dot, cosine, general, additive, ...)
 
@@ -58,6 +58,8 @@ PRESETS = {
     },
 }
 PRESETS["copy"] = PRESETS["reverse"]
+# A corpus of real sentences gets the Marathi model.
+PRESETS["anki"] = PRESETS["tsv"] = PRESETS["marathi"]
 
 # Overrides of runlocal=True (after config_utils.RUNLOCAL): tiny model and data.
 RUNLOCAL = {

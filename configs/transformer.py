@@ -14,7 +14,7 @@ Per-layer, per-head attention grids of a sentence pair:
   python experiments/rnn_vs_transformer/run.py --heatmaps=runs/tf_marathi
 
 Shortcuts in the arg (besides any field; the same names as in the other config files):
-  task=NAME, or dataset=NAME      = data.name (dates, marathi, reverse, copy)
+  task=NAME, or dataset=NAME      = data.name (dates, marathi, reverse, copy, anki, tsv)
   size=tiny|small|medium|base     = model.size
   score=NAME                      = model.attention.score (dot, scaled_dot, cosine, general, ...)
   implementation=NAME             = model.attention.implementation (auto, reference, xla, ...)
@@ -54,6 +54,8 @@ PRESETS = {
     },
 }
 PRESETS["copy"] = PRESETS["reverse"]
+# A corpus of real sentences gets the Marathi model.
+PRESETS["anki"] = PRESETS["tsv"] = PRESETS["marathi"]
 
 # Overrides of runlocal=True (after config_utils.RUNLOCAL): tiny model and data.
 RUNLOCAL = {
