@@ -244,7 +244,11 @@ ADDED_DEFAULTS: dict[str, Any] = {"num_seeds": 1, "mesh.data": -1, "mesh.fsdp": 
                                   # GPT's induction data set (#52): its span lengths.
                                   "data.min_span": 2, "data.max_span": 16,
                                   # GPT's own text corpus and pretrained start (#49).
-                                  "data.path": "", "init_from": ""}
+                                  "data.path": "", "init_from": "",
+                                  # The translation family's own corpora (#49): anki's pair,
+                                  # per-side tokenizers, BLEU's tokenizer.
+                                  "data.pair": "", "data.source_tokenizer": "",
+                                  "data.target_tokenizer": "", "data.bleu_tokenize": ""}
 
 
 # Keys that may change when a run resumes: they change where it runs, not what it computes.

@@ -7,6 +7,12 @@ Launch (from the repository root):
       --workdir=runs/reverse_none
   attnlab train --config=configs/seq2seq.py:attention=luong,score=general,model.window=local \
       --workdir=runs/dates_luong
+Any parallel corpus (configs/_translation.py; docs/guide.md, "Your own parallel corpus"):
+  attnlab train --config=configs/seq2seq.py:dataset=anki,data.pair=fra --workdir=runs/fra
+  attnlab train --config=configs/seq2seq.py:dataset=anki,data.path=cmn.txt,\
+data.target_tokenizer=char --workdir=runs/cmn
+  attnlab train --config=configs/seq2seq.py:dataset=tsv,data.path=pairs.tsv,data.direction=reverse \
+      --workdir=runs/mine
 A seconds-long check of the whole pipeline:
   attnlab train --config=configs/seq2seq.py:runlocal=True --workdir=/tmp/s2s_local
 Translate with a trained run (prints the output, saves the alignment heatmap):

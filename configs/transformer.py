@@ -4,6 +4,9 @@ Launch (from the repository root):
   attnlab train --config=configs/transformer.py --workdir=runs/tf_dates               # dates
   attnlab train --config=configs/transformer.py:task=marathi --workdir=runs/tf_marathi
   attnlab train --config=configs/transformer.py:task=reverse --workdir=runs/tf_reverse
+  attnlab train --config=configs/transformer.py:dataset=anki,data.pair=spa --workdir=runs/tf_spa
+  attnlab train --config=configs/transformer.py:dataset=tsv,data.path=pairs.tsv \
+      --workdir=runs/tf_mine
   attnlab train --config=configs/transformer.py:size=tiny,score=additive,\
 model.position=learned,model.share_embeddings=target --workdir=runs/tf_dates_variant
 A seconds-long check of the whole pipeline:

@@ -1,5 +1,6 @@
 """Any parallel corpus for translation: dataset=anki (an Anki/manythings file, or data.pair found
-locally or downloaded) and dataset=tsv (attnlab/data/parallel_corpus.py, attnlab/tasks/translation.py).
+locally or downloaded) and dataset=tsv (attnlab/data/parallel_corpus.py and
+attnlab/tasks/translation.py).
 
 The corpora are hand-made files of a few lines; downloads go to a local HTTP server (or a port
 nothing listens on, for the offline message), never to the network.
@@ -9,6 +10,7 @@ import collections
 import functools
 import http.server
 import json
+import logging
 import math
 import pathlib
 import re
@@ -34,10 +36,10 @@ FRENCH = [("Go.", "Va !"), ("Hi.", "Salut !"), ("Run!", "Cours !"), ("Who?", "Qu
           ("Wow!", "Ça alors !"), ("I see.", "Je vois."), ("I won.", "J'ai gagné."),
           ("Help!", "À l'aide !"), ("Stop!", "Arrête !"), ("Thanks.", "Merci."),
           ("I ran.", "J'ai couru."), ("Go on.", "Continue.")]
-CHINESE = [("Hi.", "你好。"), ("Run.", "你用跑的。"), ("Wait!", "等等！"), ("Hello!", "你好。"),
-           ("I try.", "让我来。"), ("I won!", "我赢了。"), ("Oh no!", "不会吧。"),
-           ("He ran.", "他跑了。"), ("Hop in.", "跳进来。"), ("I lost.", "我迷失了。"),
-           ("I quit.", "我退出。"), ("I am sad.", "我很难过。")]
+CHINESE = [("Hi.", "你好。"), ("Run.", "你用跑的。"), ("Wait!", "等等！"),
+           ("Hello!", "你好。"), ("I try.", "让我来。"), ("I won!", "我赢了。"),
+           ("Oh no!", "不会吧。"), ("He ran.", "他跑了。"), ("Hop in.", "跳进来。"),
+           ("I lost.", "我迷失了。"), ("I quit.", "我退出。"), ("I am sad.", "我很难过。")]
 GERMAN = [("ich sehe", "I see"), ("er lief", "he ran"), ("wir gingen", "we went"),
           ("sie kam", "she came"), ("du weißt", "you know"), ("es regnet", "it rains"),
           ("ich kam", "I came"), ("er sah", "he saw"), ("wir sehen", "we see"),
@@ -127,6 +129,15 @@ def test_word_source_char_target_for_chinese(corpora):
   # The char target is scored per character, white space ignored.
   assert task.bleu_tokenize(["我很难过。"]) == "none"
   assert task._bleu_tokens("我 很") == "我   很"
+
+
+def test_word_tokens_of_chinese_get_a_warning(corpora, caplog):
+  with caplog.at_level(logging.WARNING, logger="attnlab.tasks.translation"):
+    task = translation.TranslationTask(_config(
+        f"dataset=anki,data.path={corpora['cmn']},runlocal=True,data.min_count=1"))
+  assert task.tokenizer_kind("target") == "word"
+  [record] = [r for r in caplog.records if "without spaces" in r.getMessage()]
+  assert "data.target_tokenizer=char" in record.getMessage()
 
 
 def test_subword_tokenizers_round_trip_and_pick_the_bleu_tokenizer(corpora):

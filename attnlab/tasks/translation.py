@@ -92,6 +92,13 @@ NUM_PLOTS = 4
 MAX_INPUT_FACTOR = 4
 
 
+def cjk_share(texts: Sequence[str]) -> float:
+  """The share of Chinese characters and kana among the characters of `texts` (white space not
+  counted)."""
+  text = "".join("".join(t.split()) for t in texts)
+  return len(_CJK.findall(text)) / len(text) if text else 0.0
+
+
 def separate_punctuation(text: str) -> str:
   """Puts spaces around punctuation so that a whitespace word split keeps it apart."""
   return " ".join(_PUNCT.sub(r" \1 ", text).split())
@@ -128,7 +135,8 @@ class TranslationTask(Task):
       check_choice(f"data.{side}_tokenizer", self.tokenizer_kind(side), TOKENIZER_KINDS, "kinds")
     self._bleu_tokenize = dc.get("bleu_tokenize", "")
     if self._bleu_tokenize:
-      check_choice("data.bleu_tokenize", self._bleu_tokenize, BLEU_TOKENIZERS, "sacrebleu tokenizers")
+      check_choice("data.bleu_tokenize", self._bleu_tokenize, BLEU_TOKENIZERS,
+                   "sacrebleu tokenizers")
       try:
         sacrebleu.BLEU(tokenize=self._bleu_tokenize)
       except Exception as e:  # pylint: disable=broad-except  (mecab's packages missing)
@@ -227,6 +235,10 @@ class TranslationTask(Task):
     if kind == "char":
       return tokenizers.CharTokenizer.train(texts)
     if kind == "word":
+      if cjk_share(texts) >= CJK_SHARE:
+        _LOG.warning("the %s text is mostly Chinese or Japanese, written without spaces: a word "
+                     "tokenizer takes whole sentences as words; set data.%s_tokenizer=char (or "
+                     "subword)", side, side)
       return tokenizers.WordTokenizer.train(texts, lower=dc.lower, split_punct=False,
                                             min_count=dc.min_count,
                                             max_size=dc.tokenizer_size or None)
@@ -443,10 +455,8 @@ class TranslationTask(Task):
       return self._bleu_tokenize
     if self.tokenizer_kind("target") != "subword":
       return "none"
-    text = "".join("".join(r.split()) for r in refs)
-    cjk = len(_CJK.findall(text))
-    if text and cjk >= CJK_SHARE * len(text):
-      return "char" if _KANA.search(text) else "zh"
+    if refs and cjk_share(refs) >= CJK_SHARE:
+      return "char" if any(_KANA.search(r) for r in refs) else "zh"
     return "13a"
 
   def _bleu(self, hyps: list[str], refs: list[str], tokenize: str | None = None) -> float:
