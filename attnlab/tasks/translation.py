@@ -74,8 +74,8 @@ SYNTHETIC = ("dates", "reverse", "copy")
 # A user's own corpus file (attnlab.data.parallel_corpus).
 FILE_DATASETS = tuple(parallel_corpus.FORMATS)
 TOKENIZER_KINDS = ("char", "word", "subword")
-# data.bleu_tokenize: "" (auto, see _bleu_setting) or one of sacrebleu's tokenizers that need no
-# download (its spm/flores ones fetch a model).
+# data.bleu_tokenize: "" (auto: TranslationTask.bleu_tokenize) or one of sacrebleu's tokenizers
+# that need no download (its spm/flores ones fetch a model).
 BLEU_TOKENIZERS = ("13a", "intl", "zh", "char", "none", "ja-mecab", "ko-mecab")
 # Auto BLEU of a subword target: references with at least this share of CJK characters (of those
 # not white space) are scored with sacrebleu's zh tokenizer (char with kana: Japanese).
@@ -131,8 +131,10 @@ class TranslationTask(Task):
     super().__init__(config, assets)
     dc = config.data
     check_choice("data.name", dc.name, DATASETS, "datasets")
+    check_choice("data.tokenizer", dc.tokenizer, TOKENIZER_KINDS, "kinds")
     for side in ("source", "target"):
-      check_choice(f"data.{side}_tokenizer", self.tokenizer_kind(side), TOKENIZER_KINDS, "kinds")
+      if dc.get(f"{side}_tokenizer", ""):
+        check_choice(f"data.{side}_tokenizer", dc[f"{side}_tokenizer"], TOKENIZER_KINDS, "kinds")
     self._bleu_tokenize = dc.get("bleu_tokenize", "")
     if self._bleu_tokenize:
       check_choice("data.bleu_tokenize", self._bleu_tokenize, BLEU_TOKENIZERS,
