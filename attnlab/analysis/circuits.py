@@ -32,8 +32,8 @@ product of their matrices over the product of the norms,
   K-composition:  W_A = OV^A, W_B = QK^B^T    (A's output forms B's keys)
   V-composition:  W_A = OV^A, W_B = OV^B      (A's output is moved on by B)
 for every A in a layer below B's. The scores are scale-free (scaled_dot's 1 / sqrt(d) cancels) and
-computed from the low-rank factors (never a d_model x d_model matrix per pair): GPT-2 small's
-144 x 144 heads take about a second. `random_baseline` is the mean of the same score over draws of
+computed from the low-rank factors (never a d_model x d_model matrix per pair), one sender
+layer at a time. `random_baseline` is the mean of the same score over draws of
 i.i.d. Gaussian factors of the same shapes (W_V, W_O, W_Q, W_K): a score near it means no more
 composition than chance for matrices of these sizes.
 
@@ -261,33 +261,38 @@ def composition_scores(weights: Any, kind: str = "q") -> np.ndarray:
   w = weights if isinstance(weights, HeadWeights) else head_weights(weights)
   l1, r1 = _factors(w, "ov")
   l2, r2 = _factors(w, _RECEIVER[kind])
-  scores = np.asarray(_scores(*(jnp.asarray(a, jnp.float32) for a in (l1, r1, l2, r2))),
-                      np.float64)
   layers, heads = w.num_layers, w.num_heads
-  scores = scores.reshape(layers, heads, layers, heads)
-  later = np.arange(layers)[None, :] > np.arange(layers)[:, None]  # [l_A, l_B]
-  return np.where(later[:, None, :, None], scores, np.nan)
+  f32 = lambda a: jnp.asarray(a, jnp.float32)
+  scores = np.full((layers, heads, layers, heads), np.nan)
+  receivers = tuple(f32(a) for a in (l2, r2))  # every head: one compiled shape for all layers
+  for layer in range(layers - 1):  # one sender layer at a time: [heads, all heads, r, r]
+    senders = slice(layer * heads, (layer + 1) * heads)
+    block = np.asarray(_scores(f32(l1[senders]), f32(r1[senders]), *receivers), np.float64)
+    scores[layer, :, layer + 1:] = block.reshape(heads, layers, heads)[:, layer + 1:]
+  return scores
 
 
 def random_baseline(d_model: int, head_dim: int, kind: str = "q", *, draws: int = 200,
                     seed: int = 0) -> float:
   """The mean `kind` composition score of heads whose W_Q, W_K, W_V `[d_model, head_dim]` and W_O
   `[head_dim, d_model]` are i.i.d. Gaussian (any scale: the score is scale-free), over `draws`
-  independent pairs of heads."""
+  independent pairs of heads. The same for the three kinds (the receiver's matrix has the same
+  law in each)."""
   _check_kind(kind)
   if min(d_model, head_dim, draws) < 1:
     raise ValueError(f"d_model, head_dim and draws must be >= 1; got {d_model}, {head_dim}, "
                      f"{draws}")
-  return float(_baseline(d_model, head_dim, kind, draws, seed))
+  return _baseline(d_model, head_dim, draws, seed)
 
 
 @functools.lru_cache(maxsize=64)
-def _baseline(d_model: int, head_dim: int, kind: str, draws: int, seed: int) -> float:
+def _baseline(d_model: int, head_dim: int, draws: int, seed: int) -> float:
+  """The baseline of every kind: QK = W_Q W_K^T, QK^T = W_K W_Q^T and OV = W_V W_O all have the
+  law of X Y^T for independent Gaussian X, Y `[d_model, head_dim]`."""
   keys = jax.random.split(jax.random.key(seed), 4)
   shape = (draws, d_model, head_dim)
   v_a, o_a = jax.random.normal(keys[0], shape), jax.random.normal(keys[1], shape)
   x_b, y_b = jax.random.normal(keys[2], shape), jax.random.normal(keys[3], shape)
-  # receiver = X Y^T (QK = W_Q W_K^T, QK^T = W_K W_Q^T, OV = W_V W_O: all of this form in law)
   one = lambda v, o, x, y: _scores(v[None], o.T[None], x[None], y.T[None])[0, 0]
   return float(jnp.mean(jax.vmap(one)(v_a, o_a, x_b, y_b)))
 
