@@ -109,9 +109,9 @@ def format_report(report: HeadReport) -> str:
            + ", ".join(f"{k.upper()} {v:.3f}" for k, v in report.baseline.items()),
            "columns: prev, dup, induct = previous-token, duplicate-token, induction scores; first "
            "= mean weight of the queries 1.. on the first token"
-           + ("; sink = weight on the learned sink" if s.sink_mass is not None else "")
-           + "; top comp = the largest Q/K/V composition into this head (kind, sender "
-           "layer.head), score = its score"]
+           + ("; sink = weight on the learned sink" if s.sink_mass is not None else ""),
+           "top comp = the largest Q/K/V composition into this head (kind, sender layer.head), "
+           "score = its score"]
   lines += [f"note: {note}" for note in report.notes + ((s.note,) if s.note else ())]
   columns = [("head", "head", 6)] + [(name, short, 7) for name, short in _DETECTORS]
   columns.append(("first_token", "first", 7))
