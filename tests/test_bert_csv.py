@@ -159,6 +159,9 @@ MALFORMED = {
     "wrong field count": ("sentence,label\nhi,a\nhi, there,b\n", None,
                           ["bad.csv, line 3: 3 field(s) where the header has 2"]),
     "file not found": (None, None, ["data.path=", "bad.csv does not exist"]),
+    "unclosed quote": ('sentence,label\n"hi, there,a\nho,b\n', None,
+                       ["bad.csv, line 2: 1 field(s)", "opened on line 2 runs to line 3"]),
+    "one label": ("sentence,label\nhi,a\nho,a\n", None, ["every example has the label 'a'"]),
 }
 
 

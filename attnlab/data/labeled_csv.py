@@ -116,9 +116,11 @@ def _header_index(path: pathlib.Path, header: list[str], column: str, key: str,
     raise DataError(f"{path}, line 1 (the header): the column {column!r} ({key}) appears "
                     f"{len(found)} times; give the columns distinct names")
   hint = ""
-  if len(names) == 1 and any(c in names[0] for c in ",\t;|" if c != delimiter):
-    hint = (f"; the header is one column with {delimiter!r} as the delimiter: set "
-            f"data.delimiter to the file's")
+  others = [name for name, c in DELIMITERS.items() if c != delimiter and len(names) == 1
+            and c in names[0]]
+  if others:
+    hint = (f" (with the delimiter {delimiter!r} the header is one column: set "
+            f"data.delimiter={others[0]}?)")
   columns = ", ".join(repr(name) for name in names)
   raise DataError(f"{path}, line 1 (the header): no column {column!r} ({key}); its columns: "
                   f"{columns}; set {key} to one of them{hint}")
@@ -153,8 +155,11 @@ def read_labeled(path: str | os.PathLike, columns: Columns, *, delimiter: str = 
         index = {name: _header_index(file, header, column, k, char) for name, column, k in wanted}
         continue
       if len(fields) != width:
+        spans = (f" (a double quote opened on line {start} runs to line {reader.line_num}: "
+                 f"close it, or double a quote inside a quoted field)"
+                 if reader.line_num > start else "")
         raise DataError(f"{file}, line {start}: {len(fields)} field(s) where the header has "
-                        f"{width}; quote a field that holds the delimiter {char!r}")
+                        f"{width}; quote a field that holds the delimiter {char!r}{spans}")
       for name, column, _ in wanted:
         value = fields[index[name]].strip() if name == "label" else fields[index[name]]
         if not value.strip():
