@@ -182,6 +182,7 @@ def test_malformed_input_gets_one_line_with_file_and_line(tmp_path, case):
     assert word in message, message
 
 
+@pytest.mark.slow
 def test_cli_exits_2_with_one_line(tmp_path):
   path = _write(tmp_path / "bad.csv", "text,label\nhi,a\nho,b\n")
   workdir = tmp_path / "run"
@@ -225,6 +226,7 @@ def scratch_run(tmp_path_factory):
   return tmp / "run"
 
 
+@pytest.mark.slow
 def test_scratch_run_learns_the_pair_task_and_reloads_with_its_label_names(scratch_run):
   final = rundir.last_records(rundir.read_metrics(scratch_run))["eval"]
   assert final["step"] == 150
@@ -242,6 +244,7 @@ def test_scratch_run_learns_the_pair_task_and_reloads_with_its_label_names(scrat
   assert len(valid) == 24 and correct == pytest.approx(final["accuracy"], abs=1e-9)
 
 
+@pytest.mark.slow
 def test_start_from_a_pretrained_run_uses_its_tokenizer_and_encoder(tmp_path):
   pretrained = tmp_path / "bert_hf"
   hf.import_checkpoint(HF_BERT, pretrained)  # a masked_lm run with a WordPiece vocabulary

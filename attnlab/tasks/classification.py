@@ -61,13 +61,13 @@ from attnlab.tasks.base import Task
 from attnlab.tasks.base import data_location
 from attnlab.tasks.base import ratios
 
-# Model fields that must agree between a pretraining run and the fine-tuning model.
+# Model fields that must agree between a pretraining run and the fine-tuning model (model.attention
+# must agree too, but for its implementation: how it runs, not what it computes).
 ENCODER_KEYS = ("num_layers", "d_model", "num_heads", "mlp_dim", "max_len", "activation",
                 "norm_position", "layer_norm_epsilon", "type_vocab_size", "position")
 # Defaults of the encoder keys that older configs lack (a run imported from Hugging Face has them).
 ENCODER_DEFAULTS = {"layer_norm_epsilon": 1e-12, "type_vocab_size": bert.NUM_SEGMENTS,
                     "position": "learned"}
-# model.attention must agree too, but for its implementation (how it runs, not what it computes).
 # Values of data.name (module docstring).
 DATASETS = ("sst2", "csv")
 # SST-2's classes, in the order of its labels 0 and 1.
