@@ -125,6 +125,18 @@ def test_three_labels_are_the_sorted_strings_of_the_training_file(tmp_path):
       numbers, labeled_csv.Columns("sentence", "label"))) == ("10", "2")
 
 
+def test_kept_labels_are_checked_before_use(tmp_path):
+  from attnlab.data import assets  # pylint: disable=g-import-not-at-top
+  assets.save(tmp_path / "assets", {}, {"n": 3}, {"labels": ["b", "a"]})
+  assert assets.load_labels(tmp_path / "assets") == {"labels": ["b", "a"]}
+  for damaged in ('{"labels": "ab"}', '{"labels": ["a", "a"]}', '{"labels": [1, 2]}', "[",
+                  json.dumps({"labels": [str(i) for i in range(assets.MAX_LABELS + 1)]})):
+    _write(tmp_path / "assets" / "labels.json", damaged)
+    with pytest.raises(DataError, match="labels.json is damaged") as error:
+      assets.load_labels(tmp_path / "assets")
+    assert "\n" not in str(error.value)
+
+
 def test_held_out_split_is_deterministic(tmp_path):
   path = _kind_file(tmp_path / "kinds.tsv", _kind_rows(50, 0))
   arg = f"data.path={path},data.text_column=first,data.text_pair_column=second,data.num_eval=0"
