@@ -5,7 +5,8 @@ comparing two (what may change when a run resumes).
 Versions: RENAMED keys are read under their current names; the Transformer families' flat
 attention keys of version 1 (model.mechanism, model.window, ...) move into model.attention
 (attnlab.attention.config.migrate_flat_keys); fields added since (ADDED_DEFAULTS) read as their
-defaults, so older runs load, resume and analyse unchanged.
+defaults (and ADDED_TASK_DEFAULTS, those of one task), so older runs load, resume and analyse
+unchanged.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def run_defaults(data: Mapping[str, Any]) -> dict[str, Any]:
   (TASK_CONFIG_FILES; config.json names no file, so the task, the translation model.name, and
   the data.name that picks a file's data defaults stand for it) when the repository has it."""
   defaults = base_config().to_dict()
-  for key, value in ADDED_DEFAULTS.items():
+  for key, value in added_defaults(data).items():
     *groups, leaf = key.split(".")
     node = defaults
     for group in groups:
@@ -251,6 +252,23 @@ ADDED_DEFAULTS: dict[str, Any] = {"num_seeds": 1, "mesh.data": -1, "mesh.fsdp": 
                                   "data.target_tokenizer": "", "data.bleu_tokenize": ""}
 
 
+# Fields added to one task's config file after runs of it existed: an older config.json of that
+# task without them reads as these defaults, as with ADDED_DEFAULTS.
+ADDED_TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    # BERT fine-tuning on the user's own labelled file (#49).
+    "classification": {"data.name": "sst2", "data.delimiter": "", "data.text_column": "sentence",
+                       "data.text_pair_column": "", "data.label_column": "label",
+                       "data.valid_path": "", "data.valid_fraction": 0.1,
+                       "data.valid_seed": 0},
+}
+
+
+def added_defaults(data: Mapping[str, Any]) -> dict[str, Any]:
+  """ADDED_DEFAULTS and the ADDED_TASK_DEFAULTS of the task of the config `data`."""
+  task = data.get("task")
+  return {**ADDED_DEFAULTS, **(ADDED_TASK_DEFAULTS.get(task, {}) if isinstance(task, str) else {})}
+
+
 # Keys that may change when a run resumes: they change where it runs, not what it computes.
 RESUMABLE_KEYS = ("allow_config_change", "write_plots", "mesh.data", "mesh.fsdp",
                   "mesh.fsdp_min_size", "mesh.cpu_devices", "eval_batches")
@@ -258,7 +276,7 @@ RESUMABLE_KEYS = ("allow_config_change", "write_plots", "mesh.data", "mesh.fsdp"
 
 def config_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
   """Differences "key: old -> new" between two configs, but in RESUMABLE_KEYS."""
-  flat_old, flat_new = ({**ADDED_DEFAULTS, **flatten(rename_old_keys(c))} for c in (old, new))
+  flat_old, flat_new = ({**added_defaults(c), **flatten(rename_old_keys(c))} for c in (old, new))
   lines = []
   for key in sorted((set(flat_old) | set(flat_new)) - set(RESUMABLE_KEYS)):
     a, b = flat_old.get(key, "<absent>"), flat_new.get(key, "<absent>")

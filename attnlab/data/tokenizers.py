@@ -304,10 +304,11 @@ class SubwordTokenizer(Vocab):
   @classmethod
   def train(cls, texts: Iterable[str], vocab_size: int, model_dir: PathLike, *,
             model_type: str = "unigram", character_coverage: float = 1.0,
-            byte_fallback: bool = False) -> "SubwordTokenizer":
+            byte_fallback: bool = False, hard_vocab_limit: bool = True) -> "SubwordTokenizer":
     """Trains sentencepiece on `texts` (the training split) and writes model_dir/subword.model.
 
-    Deterministic: one thread, every input line used, no sampling.
+    Deterministic: one thread, every input line used, no sampling. `hard_vocab_limit=False`
+    makes `vocab_size` an upper bound (a small text gets the pieces it has, no error).
     """
     if model_type not in ("unigram", "bpe"):
       raise DataError(f"subword model_type must be 'unigram' or 'bpe', got {model_type!r}")
@@ -319,7 +320,8 @@ class SubwordTokenizer(Vocab):
       spm.SentencePieceTrainer.train(
           sentence_iterator=iter(chunks), model_writer=writer, vocab_size=int(vocab_size),
           model_type=model_type, character_coverage=character_coverage,
-          byte_fallback=byte_fallback, normalization_rule_name="identity",
+          byte_fallback=byte_fallback, hard_vocab_limit=hard_vocab_limit,
+          normalization_rule_name="identity",
           remove_extra_whitespaces=False, add_dummy_prefix=False, split_digits=False,
           pad_id=PAD_ID, bos_id=START_ID, eos_id=END_ID, unk_id=UNK_ID,
           pad_piece=SPECIAL_TOKENS[PAD_ID], bos_piece=SPECIAL_TOKENS[START_ID],
@@ -433,10 +435,17 @@ def cache_dir(directory: PathLike | None = None) -> pathlib.Path:
 
 def cached_subword(corpus: str, options: dict[str, Any],
                    texts: Iterable[str] | Callable[[], Iterable[str]],
-                   directory: PathLike | None = None) -> "SubwordTokenizer":
+                   directory: PathLike | None = None, *,
+                   hard_vocab_limit: bool = True) -> "SubwordTokenizer":
   """The subword tokenizer of `corpus` (a name) with `options` (vocab_size and whatever else
   selects the texts): from the cache, or trained on `texts` and cached. Training is
-  deterministic, so a missing cache costs time only, never a different vocabulary."""
-  key = hashlib.sha256(json.dumps({"corpus": corpus, **options}, sort_keys=True).encode())
+  deterministic, so a missing cache costs time only, never a different vocabulary.
+  `hard_vocab_limit=False`: vocab_size is an upper bound (SubwordTokenizer.train)."""
+  keyed = {"corpus": corpus, **options}
+  if not hard_vocab_limit:
+    keyed["hard_vocab_limit"] = False
+  key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode())
   path = cache_dir(directory) / f"{corpus}_subword_{key.hexdigest()[:16]}.json"
-  return load_or_train_tokenizer(path, "subword", texts, vocab_size=int(options["vocab_size"]))
+  extra = {} if hard_vocab_limit else {"hard_vocab_limit": False}
+  return load_or_train_tokenizer(path, "subword", texts, vocab_size=int(options["vocab_size"]),
+                                 **extra)
