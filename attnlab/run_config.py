@@ -244,7 +244,10 @@ ADDED_DEFAULTS: dict[str, Any] = {"num_seeds": 1, "mesh.data": -1, "mesh.fsdp": 
                                   # GPT's induction data set (#52): its span lengths.
                                   "data.min_span": 2, "data.max_span": 16,
                                   # GPT's own text corpus and pretrained start (#49).
-                                  "data.path": "", "init_from": ""}
+                                  "data.path": "", "init_from": "",
+                                  # Fine-tuning: early stopping, GPT's frozen parameters.
+                                  "early_stop_patience": 0, "finetune.freeze_embeddings": False,
+                                  "finetune.freeze_layers": 0}
 
 
 # Keys that may change when a run resumes: they change where it runs, not what it computes.
