@@ -192,6 +192,10 @@ def test_early_stopping_stops_at_the_right_evaluation(tuned_run):
   assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [best, stop]
   result = analysis.load_run(workdir)
   assert result.step == best
+  from attnlab.cli import inspect_run  # pylint: disable=g-import-not-at-top
+  assert (f"checkpoints: {best}, {stop} (of {MAX_STEPS} steps; stopped early at step {stop}; the "
+          f"result is the best evaluation's checkpoint, step {best})") in inspect_run.describe(
+              workdir)
   stopped = analysis.load_run(workdir, step=stop)
   assert any(not np.array_equal(a, b) for a, b in zip(
       jax.tree.leaves(result.params), jax.tree.leaves(stopped.params)))
@@ -209,6 +213,25 @@ def test_resuming_a_stopped_run_trains_nothing(tuned_run, base_run, corpus, capl
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == checkpoints
   for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(best.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_stopped_run_is_complete_and_summarised_by_its_best_evaluation(tmp_path):
+  from attnlab import rundir  # pylint: disable=g-import-not-at-top
+  from attnlab import sweep  # pylint: disable=g-import-not-at-top
+  rows = [{"step": 2, "split": "train", "loss": 3.0}, {"step": 2, "split": "eval", "loss": 2.0},
+          {"step": 4, "split": "train", "loss": 2.5}, {"step": 4, "split": "eval", "loss": 1.5},
+          {"step": 6, "split": "train", "loss": 2.0}, {"step": 6, "split": "eval", "loss": 1.7},
+          {"step": 8, "split": "train", "loss": 1.9}, {"step": 8, "split": "eval", "loss": 1.6},
+          {"step": 8, "split": "early_stop", "best_step": 4, "best_loss": 1.5, "patience": 2}]
+  write = lambda records: (tmp_path / "metrics.jsonl").write_text(
+      "".join(json.dumps(r) + "\n" for r in records))
+  write(rows)
+  assert rundir.is_complete(tmp_path, 100) and state_lib.best_step(tmp_path) == 4
+  assert sweep.final_metrics_per_seed(tmp_path) == [{"eval/loss": 1.5, "train/loss": 1.9}]
+  # Resumed past the stop (a larger patience): the stop no longer counts.
+  write(rows + [{"step": 10, "split": "train", "loss": 1.8}])
+  assert not rundir.is_complete(tmp_path, 100) and state_lib.best_step(tmp_path) is None
+  assert sweep.final_metrics_per_seed(tmp_path) == [{"eval/loss": 1.6, "train/loss": 1.8}]
 
 
 @needs_hf
