@@ -16,7 +16,7 @@ num_train_steps=500,eval_every=50,early_stop_patience=3 --workdir=runs/gpt_nano_
   attnlab generate --workdir=runs/gpt_nano_mine --prompt="ROMEO:"
   attnlab import-hf runs/gpt_nano_mine --export_to=out/mine   # for transformers (GPT-2 settings)
 The fine-tuning recipe (the defaults whenever pretrained=DIR, or init_from=DIR, is in the arg;
-any key given after them wins): AdamW at a tenth of the from-scratch peak, learning rate 1e-4
+a key given in the arg, before or after it, or as a flag wins): AdamW at a tenth of the from-scratch peak, learning rate 1e-4
 with 20 warmup steps and a cosine to 1e-5 (FINETUNE_RECIPE; runlocal=True keeps its 2 warmup
 steps); the rest of the optimizer as below. Options:
   finetune.freeze_embeddings=True   the token table (which is also the tied output layer) and the
