@@ -29,6 +29,10 @@ def base_config() -> ConfigDict:
   # after the last step always covers the whole split. Tasks with their own evaluate (decoding,
   # BLEU: translation, regression) always evaluate in full.
   config.eval_batches = 0
+  # Early stopping: stop after this many evaluations in a row without a lower validation loss
+  # than the best so far (0: off; needs eval_every > 0). The best evaluation's checkpoint is kept
+  # and is the run's result (what generate, view, export and init_from restore); attnlab/train.py.
+  config.early_stop_patience = 0
   # Save a checkpoint every this many steps (0: only at the end); also at the end and on SIGTERM/Ctrl-C.
   config.checkpoint_every = 500
   # How many of the most recent checkpoints to keep.

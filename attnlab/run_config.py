@@ -249,7 +249,10 @@ ADDED_DEFAULTS: dict[str, Any] = {"num_seeds": 1, "mesh.data": -1, "mesh.fsdp": 
                                   # The translation family's own corpora (#49): anki's pair,
                                   # per-side tokenizers, BLEU's tokenizer.
                                   "data.pair": "", "data.source_tokenizer": "",
-                                  "data.target_tokenizer": "", "data.bleu_tokenize": ""}
+                                  "data.target_tokenizer": "", "data.bleu_tokenize": "",
+                                  # Fine-tuning: early stopping, GPT's frozen parameters.
+                                  "early_stop_patience": 0, "finetune.freeze_embeddings": False,
+                                  "finetune.freeze_layers": 0}
 
 
 # Fields added to one task's config file after runs of it existed: an older config.json of that

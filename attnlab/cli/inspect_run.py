@@ -101,8 +101,12 @@ def describe(workdir: str | pathlib.Path, step: int | str | None = None,
   bad = check_checkpoints(workdir, config, steps, verify)
   complete = rundir.is_complete(workdir, config.num_train_steps, records)
   listed = [f"{s} (damaged)" if s in bad else str(s) for s in steps]
+  stop = rundir.early_stop(records)
+  status = (f"stopped early at step {stop['step']}; the result is the best evaluation's "
+            f"checkpoint, step {stop['best_step']}") if stop else (
+                "complete" if complete else "not complete")
   lines.append(f"checkpoints: {', '.join(listed) or 'none'} "
-               f"(of {config.num_train_steps} steps; {'complete' if complete else 'not complete'})")
+               f"(of {config.num_train_steps} steps; {status})")
   if steps and not bad:
     lines.append(f"  all {'restored into the model' if verify else 'complete and readable'}")
   for bad_step, problem in sorted(bad.items()):

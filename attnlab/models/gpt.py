@@ -197,6 +197,33 @@ def from_config(model_cfg: Any, vocab_size: int) -> GPT:
   return model
 
 
+# ------------------------------------------------------------------------------ fine-tuning
+
+# Top-level parameters that are the embeddings: the token table (also the tied output layer),
+# the learned position table (both under "embed") and T5's shared relative-bias table.
+EMBEDDING_PARAMS = ("embed", "t5_bias")
+
+
+def frozen_mask(params: Any, *, embeddings: bool, layers: int) -> Any:
+  """A pytree like `params` (a GPT's, or several replicas' with a leading axis): True at the
+  embeddings (EMBEDDING_PARAMS) when `embeddings`, and at every parameter of blocks 0 ..
+  layers - 1 (the lowest `layers`); False elsewhere (the upper blocks, the final LayerNorm)."""
+  def frozen(path, leaf) -> bool:
+    del leaf
+    top = str(getattr(path[0], "key", path[0]))
+    if top in EMBEDDING_PARAMS:
+      return embeddings
+    return top.startswith("block_") and int(top[len("block_"):]) < layers
+  return jax.tree_util.tree_map_with_path(frozen, params)
+
+
+def check_freeze_layers(layers: int, num_layers: int) -> None:
+  """ConfigError for a finetune.freeze_layers the model cannot honour (configs/gpt.py)."""
+  if not 0 <= layers <= num_layers:
+    raise ConfigError(f"finetune.freeze_layers={layers} must be between 0 and the model's "
+                      f"{num_layers} blocks (0: none frozen)")
+
+
 # ------------------------------------------------------------------------------ KV cache
 
 

@@ -9,6 +9,7 @@ owns everything else: optimizer, jit, checkpoints, metrics files, resume, signal
       def init(self, rng) -> params         # a pytree of arrays (e.g. a Flax "params" collection)
       def load_pretrained(self, params, pretrained_config, pretrained_params)  # config.init_from
       def check_pretrained(cls, config, pretrained_config)  # optional classmethod: the same, early
+      def frozen(self) -> params -> pytree of bools | None  # optional: parameters left unchanged
       def train_iterator(self) -> BatchIterator
       def loss_fn(self, params, batch, rng) -> (loss, metrics)
       def eval_batches(self) -> Iterable[batch]            # optional: held-out batches
@@ -160,6 +161,14 @@ class Task(abc.ABC):
     that keeps Task.load_pretrained cannot start from another run; others are not checked."""
     if cls.load_pretrained is Task.load_pretrained:
       raise _cannot_start_from(cls.name, config, pretrained_config)
+
+  def frozen(self) -> Callable[[Params], Any] | None:
+    """The parameters training leaves unchanged (fine-tuning): a function of a params pytree
+    giving a pytree of the same structure with True at each frozen leaf, or None (the default)
+    when every parameter trains. The trainer's optimizer gives frozen leaves zero updates and no
+    optimizer state (attnlab.state.task_optimizer). It may be called on the parameters of
+    several replicas (a leading [num_seeds] axis): decide by the path, not the shape."""
+    return None
 
   @abc.abstractmethod
   def train_iterator(self) -> BatchIterator:

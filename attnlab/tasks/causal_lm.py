@@ -44,6 +44,10 @@ vocabulary; the output layer is always tied to the token table) must equal the r
 (`check_pretrained`, before the trainer writes anything, the differing keys in one line), and
 `load_pretrained` gives the step-0 parameters that run's latest ones.
 
+Fine-tuning: `frozen` leaves the embeddings (`finetune.freeze_embeddings`) and the lowest
+`finetune.freeze_layers` blocks unchanged (attnlab.state.freeze: zero updates, no optimizer
+state); configs/gpt.py's docstring has the recipe.
+
 Metrics: loss (mean cross-entropy per target token, nats), perplexity = exp(loss), token
 accuracy, for addition exact_match, for induction copy_loss and copy_accuracy.
 """
@@ -181,6 +185,7 @@ class CausalLMTask(Task):
     vocab_size = -(-vocab_size // multiple) * multiple  # rows past the tokenizer's are never seen
     self.model = gpt_lib.from_config(config.model, vocab_size)
     self.block_size = self.model.block_size
+    gpt_lib.check_freeze_layers(self._freezing()[1], self.model.num_layers)
     if self.seq_len > self.block_size:
       raise ConfigError(f"addition texts need {self.seq_len} positions but model.block_size is "
                         f"{self.block_size}; lower data.max_digits or raise model.block_size")
@@ -367,6 +372,20 @@ class CausalLMTask(Task):
     tokens = jnp.zeros((1, self.block_size), jnp.int32)
     # jit: one compilation instead of one per operation of an eager init
     return jax.jit(self.model.init)(rng, tokens)["params"]
+
+  def _freezing(self) -> tuple[bool, int]:
+    """(finetune.freeze_embeddings, finetune.freeze_layers); (False, 0) without the group."""
+    finetune = self.config.get("finetune") or {}
+    return bool(finetune.get("freeze_embeddings", False)), int(finetune.get("freeze_layers", 0))
+
+  def frozen(self):
+    """The embeddings (finetune.freeze_embeddings: the token table, which is also the output
+    layer, and the position table) and the lowest finetune.freeze_layers blocks; None when
+    neither is set (gpt.frozen_mask)."""
+    embeddings, layers = self._freezing()
+    if not (embeddings or layers):
+      return None
+    return lambda params: gpt_lib.frozen_mask(params, embeddings=embeddings, layers=layers)
 
   @classmethod
   def check_pretrained(cls, config, pretrained_config) -> None:
