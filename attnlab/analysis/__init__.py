@@ -8,7 +8,7 @@
   rows = analysis.head_table(cap)                    # entropy, offsets, special mass per head
   report = analysis.evaluate_alignment(run)          # argmax alignment accuracy / AER (synthetic)
   result = analysis.head_ablation(run)               # the task's loss with each head removed
-  logits, cache = analysis.run_with_cache(run, tokens, ["blocks.0.attn.pattern"])   # GPT sites
+  logits, cache = analysis.run_with_cache(run, tokens, ["blocks.0.attn.pattern"])   # any family
   logits = analysis.run_with_hooks(run, tokens, [analysis.Intervention("blocks.1.attn.z", "zero")])
   grid = analysis.patch_sweep(run, clean, corrupted, metric, site="resid_pre")   # [layers, len]
   scores = analysis.detect_heads(run)                # previous-token, duplicate-token, induction
