@@ -8,9 +8,10 @@
   rows = analysis.head_table(cap)                    # entropy, offsets, special mass per head
   report = analysis.evaluate_alignment(run)          # argmax alignment accuracy / AER (synthetic)
   result = analysis.head_ablation(run)               # the task's loss with each head removed
-  logits, cache = analysis.run_with_cache(run, tokens, ["blocks.0.attn.pattern"])   # GPT sites
+  logits, cache = analysis.run_with_cache(run, tokens, ["blocks.0.attn.pattern"])   # any family
   logits = analysis.run_with_hooks(run, tokens, [analysis.Intervention("blocks.1.attn.z", "zero")])
   grid = analysis.patch_sweep(run, clean, corrupted, metric, site="resid_pre")   # [layers, len]
+  text = analysis.generate_with_hooks(run, prompt, [iv], num_tokens=50)   # edits at every step
   scores = analysis.detect_heads(run)                # previous-token, duplicate-token, induction
   layers = analysis.logit_lens(run, tokens)          # [layers + 1, batch, len, vocab]
   dla = analysis.logit_attribution(run, tokens)      # per component and head; sums to the logits
@@ -38,7 +39,8 @@ from attnlab.analysis.circuits import (HeadWeights, composition_scores, head_wei
 from attnlab.analysis.detectors import (chance_scores, detect_heads, duplicate_token_score,
                                         induction_score, previous_token_score,
                                         repeated_random_tokens)
-from attnlab.analysis.hooks import Intervention, patch_sweep, run_with_cache, run_with_hooks
+from attnlab.analysis.hooks import (Intervention, generate_with_hooks, patch_sweep, run_with_cache,
+                                    run_with_hooks)
 from attnlab.analysis.lens import (LogitAttribution, attribution_patch, logit_attribution,
                                    logit_lens)
 from attnlab.analysis.metrics import (attention_rollout, entropy, head_table, mean_abs_offset,
@@ -51,7 +53,7 @@ __all__ = ["AblationResult", "Capture", "HeadWeights", "Intervention", "LogitAtt
            "SinkMetrics", "composition_scores", "first_token_score", "head_weights", "path_patch",
            "random_baseline", "sink_metrics", "sink_rate",
            "attention_maps", "attention_rollout", "attribution_patch", "capture", "capture_batch", "capture_text", "chance_scores",
-           "detect_heads", "duplicate_token_score", "entropy", "evaluate_alignment", "few_steps_warning",
+           "detect_heads", "duplicate_token_score", "entropy", "evaluate_alignment", "few_steps_warning", "generate_with_hooks",
            "gold_alignment", "head_ablation", "head_table", "induction_score", "load_run", "logit_attribution", "logit_lens",
            "mean_abs_offset", "mean_offset", "normalized_entropy", "patch_sweep",
            "plot_head_ablation", "previous_token_score", "read_metrics", "repeated_random_tokens",

@@ -27,8 +27,19 @@ averages the states themselves.
 
 Decoding goes through `attnlab.decoding` with `init_decode_state` and `Seq2Seq.decode_step`
 (see `make_step_fn`).
+
+Hook sites (attnlab.layers.hooks; their public names and shapes: attnlab.analysis.hooks.SITES) of
+the teacher-forced pass (`__call__`; decoding runs without them): the encoder's "embedded" and
+"states" (its top layer's states, what the attention reads; the final carries that start the
+decoder are not edited with them), the decoder's "decoder_embedded", and per step (STEP_SITES,
+inside the scan, cached stacked over the steps): "attn_pattern", "attn_context" (an edited
+pattern makes the context pattern @ values), "decoder_states" (the top layer's new state: the
+cell's output and its next carry) and "decoder_features" (what the output layer reads; Luong's
+attentional state, also the next step's input feed). An edit at step t reaches every later step
+through the recurrence. A step's intervention sees only that step, so op "mean" needs its value.
 """
 
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -40,6 +51,7 @@ from attnlab import precision
 from attnlab.attention import core as attn_core
 from attnlab.attention import masks as attn_masks
 from attnlab.attention import scores as attn_scores
+from attnlab.layers import hooks
 
 ATTENTIONS = ("none", "bahdanau", "luong")
 WINDOWS = ("global", "local", "local_m", "hard")
@@ -49,6 +61,10 @@ CELLS = ("gru", "lstm")
 ATTENTION_VALUES = ("states", "projected")
 # Scores with no parameters of their own need queries and keys of the same size.
 _SAME_SIZE_SCORES = ("dot", "scaled_dot", "cosine")
+
+# Hook sites of the decoder's steps (Seq2Seq's own, stacked over the steps `[batch, tgt_len,
+# ...]`): the attention weights and context, the top layer's new state, the output layer's input.
+STEP_SITES = ("attn_pattern", "attn_context", "decoder_states", "decoder_features")
 
 Carry = Any  # one layer's recurrent state: [batch, hidden] (GRU) or a (c, h) pair (LSTM)
 
@@ -90,6 +106,7 @@ class Encoder(nn.Module):
     """
     x = nn.Embed(self.vocab_size, self.embed_dim, name="embed")(tokens)  # [batch, src_len, embed]
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+    x = hooks.hook(self, "embedded", x)  # [batch, src_len, embed]
     finals = []
     for layer in range(self.num_layers):
       if self.bidirectional:
@@ -105,7 +122,8 @@ class Encoder(nn.Module):
       if layer < self.num_layers - 1:
         x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
       finals.append(final)
-    return x, finals
+    # The top layer's states: what the attention reads (the final carries go on unedited).
+    return hooks.hook(self, "states", x), finals  # [batch, src_len, enc_dim]
 
 
 class _Options(nn.Module, kw_only=True):
@@ -230,30 +248,59 @@ class DecoderCell(_Options):
     return new, x
 
   def __call__(self, carry: dict[str, Any], embedded: jax.Array, memory: dict[str, jax.Array],
-               deterministic: bool = True):
+               deterministic: bool = True, *, edits: Mapping[str, Any] | None = None,
+               keep: tuple[str, ...] = ()):
+    """One step; `edits` {step site: this step's Interventions, values `[batch, ...]`, position
+    masks `[batch]`} (Seq2Seq._step_edits), `keep` the step sites to return (STEP_SITES)."""
     rnn = list(carry["rnn"])
     step = carry.get("step")  # [batch] int32: the decoder step t (local-m only)
+    kept = {}
+
+    def site(name, x):  # a hook site of one step, x [batch, ...]
+      for iv in (edits or {}).get(name, ()):
+        iv = hooks.Intervention(iv.site, iv.op, None if iv.value is None else iv.value[:, None],
+                                None if iv.positions is None else iv.positions[:, None])
+        x = hooks.apply_intervention(x[:, None], iv, positions_axis=1, heads_axis=None)[:, 0]
+      if name in keep:
+        kept[name] = x
+      return x
+
+    def attend(query):
+      context, weights, log_prob = self._attend(query, memory, deterministic, step)
+      weights = site("attn_pattern", weights)  # [batch, src_len]
+      if (edits or {}).get("attn_pattern"):  # the context of the edited weights
+        context = jnp.einsum("bs,bse->be", weights.astype(memory["values"].dtype),
+                             memory["values"])  # [batch, enc_dim]
+      return site("attn_context", context), weights, log_prob  # [batch, enc_dim]
+
+    def cells(x):
+      new, h = self._step_cells(rnn, x)
+      h = site("decoder_states", h)  # [batch, hidden]: the output and the top layer's carry
+      top = new[-1]
+      new[-1] = (top[0], h) if isinstance(top, tuple) else h
+      return new, h
+
     if self.attention == "none":
-      rnn, h = self._step_cells(rnn, embedded)
+      rnn, h = cells(embedded)
       weights = jnp.zeros(memory["mask"].shape[:1] + memory["mask"].shape[-1:], h.dtype)
       features, log_prob = h, jnp.zeros(h.shape[:1], jnp.float32)
     elif self.attention == "bahdanau":
-      context, weights, log_prob = self._attend(_hidden(rnn[-1]), memory, deterministic,
-                                                 step)
-      rnn, h = self._step_cells(rnn, jnp.concatenate([embedded, context], axis=-1))
+      context, weights, log_prob = attend(_hidden(rnn[-1]))
+      rnn, h = cells(jnp.concatenate([embedded, context], axis=-1))
       features = jnp.concatenate([h, context], axis=-1)  # [batch, hidden + enc_dim]
     else:  # luong
       x = embedded
       if self.input_feeding:
         x = jnp.concatenate([embedded, carry["feed"]], axis=-1)  # [batch, embed + hidden]
-      rnn, h = self._step_cells(rnn, x)
-      context, weights, log_prob = self._attend(h, memory, deterministic, step)
+      rnn, h = cells(x)
+      context, weights, log_prob = attend(h)
       features = jnp.tanh(self.combine(jnp.concatenate([context, h], axis=-1)))  # [batch, hidden]
+    features = site("decoder_features", features)  # [batch, out_dim]
     new_carry = {"rnn": tuple(rnn), "feed": features if self.attention == "luong"
                  else carry["feed"]}
     if step is not None:
       new_carry["step"] = step + 1
-    return new_carry, (features, weights, log_prob)
+    return new_carry, (features, weights, log_prob, kept)
 
 
 class Seq2Seq(_Options):
@@ -316,6 +363,38 @@ class Seq2Seq(_Options):
               "lengths": src_lengths}
     return {"carry": carry, "memory": memory}
 
+  def _step_edits(self, steps: tuple[int, int], values: jax.Array) -> dict[str, Any]:
+    """{step site: its Interventions with values `[batch, tgt_len, ...]` and position masks
+    `[batch, tgt_len]` (None: all), broadcast in full}: the scan hands each step its slice."""
+    batch, length = steps
+    out_dim = self.hidden_dim + (values.shape[-1] if self.attention == "bahdanau" else 0)
+    shapes = {"attn_pattern": (batch, length, values.shape[1]),
+              "attn_context": (batch, length, values.shape[-1]),
+              "decoder_states": (batch, length, self.hidden_dim),
+              "decoder_features": (batch, length, out_dim)}
+    edits = {}
+    for name, shape in shapes.items():
+      if not hooks.intervened(self, name):
+        continue
+      sliced = []
+      for iv in self.get_variable(hooks.INTERVENTIONS, name):
+        if iv.heads is not None:
+          raise ValueError(f"site {iv.site!r} has no heads axis; leave its heads mask out")
+        if iv.op == "mean" and iv.value is None:
+          raise ValueError(f"op 'mean' at the recurrent site {iv.site!r} needs its value (e.g. "
+                           f"the mean of a cached run): a step cannot see the later steps")
+        positions = None
+        if iv.positions is not None:
+          positions = jnp.asarray(iv.positions, bool)
+          if positions.ndim not in (1, 2) or positions.shape[-1] != length:
+            raise ValueError(f"positions mask of {iv.site!r} must be [{length}] or [batch, "
+                             f"{length}] (the target length), got shape {positions.shape}")
+          positions = jnp.broadcast_to(positions, (batch, length))
+        value = None if iv.value is None else jnp.broadcast_to(jnp.asarray(iv.value), shape)
+        sliced.append(hooks.Intervention(iv.site, iv.op, value, positions))
+      edits[name] = tuple(sliced)
+    return edits
+
   def _logits(self, features: jax.Array, deterministic: bool) -> jax.Array:
     return self.output(self.dropout(features, deterministic=deterministic))
 
@@ -323,15 +402,20 @@ class Seq2Seq(_Options):
                deterministic: bool = True) -> tuple[jax.Array, dict[str, jax.Array]]:
     state = self.encode(src, src_lengths, deterministic=deterministic)
     embedded = self.dropout(self.tgt_embed(tgt_in), deterministic=deterministic)  # [b, t, embed]
+    embedded = hooks.hook(self, "decoder_embedded", embedded)  # [batch, tgt_len, embed]
+    edits = self._step_edits(embedded.shape[:2], state["memory"]["values"])
+    keep = tuple(n for n in STEP_SITES if hooks.capturing_site(self, n))
 
-    def body(cell, carry, x, memory):
-      return cell(carry, x, memory, deterministic=deterministic)
+    def body(cell, carry, x, edits, memory):
+      return cell(carry, x, memory, deterministic=deterministic, edits=edits, keep=keep)
 
     scan = nn.scan(body, variable_broadcast="params", split_rngs={"params": False, "sample": True},
-                   in_axes=(1, nn.broadcast), out_axes=1)
-    _, (features, weights, log_prob) = scan(self.decoder_cell, state["carry"], embedded,
-                                            state["memory"])
+                   in_axes=(1, 1, nn.broadcast), out_axes=1)
+    _, (features, weights, log_prob, kept) = scan(self.decoder_cell, state["carry"], embedded,
+                                                  edits, state["memory"])
     # features: [batch, tgt_len, out_dim]; weights: [batch, tgt_len, src_len]
+    for name, value in kept.items():  # the step sites, stacked [batch, tgt_len, ...]
+      self.sow(hooks.HOOKS, name, value)
     self.sow("intermediates", "attention_weights", weights)
     logits = self._logits(features, deterministic)  # [batch, tgt_len, tgt_vocab]
     aux = {"attention_weights": weights}
@@ -343,8 +427,8 @@ class Seq2Seq(_Options):
                   ) -> tuple[jax.Array, dict[str, Any], jax.Array]:
     """One greedy/beam step for `attnlab.decoding`: (logits [b, vocab], new state, weights [b, s])."""
     embedded = self.tgt_embed(tokens)  # [batch, embed]
-    carry, (features, weights, _) = self.decoder_cell(state["carry"], embedded, state["memory"],
-                                                      deterministic=True)
+    carry, (features, weights, _, _) = self.decoder_cell(state["carry"], embedded,
+                                                         state["memory"], deterministic=True)
     logits = self._logits(features, True)  # [batch, tgt_vocab]
     return logits, {"carry": carry, "memory": state["memory"]}, weights
 
