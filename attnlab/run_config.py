@@ -114,7 +114,8 @@ CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 TASK_CONFIG_FILES: dict[str, tuple[str, str]] = {
     "regression": ("nadaraya_watson.py", ""), "causal_lm": ("gpt.py", ""),
     "masked_lm": ("bert.py", "mode=pretrain"), "classification": ("bert.py", "mode=finetune"),
-    "long_range": ("lra.py", ""), "translation": ("seq2seq.py", "")}
+    "long_range": ("lra.py", ""), "translation": ("seq2seq.py", ""),
+    "rnn_classification": ("classify.py", "")}
 
 
 def _merge(into: dict[str, Any], more: Mapping[str, Any]) -> dict[str, Any]:
@@ -158,7 +159,8 @@ def run_defaults(data: Mapping[str, Any]) -> dict[str, Any]:
   if task == "translation" and isinstance(model, Mapping) and model.get("name") == "transformer":
     name = "transformer.py"
   dataset = group.get("name") if isinstance(group, Mapping) else None
-  if task in ("translation", "long_range") and isinstance(dataset, str) and dataset.isidentifier():
+  if (task in ("translation", "long_range", "rnn_classification") and isinstance(dataset, str)
+      and dataset.isidentifier()):
     arg = f"data.name={dataset}"
   found = _config_file_defaults(name, arg)
   return _merge(defaults, found) if found is not None else defaults

@@ -11,8 +11,11 @@
 Paths are the "/"-joined module paths of `attention_maps` (sorted naturally: layer_2 before
 layer_10): "block_<i>/self_attention" (GPT), "encoder/block_<i>/self_attention" (BERT),
 "encoder_layer_<i>/self_attention", "decoder_layer_<i>/{self,cross}_attention" (Transformer),
-"." (the RNN seq2seq sows its one attention at the model root; heads = 1) and "." for the
-Nadaraya-Watson regression (sides "queries" and "keys").
+"." (the RNN seq2seq sows its one attention at the model root; heads = 1), "." for the
+Nadaraya-Watson regression (sides "queries" and "keys") and "pooling" for the RNN text
+classifier's attention pooling (`[1, 1, len]`: sides "context", the one position of the learned
+context vector u_w, labelled "[u_w]", and "tokens"; kind "cross"; a run with last or mean
+pooling has no attention and captures nothing).
 
 Token sides. Encoder-decoder runs: "source" = the source tokens, "target" = the decoder's input
 tokens `<start> y_1 .. y_n`, one per decoder position: row i of a cross-attention is the step
@@ -27,6 +30,7 @@ padded with 0), by task:
                   with the task's decoder and the decoded output is teacher-forced.
   causal_lm       {"inputs", "length"?} or the ids themselves.
   masked_lm, classification  {"tokens", "segments"?, "valid"?} or the ids themselves.
+  rnn_classification  {"tokens"} or the ids themselves (right-padded with 0).
   regression      {"queries", "keys", "values"} float `[n]` (default: the task's test grid and
                   training points).
 
@@ -265,6 +269,44 @@ def _task_tokenizer(run, side: str):
   return run.task.tokenizer
 
 
+# The query side of attention pooling: the learned context vector u_w, one position (no token).
+CONTEXT_SIDE = "context"
+CONTEXT_LABEL = "[u_w]"
+
+
+def _prepare_rnn_classifier(run, inputs) -> _Prepared:
+  inputs = _dict_inputs(inputs, "tokens")
+  _check_keys("rnn_classification", inputs, ("tokens",), ())
+  ids = _as_batch(inputs["tokens"], "tokens")
+  if np.any((ids[:, 1:] != 0) & (ids[:, :-1] == 0)):
+    raise ValueError("rnn_classification tokens must be right-padded with 0 (no id after a 0)")
+  lengths = (ids != 0).sum(1).astype(np.int32)
+  return _Prepared(args=(ids,), ids={"tokens": ids, CONTEXT_SIDE: np.ones((len(ids), 1),
+                                                                         np.int32)},
+                   lengths={"tokens": lengths, CONTEXT_SIDE: np.ones((len(ids),), np.int32)})
+
+
+def _rnn_classifier_info(path: str) -> tuple[tuple[str, str], str]:
+  if path.startswith("encoder"):  # the encoder's states (extras=True)
+    return ("tokens", "tokens"), "self"
+  return (CONTEXT_SIDE, "tokens"), "cross"
+
+
+def _rnn_classifier_text(run, text: str, target: str | None) -> np.ndarray:
+  if target is not None:
+    raise ValueError("an rnn_classification run reads one text; leave the target out")
+  return run.task.encode(text)
+
+
+class _ContextFamily(_Family):
+  """A family with attention pooling: the context side's one position is labelled u_w."""
+
+  def labels(self, run, side: str, ids: np.ndarray) -> list[str]:
+    if side == CONTEXT_SIDE:
+      return [CONTEXT_LABEL] * len(ids)
+    return super().labels(run, side, ids)
+
+
 _BERT = _Family(_prepare_bert, lambda p: (("tokens", "tokens"), "self"), _bert_text,
                 _task_tokenizer)
 # config.task -> how its model is fed and its layers are named.
@@ -278,6 +320,8 @@ _FAMILIES: dict[str, _Family] = {
     "classification": _BERT,
     "regression": _Family(_prepare_regression, lambda p: (("queries", "keys"), "cross"), None,
                           None),
+    "rnn_classification": _ContextFamily(_prepare_rnn_classifier, _rnn_classifier_info,
+                                         _rnn_classifier_text, _task_tokenizer),
 }
 # Tasks whose runs capture() understands.
 SUPPORTED_TASKS: tuple[str, ...] = tuple(_FAMILIES)
@@ -443,6 +487,7 @@ def capture_text(run, text: str, target: str | None = None, *, extras: bool = Fa
     otherwise the greedy decoding of `text` is captured. causal_lm: the prompt as
     `attnlab generate` encodes it. masked_lm / classification: `[CLS] text [SEP]`, or
     `[CLS] text [SEP] target [SEP]` (segments 0 and 1) when `target` is given.
+    rnn_classification: the text's ids (cut to data.max_len), no target.
   """
   family = _family(run)
   if family.encode_text is None:

@@ -81,7 +81,7 @@ def _make_cell(cell: str, features: int, name: str | None = None) -> nn.RNNCellB
   return nn.LSTMCell(features, name=name)
 
 
-def _hidden(carry: Carry) -> jax.Array:
+def hidden_state(carry: Carry) -> jax.Array:
   """The output state of one layer's carry (h of an LSTM's (c, h))."""
   return carry[1] if isinstance(carry, tuple) else carry
 
@@ -285,7 +285,7 @@ class DecoderCell(_Options):
       weights = jnp.zeros(memory["mask"].shape[:1] + memory["mask"].shape[-1:], h.dtype)
       features, log_prob = h, jnp.zeros(h.shape[:1], jnp.float32)
     elif self.attention == "bahdanau":
-      context, weights, log_prob = attend(_hidden(rnn[-1]))
+      context, weights, log_prob = attend(hidden_state(rnn[-1]))
       rnn, h = cells(jnp.concatenate([embedded, context], axis=-1))
       features = jnp.concatenate([h, context], axis=-1)  # [batch, hidden + enc_dim]
     else:  # luong
