@@ -373,11 +373,11 @@ def _forward(model, params, args, keys: tuple[str, ...] | None):
   to sow (None: none, the plain pass)."""
   if keys is None:
     _, state = model.apply({"params": params}, *args, mutable=["intermediates"])
-    return state["intermediates"], {}
+    return state.get("intermediates", {}), {}  # a model without attention sows nothing
   with layer_hooks.capturing(keys):
     _, state = model.apply({"params": params}, *args, mutable=["intermediates", layer_hooks.HOOKS])
   flat = traverse_util.flatten_dict(state.get(layer_hooks.HOOKS, {}), sep="/")
-  return state["intermediates"], {k: v[-1] for k, v in flat.items()}
+  return state.get("intermediates", {}), {k: v[-1] for k, v in flat.items()}
 
 
 def _extras(model: Any, params: Any, wanted: dict[str, str], values: dict[str, Any]
