@@ -33,10 +33,11 @@ DATASETS = ("sst2", "cue_word")
 PRESETS = {
     "sst2": {},
     "cue_word": {"data.num_train": 4000, "data.num_eval": 500, "data.max_len": 32,
-                 "num_train_steps": 600, "eval_every": 200, "checkpoint_every": 200},
+                 "data.buckets": (), "num_train_steps": 600, "eval_every": 200,
+                 "checkpoint_every": 200},
 }
 # data.tokenizer -> {key: value}, applied after the data set's presets.
-TOKENIZER_PRESETS = {"word": {}, "char": {"data.max_len": 256}}
+TOKENIZER_PRESETS = {"word": {}, "char": {"data.max_len": 256, "data.buckets": (64, 128)}}
 # Overrides of runlocal=True (after config_utils.RUNLOCAL), per data set.
 RUNLOCAL = {"model.embed_dim": 16, "model.hidden_dim": 16, "data.eval_batch_size": 64}
 RUNLOCAL_DATA = {"sst2": {"data.num_train": 200, "data.num_eval": 40},
@@ -97,6 +98,9 @@ def get_config(arg: str | None = None):
   # Tokens per text: longer texts are cut, shorter ones padded with 0 (SST-2's longest training
   # sentence has 52 words, 268 characters).
   data.max_len = 64
+  # Shorter padded lengths of training batches: each batch is padded to the smallest of these
+  # (and max_len) that holds its longest text, the texts grouped by it (one compile per length).
+  data.buckets = (16, 32)
   # Training examples: the first N of the split (0 = all; cue_word: N generated).
   data.num_train = 0
   # Evaluation examples: the first N of the validation split (0 = all; cue_word: N generated).

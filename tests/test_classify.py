@@ -3,6 +3,7 @@ against NumPy references written here from their formulas, with padding; a short
 the synthetic cue_word task, reloads without its data, and shows its pooling weights to capture
 and `attnlab view`."""
 
+import itertools
 import pathlib
 import re
 
@@ -256,8 +257,11 @@ def test_sst2_is_read_and_encoded(shared_data, monkeypatch):
   monkeypatch.setenv("ATTNLAB_DATA_DIR", str(shared_data))
   task = rnn_classification.RNNClassificationTask(_config("runlocal=True"))
   assert task.num_classes == 2
-  train_arrays = next(iter(task.train_iterator()))
-  assert train_arrays["tokens"].shape == (8, 64)
+  assert task.buckets() == [16, 32, 64]
+  for batch in itertools.islice(task.train_iterator(), 5):  # padded to the bucket that holds it
+    longest = batch["tokens_length"].max()
+    assert batch["tokens"].shape[1] == min(b for b in (16, 32, 64) if b >= longest)
+    assert batch["tokens"].shape[0] == 8 and batch["example_mask"].all()
   batch = task.eval_batches()[0]
   assert batch["tokens"].shape == (40, 64) and set(np.unique(batch["labels"])) == {0, 1}
   first = data_lib.get_dataset("sst2", "validation[:1]")[0]["sentence"]

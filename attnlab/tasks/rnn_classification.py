@@ -8,9 +8,11 @@ Data: `attnlab.data.labelled.read(config.data, split, limit)`, by `data.name` (s
 synthetic cue_word, or any reader registered there), split "train" (the first `data.num_train`)
 and "validation" (the first `data.num_eval`). The texts are tokenized with a word or character
 tokenizer (`data.tokenizer`; words: lower-cased, punctuation split off, seen at least
-`data.min_count` times in training, else <unk>) trained on the training texts, cut to
-`data.max_len` tokens and padded with 0 to that length. The tokenizer and the number of classes
-are the run's assets: a run reloads, evaluates and is viewed without its data.
+`data.min_count` times in training, else <unk>) trained on the training texts and cut to
+`data.max_len` tokens. Training batches are padded with 0 to the smallest of `data.buckets` (and
+data.max_len) that holds their longest text, grouped by that length (SST-2's training phrases
+have a median of 7 tokens); evaluation batches to data.max_len. The tokenizer and the number of
+classes are the run's assets: a run reloads, evaluates and is viewed without its data.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ class RNNClassificationTask(Task):
     for key in ("max_len", "min_count", "eval_batch_size"):
       if data[key] < 1:
         raise ConfigError(f"data.{key} must be >= 1, got {data[key]}")
+    if not all(isinstance(b, int) and b >= 1 for b in data.buckets):
+      raise ConfigError(f"data.buckets must be padded lengths >= 1, e.g. (16, 32), got "
+                        f"{tuple(data.buckets)!r:.60}")
     if data.name == "cue_word" and data.cue_word.max_len > data.max_len:
       raise ConfigError(f"data.cue_word.max_len={data.cue_word.max_len} makes sentences longer "
                         f"than data.max_len={data.max_len}: the cue word could be cut off; raise "
@@ -58,7 +63,7 @@ class RNNClassificationTask(Task):
     self.tokenizer = self.asset_tokenizer("tokenizer", self._train_tokenizer)
     self.num_classes = self.asset_size("num_classes", lambda: self._training().num_classes)
     self.model = rnn_classifier.from_config(config.model, len(self.tokenizer), self.num_classes)
-    self._train: dict[str, np.ndarray] | None = None
+    self._train: list[dict[str, Any]] | None = None
     self._eval: list[dict[str, np.ndarray]] | None = None
 
   # ---- data
@@ -81,26 +86,40 @@ class RNNClassificationTask(Task):
       raise ValueError(f"{text[:40]!r} has no tokens; give a text with at least one")
     return np.asarray(ids, np.int32)
 
-  def arrays(self, examples: labelled.LabelledTexts) -> dict[str, np.ndarray]:
-    """{"tokens" int32 `[n, data.max_len]` (0-padded), "labels" int32 `[n]`, "weights" `[n]`}."""
+  def _ids(self, examples: labelled.LabelledTexts) -> list[list[int]]:
     if examples.num_classes > self.num_classes:
       raise ConfigError(f"the data have {examples.num_classes} classes but this model "
                         f"{self.num_classes}")
-    max_len = self.config.data.max_len
-    tokens = np.zeros((len(examples.texts), max_len), np.int32)
-    for i, text in enumerate(examples.texts):
-      ids = self.tokenizer.encode(text)[:max_len]
-      tokens[i, :len(ids)] = ids
-    return {"tokens": tokens, "labels": examples.labels.astype(np.int32),
-            "weights": np.ones((len(examples.labels),), np.float32)}
+    return [self.tokenizer.encode(text)[:self.config.data.max_len] for text in examples.texts]
 
-  def train_iterator(self) -> pipeline.IndexedBatches:
+  def arrays(self, examples: labelled.LabelledTexts) -> dict[str, np.ndarray]:
+    """{"tokens" int32 `[n, data.max_len]` (0-padded), "labels" int32 `[n]`, "example_mask"
+    bool `[n]`}: the evaluation arrays."""
+    ids = self._ids(examples)
+    tokens = np.zeros((len(ids), self.config.data.max_len), np.int32)
+    for i, row in enumerate(ids):
+      tokens[i, :len(row)] = row
+    return {"tokens": tokens, "labels": examples.labels.astype(np.int32),
+            pipeline.EXAMPLE_MASK: np.ones((len(ids),), bool)}
+
+  def buckets(self) -> list[int]:
+    """The padded lengths of training batches: data.buckets below data.max_len, then max_len."""
+    max_len = self.config.data.max_len
+    return sorted({int(b) for b in self.config.data.buckets if b < max_len} | {max_len})
+
+  def train_iterator(self) -> pipeline.Batcher:
+    """Training batches {"tokens", "labels", "example_mask", ...} (pipeline.Batcher): a fresh
+    permutation per epoch, grouped by padded length (`buckets`; one compile per length)."""
     if self._train is None:
-      self._train = self.arrays(self._training())
-    return pipeline.permuted_batches(self._train, self.config.batch_size, self.config.seed)
+      texts = self._training()
+      self._train = [{"tokens": ids, "labels": int(label)}
+                     for ids, label in zip(self._ids(texts), texts.labels)]
+    return pipeline.Batcher(self._train, self.config.batch_size, seed=self.config.seed,
+                            buckets=self.buckets())
 
   def eval_batches(self) -> list[dict[str, np.ndarray]]:
-    """The validation split (its first data.num_eval) in batches of data.eval_batch_size."""
+    """The validation split (its first data.num_eval) in batches of data.eval_batch_size, padded
+    to data.max_len."""
     if self._eval is None:
       data = self.config.data
       self._eval = pipeline.ordered_batches(
@@ -120,7 +139,8 @@ class RNNClassificationTask(Task):
 
   def metric_sums(self, params, batch, rng=None):
     logits = self.logits(params, batch["tokens"], rng)  # [batch, classes]
-    loss, correct, count = losses.weighted_cross_entropy(logits, batch["labels"], batch["weights"])
+    weights = batch[pipeline.EXAMPLE_MASK].astype(jnp.float32)  # [batch]: 0 for padding rows
+    loss, correct, count = losses.weighted_cross_entropy(logits, batch["labels"], weights)
     return {"loss": (loss, count), "accuracy": (correct, count)}
 
   def loss_fn(self, params, batch, rng):
