@@ -55,7 +55,7 @@ def get_config(arg: str | None = None):
 
   config = config_utils.base_config()
   config.task = "rnn_classification"
-  config.num_train_steps = 2000
+  config.num_train_steps = 1000
   config.batch_size = 64
   config.log_every = 100
   config.eval_every = 500
