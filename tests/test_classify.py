@@ -270,3 +270,13 @@ def test_sst2_is_read_and_encoded(shared_data, monkeypatch):
   assert len(ids) == min(len(words), 64)
   known = [task.tokenizer.id_to_token(int(i)) for i in ids]
   assert all(k in (w, "<unk>") for k, w in zip(known, words))
+
+
+def test_sst2_with_character_tokens(shared_data, monkeypatch):
+  from attnlab.tasks import rnn_classification  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("ATTNLAB_DATA_DIR", str(shared_data))
+  config = _config("runlocal=True,tokenizer=char")
+  assert config.data.max_len == 256 and tuple(config.data.buckets) == (64, 128)
+  task = rnn_classification.RNNClassificationTask(config)
+  text = data_lib.get_dataset("sst2", "train[:1]")[0]["sentence"]
+  assert [task.tokenizer.id_to_token(int(i)) for i in task.encode(text)] == list(text)[:256]
