@@ -157,6 +157,29 @@ def test_attention_pooling_weights_follow_the_formula_and_are_sown():
   np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
 
 
+def test_hook_sites_cache_and_edit_the_pooling():
+  from attnlab.analysis import hooks  # pylint: disable=g-import-not-at-top
+  model, params = _model("attention", "gru", True)
+  assert list(hooks.sites(model)) == ["encoder.embed", "encoder.states", "pooling.pattern",
+                                      "pooled"]
+  assert "pooling.pattern" not in hooks.sites(_model("mean")[0])
+  logits, cache = hooks.run_with_cache((model, params), TOKENS)
+  p = jax.device_get(params["pooling"])
+  states = np.asarray(cache["encoder.states"], np.float64)
+  want_pooled, want_alpha = np_yang_pooling(states, p["w"], p["b"], p["context"], TOKENS != 0)
+  np.testing.assert_allclose(cache["pooling.pattern"], want_alpha, **TOL)
+  np.testing.assert_allclose(cache["pooled"], want_pooled, rtol=1e-5, atol=1e-5)
+  # All the weight on each row's first token: the classifier reads that token's state.
+  first = np.zeros(TOKENS.shape, np.float32)
+  first[:, 0] = 1.0
+  edit = hooks.Intervention("pooling.pattern", "replace", first)
+  edited, cache = hooks.run_with_cache((model, params), TOKENS, ["pooled"], interventions=[edit])
+  np.testing.assert_allclose(cache["pooled"], states[:, 0], rtol=1e-5, atol=1e-6)
+  kernel, bias = p_classifier(params)
+  np.testing.assert_allclose(edited, states[:, 0] @ kernel + bias, rtol=1e-5, atol=1e-5)
+  assert not np.allclose(edited, logits)
+
+
 def p_classifier(params):
   c = jax.device_get(params["classifier"])
   return c["kernel"], c["bias"]

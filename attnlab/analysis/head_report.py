@@ -145,10 +145,10 @@ def view_columns(run: Any, capture: Any, rows: Sequence[Mapping[str, Any]]
       per_layer[path] = cols
   scores = None
   try:
-    hooks_lib.sites(model)
+    is_gpt = hooks_lib.family(model) == "gpt"  # the detectors read a causal LM
   except (ValueError, TypeError):
-    pass
-  else:
+    is_gpt = False
+  if is_gpt:
     scores = detectors.detect_heads(run)
   names = ["first_token"] + (["sink_mass"] if softmax_sink else [])
   if scores is not None:

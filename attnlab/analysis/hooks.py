@@ -31,6 +31,7 @@ name):
 | bert | BertForPretraining, BertForClassification, BertEncoder | tokens, or {"tokens", "segments", "valid", "mlm_positions"} (all but tokens optional) | the model's own: (MLM logits, NSP logits); class logits; (sequence, pooled) |
 | transformer | attnlab.models.transformer.Transformer | (src, src_lengths, tgt_in) or {"src", "src_lengths", "tgt_in"} (src_lengths optional: up to the last nonzero id) | logits `[batch, tgt_len, tgt_vocab]` (teacher-forced) |
 | seq2seq | attnlab.models.seq2seq.Seq2Seq | as transformer | logits `[batch, tgt_len, tgt_vocab]` |
+| rnn_classifier | attnlab.models.rnn_classifier.RNNClassifier | tokens `[batch, len]` (right-padded with 0) | class logits `[batch, classes]` |
 
 Shapes below: `[batch, len, d_model]` unless noted; i = 0 .. layers - 1; `scale` sites are the
 LayerNorms' per-token reciprocal standard deviation `[batch, len, 1]` (TransformerLens's
@@ -77,6 +78,10 @@ Family sites around the blocks:
 | seq2seq | attn.context | each step's context vector `[batch, tgt_len, enc_dim]` (not with attention=none) |
 | seq2seq | decoder.states | the top decoder cell's new state h_t `[batch, tgt_len, hidden_dim]` |
 | seq2seq | decoder.features | what the output layer reads `[batch, tgt_len, out_dim]` ([h; c] for Bahdanau, Luong's attentional state) |
+| rnn_classifier | encoder.embed | token embeddings `[batch, len, embed_dim]` |
+| rnn_classifier | encoder.states | the top recurrent layer's states `[batch, len, enc_dim]` (what the pooling reads) |
+| rnn_classifier | pooling.pattern | attention pooling's weights over the tokens `[batch, len]` (pooling=attention only; masks select tokens; an edited pattern pools sum_t pattern_t h_t) |
+| rnn_classifier | pooled | the pooled vector, what the classifier reads `[batch, enc_dim]` (no positions axis) |
 
 The seq2seq decoder's sites live inside its scan over steps: an edit at step t reaches every
 later step through the recurrence (Bahdanau: pattern, context, then the cell; Luong: the cell,
@@ -282,27 +287,43 @@ SITES: dict[str, tuple[Row, ...]] = {
          "what the output layer reads ([h; context] for Bahdanau, the attentional state for "
          "Luong)", 1, None, ()),
     ),
+    # attnlab.models.rnn_classifier.RNNClassifier.
+    "rnn_classifier": (
+        ("encoder.embed", "encoder/embedded", "[batch, len, embed_dim]",
+         "token embeddings (after dropout)", 1, None, ()),
+        ("encoder.states", "encoder/states", "[batch, len, enc_dim]",
+         "the top recurrent layer's states, what the pooling reads", 1, None, ()),
+        ("pooling.pattern", "pooling/pattern", "[batch, len]",
+         "attention pooling's weights over the tokens", 1, None, ("attention",)),
+        ("pooled", "pooled", "[batch, enc_dim]", "the pooled vector, what the classifier reads",
+         None, None, ()),
+    ),
 }
 # Families with hook sites.
 FAMILIES: tuple[str, ...] = tuple(SITES)
 
 
 def family(model: Any) -> str:
-  """The family of `model` ("gpt", "bert", "transformer", "seq2seq"); ValueError otherwise."""
+  """The family of `model` ("gpt", "bert", "transformer", "seq2seq", "rnn_classifier");
+  ValueError otherwise."""
   # pylint: disable=g-import-not-at-top
-  from attnlab.models import bert, gpt, seq2seq, transformer
+  from attnlab.models import bert, gpt, rnn_classifier, seq2seq, transformer
   for name, kind in (("gpt", gpt.GPT), ("bert", bert.BertHyperparameters),
-                     ("transformer", transformer.Transformer), ("seq2seq", seq2seq.Seq2Seq)):
+                     ("transformer", transformer.Transformer), ("seq2seq", seq2seq.Seq2Seq),
+                     ("rnn_classifier", rnn_classifier.RNNClassifier)):
     if isinstance(model, kind):
       return name
-  raise ValueError(f"hook sites are declared for the GPT, BERT, Transformer and RNN seq2seq "
-                   f"models ({', '.join(FAMILIES)}); got a {type(model).__name__}")
+  raise ValueError(f"hook sites are declared for the GPT, BERT, Transformer, RNN seq2seq and "
+                   f"RNN classifier models ({', '.join(FAMILIES)}); got a "
+                   f"{type(model).__name__}")
 
 
 def _features(model: Any, kind: str) -> set[str]:
   """What the model's forward pass has, for the rows' `requires`."""
   if kind == "seq2seq":
     return {model.attention} | ({"attention"} if model.attention != "none" else set())
+  if kind == "rnn_classifier":
+    return {model.pooling}
   mlp = model.mlp_ratio if kind == "gpt" else model.mlp_dim
   placement = "pre" if kind == "gpt" else model.norm_position
   out = {f"{placement}_ln"} | ({"mlp"} if mlp else set())

@@ -6,6 +6,8 @@ alpha_t = softmax_t(u_t . u_w) over the real tokens, pooled = sum_t alpha_t h_t,
 context vector u_w a parameter. The weights are sown as `intermediates/<path>/attention_weights`
 `[batch, 1, len]` (one query, the context vector, over the tokens), as every attention layer sows
 its own, so analysis (attnlab.analysis.capture) and `attnlab view` read them without recomputing.
+The weights are also the hook site "pattern" (`[batch, len]`; masks select token positions): an
+edited pattern makes the pooled vector sum_t pattern_t h_t.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from attnlab.attention import pooling as pooling_lib
+from attnlab.layers import hooks
 from attnlab.layers import sown
 
 
@@ -32,5 +35,8 @@ class AttentionPooling(nn.Module):
     context = self.param("context", nn.initializers.normal(d_attn ** -0.5), (d_attn,))
     pooled, weights = pooling_lib.context_attention_pooling(
         {"w": w, "b": b, "context": context}, states, mask)  # [batch, d], [batch, len]
+    edited = hooks.hook(self, "pattern", weights)  # [batch, len]
+    if edited is not weights:  # an intervention: pool with the edited weights
+      weights, pooled = edited, jnp.einsum("bt,btd->bd", edited, states)  # [batch, d]
     self.sow("intermediates", sown.ATTENTION_WEIGHTS, weights[:, None, :])  # [batch, 1, len]
     return pooled.astype(jnp.float32)

@@ -16,6 +16,10 @@ Pooling (`pooling`), over the top layer's states h_1..h_T of the T real tokens:
 
 `pool(tokens)` (a method for `apply(..., method=RNNClassifier.pool)`) gives the states, the mask
 and the pooled vector, so that tests and analysis can see what the classifier reads.
+
+Hook sites (attnlab.layers.hooks; public names and shapes: attnlab.analysis.hooks.SITES): the
+encoder's "embedded" and "states" (seq2seq.Encoder's own), attention pooling's "pattern", and
+"pooled", what the classifier reads.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from attnlab import models as models_lib
 from attnlab import precision
 from attnlab.attention import pooling as pooling_lib
 from attnlab.errors import ConfigError
+from attnlab.layers import hooks
 from attnlab.layers.pooling import AttentionPooling
 from attnlab.models import seq2seq
 
@@ -84,6 +89,7 @@ class RNNClassifier(nn.Module):
       pooled = pooling_lib.masked_mean(states, mask)  # [batch, enc_dim]
     else:
       pooled = self.pooler(states, mask)  # [batch, enc_dim]
+    pooled = hooks.hook(self, "pooled", pooled, positions_axis=None)  # [batch, enc_dim]
     return {"states": states, "mask": mask, "pooled": pooled}
 
   def __call__(self, tokens: jax.Array, *, deterministic: bool = True) -> jax.Array:
