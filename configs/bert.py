@@ -232,23 +232,7 @@ def get_config(arg: str | None = None):
     data.num_train = 0
     # Use only the first N validation examples (0 = all; SST-2 has 872).
     data.num_eval = 0
-    # csv: the training file, CSV or TSV with a header row (attnlab/data/labeled_csv.py).
-    data.path = ""
-    # csv: the delimiter: "" (from the extension: .csv comma, .tsv tab), comma, tab, semicolon,
-    # pipe, or one character.
-    data.delimiter = ""
-    # csv: the header's name of the text column (sentence A of a pair).
-    data.text_column = "sentence"
-    # csv: the column of the second text of sentence pairs ("" = single sentences).
-    data.text_pair_column = ""
-    # csv: the label column (any strings; the classes are its sorted distinct values).
-    data.label_column = "label"
-    # csv: the validation file, with the same columns ("" = hold out data.valid_fraction).
-    data.valid_path = ""
-    # csv without data.valid_path: the fraction of the training file's rows held out.
-    data.valid_fraction = 0.1
-    # csv without data.valid_path: the seed of the permutation that picks the held-out rows.
-    data.valid_seed = 0
+    config_utils.add_labeled_file(data)  # data.path, data.text_column, ... (dataset=csv)
 
   local = {"model.max_len": 32, "model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0,
            "data.vocab_size": 400, "data.max_documents": 400, "data.max_extra_sentences": 400,

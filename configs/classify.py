@@ -10,14 +10,18 @@ Launch (from the repository root; SST-2 from $ATTNLAB_DATA_DIR or
   attnlab train --config=configs/classify.py --workdir=runs/rnn_sst2                # attention
   attnlab train --config=configs/classify.py:pooling=last,cell=lstm --workdir=runs/rnn_sst2_last
   attnlab train --config=configs/classify.py:dataset=cue_word --workdir=runs/rnn_cue  # no files
+  attnlab train --config=configs/classify.py:dataset=csv,data.path=mine.csv --workdir=runs/rnn_mine
   attnlab view --workdir=runs/rnn_sst2 --text="a gorgeous , witty , seductive movie ."
 A seconds-long check of the whole pipeline (the data set stays the one named):
   attnlab train --config=configs/classify.py:runlocal=True,dataset=cue_word --workdir=/tmp/cls
 The study (last vs mean vs attention pooling on SST-2): experiments/sst2_rnn/README.md.
 
 Shortcuts in the arg (besides any field):
-  dataset=NAME, or task=NAME   = data.name: sst2 (default) or cue_word (synthetic: filler words
-                                 and one cue word that decides the label); picks its defaults
+  dataset=NAME, or task=NAME   = data.name: sst2 (default), cue_word (synthetic: filler words
+                                 and one cue word that decides the label) or csv (your file
+                                 data.path: a header row, columns sentence,label or those named
+                                 by data.text_column / data.label_column; docs/guide.md, "Your
+                                 own labels"); picks its defaults
   tokenizer=word|char          = data.tokenizer (char also sets data.max_len=256)
   pooling=last|mean|attention  = model.pooling
   cell=gru|lstm                = model.cell
@@ -28,10 +32,11 @@ from attnlab import config_utils
 # Short arg keys: the shared dataset/task/tokenizer and this family's own.
 SHORTCUTS = config_utils.shortcut_table("dataset", "task", "tokenizer", pooling="model.pooling",
                                         cell="model.cell")
-DATASETS = ("sst2", "cue_word")
+DATASETS = ("sst2", "cue_word", "csv")
 # data.name -> {key: value} applied over the defaults below before the arg.
 PRESETS = {
     "sst2": {},
+    "csv": {},
     "cue_word": {"data.num_train": 4000, "data.num_eval": 500, "data.max_len": 32,
                  "data.buckets": (), "num_train_steps": 600, "eval_every": 200,
                  "checkpoint_every": 200},
@@ -40,7 +45,7 @@ PRESETS = {
 TOKENIZER_PRESETS = {"word": {}, "char": {"data.max_len": 256, "data.buckets": (64, 128)}}
 # Overrides of runlocal=True (after config_utils.RUNLOCAL), per data set.
 RUNLOCAL = {"model.embed_dim": 16, "model.hidden_dim": 16, "data.eval_batch_size": 64}
-RUNLOCAL_DATA = {"sst2": {"data.num_train": 200, "data.num_eval": 40},
+RUNLOCAL_DATA = {"sst2": {"data.num_train": 200, "data.num_eval": 40}, "csv": {},
                  "cue_word": {"data.num_train": 400, "data.num_eval": 64}}
 
 
@@ -89,7 +94,8 @@ def get_config(arg: str | None = None):
   model.dtype = "float32"
 
   data = config.data
-  # Data set (attnlab.data.labelled): sst2 (GLUE SST-2) or cue_word (synthetic, no files).
+  # Data set (attnlab.data.labelled): sst2 (GLUE SST-2), cue_word (synthetic, no files) or csv
+  # (your labelled file: the csv keys below).
   data.name = dataset
   # Tokens: word (lower-cased, punctuation split off) or char.
   data.tokenizer = tokenizer
@@ -111,6 +117,8 @@ def get_config(arg: str | None = None):
   data.data_dir = ""
   # Folder with the raw files (e.g. ../shared/data; "" = $ATTNLAB_DATA_DIR, else download).
   data.manual_dir = ""
+  # Your labelled file (dataset=csv): data.path, data.text_column, data.label_column, ...
+  config_utils.add_labeled_file(data, pairs=False)
   # The synthetic cue_word task's options (attnlab.data.synthetic.cue_word; data.name=cue_word).
   data.cue_word = config_utils.ConfigDict({
       # Seed of the generated examples (fixed: runs of different seeds see the same data).

@@ -194,7 +194,7 @@ def test_config_errors_are_one_line():
     with pytest.raises(errors.ConfigError, match=needle) as info:
       rnn_classification.RNNClassificationTask(_config(f"runlocal=True,{arg}"))
     assert len(str(info.value).splitlines()) == 1
-  with pytest.raises(errors.ConfigError, match="valid datasets: sst2, cue_word"):
+  with pytest.raises(errors.ConfigError, match="valid datasets: sst2, cue_word, csv"):
     _config("dataset=imdb")
   with pytest.raises(errors.DataError, match="set data.num_train and data.num_eval >= 1"):
     labelled.read(_config("dataset=cue_word,data.num_train=0").data, "train", 0)
@@ -303,3 +303,57 @@ def test_sst2_with_character_tokens(shared_data, monkeypatch):
   task = rnn_classification.RNNClassificationTask(config)
   text = data_lib.get_dataset("sst2", "train[:1]")[0]["sentence"]
   assert [task.tokenizer.id_to_token(int(i)) for i in task.encode(text)] == list(text)[:256]
+
+
+# ---------------------------------------------------------------------------------------------
+# The user's own labelled file (dataset=csv)
+
+WORDS = ("good", "bad", "fine")  # the label of a row is the class word in it
+
+
+def _write_csv(path, rows):
+  path.write_text("label,sentence,extra\n" + "".join(f"{lab},{text},x\n" for lab, text in rows))
+  return path
+
+
+def test_csv_rows_become_labelled_texts_with_sorted_class_names(tmp_path):
+  rng = np.random.default_rng(0)
+  rows = [(WORDS[c], f"the {WORDS[c]} film number {i}") for i, c in
+          enumerate(rng.integers(0, 3, 30))]
+  path = _write_csv(tmp_path / "mine.csv", rows)
+  data = _config(f"runlocal=True,dataset=csv,data.path={path}").data
+  train_part, valid_part = labelled.read(data, "train"), labelled.read(data, "validation")
+  names = sorted(WORDS)  # classes: the distinct labels sorted as strings
+  assert train_part.names == valid_part.names == tuple(names) and train_part.num_classes == 3
+  # The held-out rows: round(0.1 * 30) = 3 rows picked by default_rng(valid_seed=0).permutation.
+  held = np.sort(np.random.default_rng(0).permutation(30)[:3])
+  kept = [i for i in range(30) if i not in held]
+  assert valid_part.texts == [rows[i][1] for i in held]
+  assert train_part.texts == [rows[i][1] for i in kept]
+  np.testing.assert_array_equal(train_part.labels, [names.index(rows[i][0]) for i in kept])
+  assert labelled.read(data, "train", 5).texts == [rows[i][1] for i in kept[:5]]
+  pair = _config(f"dataset=csv,data.path={path}").data
+  pair.text_pair_column = "extra"
+  with pytest.raises(errors.DataError, match="one text per example"):
+    labelled.read(pair, "train")
+
+
+def test_csv_run_trains_and_reloads_with_its_class_names(tmp_path, monkeypatch):
+  rng = np.random.default_rng(1)
+  fillers = [f"w{i}" for i in range(12)]
+  rows = []
+  for i in range(240):
+    c = int(rng.integers(0, 3))
+    words = list(rng.choice(fillers, 5))
+    words.insert(int(rng.integers(0, 6)), WORDS[c])
+    rows.append((WORDS[c], " ".join(words)))
+  path = _write_csv(tmp_path / "mine.csv", rows)
+  workdir = tmp_path / "run"
+  train.train_and_evaluate(_config(
+      f"runlocal=True,dataset=csv,data.path={path},num_train_steps=120,batch_size=32,"
+      "optimizer.learning_rate=1e-2,eval_every=120,checkpoint_every=120,write_plots=False,"
+      "data.buckets=()"), workdir)
+  assert _final_eval(workdir)["accuracy"] > 0.8  # chance: about 1/3
+  path.unlink()  # the run reloads without its file
+  run = analysis.load_run(workdir)
+  assert run.task.labels == tuple(sorted(WORDS)) and run.task.num_classes == 3

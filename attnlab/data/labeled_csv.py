@@ -29,6 +29,7 @@ import dataclasses
 import os
 import pathlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -218,3 +219,24 @@ def holdout_split(num_rows: int, fraction: float, seed: int) -> tuple[np.ndarray
   count = min(num_rows - 1, max(1, int(round(fraction * num_rows))))
   order = np.random.default_rng(seed).permutation(num_rows)  # [num_rows]
   return np.sort(order[count:]), np.sort(order[:count])
+
+
+def columns_of(data: Any) -> Columns:
+  """The columns of a `dataset=csv` data config (data.text_column, text_pair_column, label_column;
+  a config without text_pair_column reads single sentences)."""
+  return Columns(text=data.text_column, label=data.label_column,
+                 pair=data.get("text_pair_column", ""))
+
+
+def read_splits(data: Any) -> tuple[LabeledRows, LabeledRows, LabeledRows]:
+  """(every row of data.path, its training rows, the validation rows): those of data.valid_path,
+  else the held-out `data.valid_fraction` of data.path (`holdout_split` with data.valid_seed).
+  DataError (one line: file and line) for a malformed file."""
+  columns = columns_of(data)
+  delimiter = data.get("delimiter", "")
+  rows = read_labeled(data.get("path", ""), columns, delimiter=delimiter)
+  if data.get("valid_path", ""):
+    valid = read_labeled(data.valid_path, columns, delimiter=delimiter, key="data.valid_path")
+    return rows, rows, valid
+  train_rows, valid_rows = holdout_split(len(rows), data.valid_fraction, data.valid_seed)
+  return rows, rows.select(train_rows), rows.select(valid_rows)

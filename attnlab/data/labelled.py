@@ -14,8 +14,14 @@ Readers:
   examples generated from the options of the `data.cue_word` group (seed, lengths, vocabulary,
   classes); a limit of 0 is refused (a generated split has no size of its own).
 
-Another source (a labelled CSV file, say) is one function `reader(data, split, limit)` added with
-`register_reader("csv")`; its fields go into the data group of the config file that offers it.
+- `csv`: the user's own labelled file (attnlab/data/labeled_csv.py, the format and checks BERT's
+  `dataset=csv` uses): the text column `data.text_column` and the label column
+  `data.label_column` of `data.path`; validation rows from `data.valid_path`, else the held-out
+  `data.valid_fraction` (seed `data.valid_seed`). The classes are the file's sorted distinct
+  labels (`names`). One text per example (no sentence pairs).
+
+Another source is one function `reader(data, split, limit)` added with `register_reader(name)`;
+its fields go into the data group of the config file that offers it.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ class LabelledTexts:
   texts: list[str]
   labels: np.ndarray
   num_classes: int
+  # The name of each class id, where the data have names (csv); () otherwise.
+  names: tuple[str, ...] = ()
 
   def __post_init__(self):
     if len(self.texts) != len(self.labels):
@@ -103,3 +111,19 @@ def read_cue_word(data: Any, split: str, limit: int) -> LabelledTexts:
   return LabelledTexts([ex["sentence"] for ex in examples],
                        np.array([ex["label"] for ex in examples], np.int32),
                        int(options.get("num_classes", 2)))
+
+
+@register_reader("csv")
+def read_csv(data: Any, split: str, limit: int) -> LabelledTexts:
+  """A labelled CSV/TSV file (module docstring)."""
+  from attnlab.data import labeled_csv  # pylint: disable=g-import-not-at-top
+  if data.get("text_pair_column", ""):
+    raise DataError("the RNN classifier reads one text per example: leave data.text_pair_column "
+                    "empty (sentence pairs: configs/bert.py:mode=finetune,dataset=csv)")
+  rows, train, valid = labeled_csv.read_splits(data)
+  names = labeled_csv.label_set(rows)
+  part = train if split == "train" else valid
+  if limit > 0:
+    part = part.select(range(min(limit, len(part))))
+  return LabelledTexts(list(part.texts), labeled_csv.label_ids(part, names, data.path),
+                       len(names), names)

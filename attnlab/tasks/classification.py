@@ -97,30 +97,6 @@ def encode_sst2(tokenizer, examples, max_len: int) -> tuple[np.ndarray, np.ndarr
   return ids, labels
 
 
-def csv_columns(data: ml_collections.ConfigDict) -> labeled_csv.Columns:
-  """The columns of a `dataset=csv` config (data.text_column, text_pair_column, label_column)."""
-  return labeled_csv.Columns(text=data.text_column, label=data.label_column,
-                             pair=data.get("text_pair_column", ""))
-
-
-def read_csv_splits(data: ml_collections.ConfigDict
-                    ) -> tuple[labeled_csv.LabeledRows, labeled_csv.LabeledRows,
-                               labeled_csv.LabeledRows]:
-  """(every row of data.path, its training rows, the validation rows): those of data.valid_path,
-  else the held-out `data.valid_fraction` of data.path (labeled_csv.holdout_split with
-  data.valid_seed). DataError (one line: file and line) for a malformed file."""
-  columns = csv_columns(data)
-  delimiter = data.get("delimiter", "")
-  rows = labeled_csv.read_labeled(data.get("path", ""), columns, delimiter=delimiter)
-  if data.get("valid_path", ""):
-    valid = labeled_csv.read_labeled(data.valid_path, columns, delimiter=delimiter,
-                                     key="data.valid_path")
-    return rows, rows, valid
-  train_rows, valid_rows = labeled_csv.holdout_split(len(rows), data.valid_fraction,
-                                                     data.valid_seed)
-  return rows, rows.select(train_rows), rows.select(valid_rows)
-
-
 def csv_tokenizer(data: ml_collections.ConfigDict,
                   train: labeled_csv.LabeledRows) -> tokenizers.SubwordTokenizer:
   """The subword vocabulary (at most data.vocab_size pieces) learned on the texts of the
@@ -196,9 +172,9 @@ class ClassificationTask(Task):
 
   # ---- data
   def _csv_rows(self) -> tuple[labeled_csv.LabeledRows, ...]:
-    """`read_csv_splits` of the config, read once."""
+    """`labeled_csv.read_splits` of the config, read once."""
     if self._csv is None:
-      self._csv = read_csv_splits(self.config.data)
+      self._csv = labeled_csv.read_splits(self.config.data)
     return self._csv
 
   def _split(self, split: str, limit: int) -> tuple[np.ndarray, np.ndarray]:

@@ -62,6 +62,10 @@ class RNNClassificationTask(Task):
     self._train_texts: labelled.LabelledTexts | None = None
     self.tokenizer = self.asset_tokenizer("tokenizer", self._train_tokenizer)
     self.num_classes = self.asset_size("num_classes", lambda: self._training().num_classes)
+    # The class names, where the data name them (csv: assets/labels.json; a reloaded run maps
+    # class ids back without the file); () otherwise.
+    self.labels = (self.asset_labels("labels", lambda: self._training().names)
+                   if data.name == "csv" else ())
     self.model = rnn_classifier.from_config(config.model, len(self.tokenizer), self.num_classes)
     self._train: list[dict[str, Any]] | None = None
     self._eval: list[dict[str, np.ndarray]] | None = None
