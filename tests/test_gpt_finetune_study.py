@@ -92,6 +92,7 @@ def test_study_end_to_end_and_resumes(tmp_path, shared_data):
   results = json.loads((workdir / "results.json").read_text())
   assert results["corpus"]["reviews"] == 60
   scratch, finetune = results["arms"]["scratch"], results["arms"]["finetune"]
+  assert finetune["from_pretrained"] and not scratch["from_pretrained"]
   for arm in (scratch, finetune):
     assert arm["steps"] == [2, 4, 6, 8] and arm["num_train_steps"] == 8
     assert len(arm["loss_per_seed"]) == 4 and all(len(v) == 3 for v in arm["loss_per_seed"])
@@ -131,10 +132,12 @@ def test_study_end_to_end_and_resumes(tmp_path, shared_data):
   mean = lambda r: np.mean(r["loss_per_seed"], axis=1)
   for row in results["efficiency"]:
     target = row["target_loss"]
-    i = scratch["steps"].index(row["baseline_step"])
+    i = scratch["steps"].index(row["baseline_step"])  # the scratch curve has no step 0
     assert target == pytest.approx(mean(scratch)[i])
     for name, arm in (("scratch", scratch), ("finetune", finetune)):
       m, s = mean(arm), np.asarray(arm["steps"], float)
+      if name == "finetune":  # step 0: the pretrained weights, every seed
+        m, s = np.r_[results["zero_shot_loss"], m], np.r_[0.0, s]
       below = np.nonzero(m <= target)[0]
       if not len(below):
         assert row["arms"][name] is None

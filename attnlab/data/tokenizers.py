@@ -405,9 +405,9 @@ def unknown_warning(tokenizer: Vocab, text: str, what: str = "the input") -> str
 # kind -> tokenizer class; the one place a tokenizer kind is registered.
 TOKENIZERS: dict[str, type[Vocab]] = {
     CharTokenizer.kind: CharTokenizer,
-    ByteTokenizer.kind: ByteTokenizer,
     WordTokenizer.kind: WordTokenizer,
     SubwordTokenizer.kind: SubwordTokenizer,
+    ByteTokenizer.kind: ByteTokenizer,
 }
 
 

@@ -5,8 +5,8 @@ Datasets (config.data.name):
   default (`data.tokenizer=subword` trains a sentencepiece model of `data.vocab_size` pieces on
   the training text, cached under `data.tokenizer_dir`; `byte`: the UTF-8 bytes, a fixed
   vocabulary of 263 ids that encodes any text, so a run pretrained on one corpus fine-tunes on
-  any other); a run keeps its tokenizer in
-  RUN_DIR/assets and reads the text only when it trains or evaluates. Training batches are
+  any other); a run keeps its tokenizer in RUN_DIR/assets and reads the text only when it trains
+  or evaluates. Training batches are
   `batch_size` windows of block_size + 1 tokens at random offsets (nanoGPT's sampler), drawn
   from a generator seeded by (seed, step), so a resumed run sees the same batches. Evaluation covers every
   non-overlapping block_size window of the validation text (or the first `data.eval_windows`).

@@ -31,7 +31,8 @@ the pretrained model on Shakespeare's validation text, the characters each arm n
 target losses, samples, wall times and load averages), results.md (the tables and samples) and
 curves.png (validation loss against Shakespeare characters seen, mean and min-max band of the
 seeds). Data efficiency: for a target loss, the step where an arm's mean curve first reaches it
-(linear interpolation between evaluations) times 768 characters.
+(linear interpolation between evaluations) times 768 characters; the fine-tuned arms' curves
+start at step 0 with the pretrained model's loss (their seeds all start from those weights).
 
 Resumable: a finished run is skipped (its wall time kept from results.json), an interrupted one
 resumes from its last checkpoint; each run prints one progress line. Tiny Shakespeare is read
@@ -164,24 +165,33 @@ def crossing_step(steps: list[int], losses: list[float], target: float) -> float
   return None
 
 
+def mean_curve(results: dict, arm: str) -> tuple[list[int], list[float]]:
+  """(steps, mean validation loss over the seeds) of an arm; an arm that starts from the
+  pretrained run gets step 0 too: the pretrained model's loss on the same windows (every seed
+  starts from those weights)."""
+  r = results["arms"][arm]
+  steps, means = list(r["steps"]), [statistics.fmean(v) for v in r["loss_per_seed"]]
+  if r.get("from_pretrained") and "zero_shot_loss" in results:
+    steps, means = [0] + steps, [results["zero_shot_loss"]] + means
+  return steps, means
+
+
 def efficiency(results: dict, baseline: str = "scratch") -> list[dict]:
   """Characters each arm needs to reach the baseline's mean loss at 1/4, 1/2, 3/4 and all of its
-  steps (the targets), from the mean curves."""
-  arms = {a: r for a, r in results["arms"].items() if "steps" in r}
+  steps (the targets), from the mean curves (`mean_curve`)."""
+  arms = [a for a, r in results["arms"].items() if "steps" in r]
   if baseline not in arms:
     return []
-  base = arms[baseline]
-  means = lambda r: [statistics.fmean(v) for v in r["loss_per_seed"]]
+  base = results["arms"][baseline]
+  base_steps, base_means = mean_curve(results, baseline)
   rows = []
-  n = base["num_train_steps"]
   for fraction in (0.25, 0.5, 0.75, 1.0):
     # the baseline's first evaluation at or after that step
-    i = next(j for j, s in enumerate(base["steps"]) if s >= fraction * n)
-    target = means(base)[i]
-    row = {"target_loss": target, "baseline_step": base["steps"][i], "arms": {}}
-    for arm, r in arms.items():
-      step = crossing_step(r["steps"], means(r), target)
-      row["arms"][arm] = None if step is None else step * r["chars_per_step"]
+    i = next(j for j, s in enumerate(base_steps) if s >= fraction * base["num_train_steps"])
+    row = {"target_loss": base_means[i], "baseline_step": base_steps[i], "arms": {}}
+    for arm in arms:
+      step = crossing_step(*mean_curve(results, arm), base_means[i])
+      row["arms"][arm] = None if step is None else step * results["arms"][arm]["chars_per_step"]
     rows.append(row)
   return rows
 
@@ -191,7 +201,7 @@ def _fmt(mean: float, std: float) -> str:
 
 
 def _chars(n: float | None) -> str:
-  return "not reached" if n is None else f"{n / 1000:.0f}k"
+  return "not reached" if n is None else "0 (before fine-tuning)" if n == 0 else f"{n:,.0f}"
 
 
 def markdown(results: dict) -> str:
@@ -215,7 +225,8 @@ def markdown(results: dict) -> str:
   if rows:
     names = list(rows[0]["arms"])
     lines += ["", "Shakespeare characters needed to reach the scratch arm's validation loss at a "
-              "step (mean curves; ratio: scratch / arm):", "",
+              "step (mean curves, linear between evaluations, fine-tuned arms from step 0; "
+              "ratio: scratch / arm):", "",
               "| target loss (scratch at step) | " + " | ".join(names) + " |",
               "|---|" + "---|" * len(names)]
     for row in rows:
@@ -243,10 +254,11 @@ def plot(results: dict, path: pathlib.Path) -> None:
   for arm, r in results["arms"].items():
     if "steps" not in r:
       continue
-    x = [s * r["chars_per_step"] / 1000 for s in r["steps"]]
-    means = [statistics.fmean(v) for v in r["loss_per_seed"]]
-    line, = ax.plot(x, means, "-", label=arm, linewidth=1.5)
-    ax.fill_between(x, [min(v) for v in r["loss_per_seed"]], [max(v) for v in r["loss_per_seed"]],
+    steps, means = mean_curve(results, arm)
+    line, = ax.plot([s * r["chars_per_step"] / 1000 for s in steps], means, "-", label=arm,
+                    linewidth=1.5)
+    ax.fill_between([s * r["chars_per_step"] / 1000 for s in r["steps"]],
+                    [min(v) for v in r["loss_per_seed"]], [max(v) for v in r["loss_per_seed"]],
                     color=line.get_color(), alpha=0.25)
   if "zero_shot_loss" in results:
     ax.axhline(results["zero_shot_loss"], color="gray", linestyle=":",
@@ -334,6 +346,7 @@ def main(argv=None) -> int:
             + (f",{keys}" if keys else "") + common)
     results["arms"][arm] = train_run(arm, spec, workdir / arm,
                                      previous.get("arms", {}).get(arm, {}))
+    results["arms"][arm]["from_pretrained"] = pretrained
     json.dump(results, open(results_path, "w"), indent=1)  # a partial table survives
 
   # The pretrained model on Shakespeare's validation windows, and the samples.
