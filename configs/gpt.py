@@ -49,7 +49,7 @@ Shortcuts in the arg (besides any field; the same names as in the other config f
   mechanism=NAME                  = model.attention.mechanism (full, linear, performer, ...)
   dataset=NAME, or task=NAME      = data.name (tiny_shakespeare, text, addition,
                                   synthetic_tokens, induction)
-  tokenizer=char|subword          = data.tokenizer
+  tokenizer=char|byte|subword     = data.tokenizer
   pretrained=DIR                  start from run DIR (a causal_lm run, e.g. a GPT-2 imported with
                                   `attnlab import-hf`): sets init_from=DIR and copies DIR's
                                   architecture (PRETRAINED_FIELDS: sizes, positions, the
@@ -216,8 +216,8 @@ def get_config(arg: str | None = None):
   config.data.name = "tiny_shakespeare"
   # text: a UTF-8 text file, or a folder of *.txt files (sorted); the last 10% held out.
   config.data.path = ""
-  # Tokenizer for tiny_shakespeare and text: char or subword (sentencepiece); addition is always
-  # char.
+  # Tokenizer for tiny_shakespeare and text: char, byte (UTF-8 bytes: a fixed vocabulary of 263
+  # ids for any text) or subword (sentencepiece); addition is always char.
   config.data.tokenizer = "char"
   # Subword vocabulary size (tokenizer=subword); token ids of synthetic_tokens and induction
   # (GPT-2's 50257 with size=gpt2).

@@ -1,4 +1,4 @@
-"""Tokenizers: one vocabulary type (`Vocab`) with character, word and subword segmentation.
+"""Tokenizers: one vocabulary type (`Vocab`) with character, byte, word and subword segmentation.
 
 Ids 0..6 are always the special tokens, in this order (the models rely on 0 = padding):
   0 `<pad>`, 1 `<start>`, 2 `<end>`, 3 `<unk>`, 4 `[CLS]`, 5 `[SEP]`, 6 `[MASK]`.
@@ -13,7 +13,7 @@ tokens are added only when asked.
 - with `skip_special`, `[CLS]`, `[SEP]`, `[MASK]` are dropped too, otherwise written as is;
 - `<unk>` is written as "<unk>".
 For char and subword tokenizers `decode(encode(text)) == text` whenever every character of
-`text` was seen in training; the word tokenizer joins words with single spaces (lower-cased if
+`text` was seen in training (for the byte tokenizer, UTF-8 bytes, always); the word tokenizer joins words with single spaces (lower-cased if
 trained so).
 
 `save(path)` writes one self-contained JSON file (the sentencepiece model is embedded);
@@ -198,6 +198,49 @@ class CharTokenizer(Vocab):
     return cls(list(SPECIAL_TOKENS) + chars, min_count=min_count)
 
 
+# The 256 byte tokens of ByteTokenizer, ids len(SPECIAL_TOKENS) + byte: an ASCII byte is its
+# character, any other byte "<0xNN>" (strings no text character or special token can equal).
+BYTE_TOKENS = tuple(chr(b) if b < 128 else f"<0x{b:02X}>" for b in range(256))
+
+
+class ByteTokenizer(Vocab):
+  """One token per byte of the text's UTF-8 encoding: a fixed vocabulary of 7 special + 256 byte
+  tokens that encodes every text (no `<unk>`) and learns nothing from data, so two runs on
+  different corpora share their token ids. On ASCII text a byte is a character."""
+
+  kind = "byte"
+
+  def __init__(self, tokens: Sequence[str] | None = None, **options: Any):
+    expected = list(SPECIAL_TOKENS) + list(BYTE_TOKENS)
+    if tokens is not None and list(tokens) != expected:
+      raise DataError(f"a byte tokenizer holds the {len(SPECIAL_TOKENS)} special tokens and the "
+                      f"256 byte tokens in order; this file's {len(tokens)} tokens differ (damaged "
+                      f"or edited tokenizer file)")
+    super().__init__(expected, **options)
+
+  def split(self, text: str) -> list[str]:
+    return [BYTE_TOKENS[b] for b in text.encode("utf-8")]
+
+  def _encode(self, text: str) -> list[int]:
+    data = np.frombuffer(text.encode("utf-8"), np.uint8)
+    return (data.astype(np.int32) + len(SPECIAL_TOKENS)).tolist()
+
+  def _decode(self, ids: list[int]) -> str:
+    # Special tokens as written; each run of bytes between them decoded as UTF-8 (a cut or
+    # invalid sequence, as a sampled one can be, becomes U+FFFD).
+    offset = len(SPECIAL_TOKENS)
+    runs = itertools.groupby(ids, lambda i: i < offset)
+    return "".join("".join(self._tokens[i] for i in run) if special else
+                   bytes(i - offset for i in run).decode("utf-8", errors="replace")
+                   for special, run in runs)
+
+  @classmethod
+  def train(cls, texts: Iterable[str] = ()) -> "ByteTokenizer":
+    """The byte vocabulary (the same whatever `texts` are; for train_tokenizer's interface)."""
+    del texts
+    return cls()
+
+
 @functools.cache
 def _word_or_punct() -> re.Pattern:
   """A word, or one punctuation mark, for splitting punctuation off.
@@ -366,6 +409,7 @@ TOKENIZERS: dict[str, type[Vocab]] = {
     CharTokenizer.kind: CharTokenizer,
     WordTokenizer.kind: WordTokenizer,
     SubwordTokenizer.kind: SubwordTokenizer,
+    ByteTokenizer.kind: ByteTokenizer,
 }
 
 

@@ -3,8 +3,10 @@
 Datasets (config.data.name):
 - `tiny_shakespeare`: the 90% / 10% character split of attnlab.data; character tokenizer by
   default (`data.tokenizer=subword` trains a sentencepiece model of `data.vocab_size` pieces on
-  the training text, cached under `data.tokenizer_dir`); a run keeps its tokenizer in
-  RUN_DIR/assets and reads the text only when it trains or evaluates. Training batches are
+  the training text, cached under `data.tokenizer_dir`; `byte`: the UTF-8 bytes, a fixed
+  vocabulary of 263 ids that encodes any text, so a run pretrained on one corpus fine-tunes on
+  any other); a run keeps its tokenizer in RUN_DIR/assets and reads the text only when it trains
+  or evaluates. Training batches are
   `batch_size` windows of block_size + 1 tokens at random offsets (nanoGPT's sampler), drawn
   from a generator seeded by (seed, step), so a resumed run sees the same batches. Evaluation covers every
   non-overlapping block_size window of the validation text (or the first `data.eval_windows`).
@@ -96,7 +98,7 @@ SYNTHETIC_TRAIN_TOKENS = 1 << 20
 SYNTHETIC_EVAL_WINDOWS = 8
 # Tokenizers for tiny_shakespeare (addition always uses characters); hf and ids are those of an
 # imported checkpoint (attnlab.data.hf_tokenizer), read from data.tokenizer_path.
-TOKENIZERS = ("char", "subword", "hf", "ids")
+TOKENIZERS = ("char", "byte", "subword", "hf", "ids")
 # Tokenizers that come with the run rather than from the data (the text is read only to train).
 PRETRAINED_TOKENIZERS = ("hf", "ids")
 # Characters of the addition texts.
@@ -205,6 +207,8 @@ class CausalLMTask(Task):
                                         self.config.model.get("vocab_size", 0))
     elif d.tokenizer == "char":
       build = lambda: tok_lib.CharTokenizer.train([self._texts()[0]])
+    elif d.tokenizer == "byte":  # a fixed vocabulary: the text is not read to build it
+      build = tok_lib.ByteTokenizer
     else:
       # A text corpus's cache entry is named by its absolute path (edit the files: a new
       # data.tokenizer_dir, or delete the cached one).
@@ -513,7 +517,7 @@ class CausalLMTask(Task):
       banned |= {tok_lib.PAD_ID, tok_lib.START_ID, tok_lib.CLS_ID, tok_lib.SEP_ID, tok_lib.MASK_ID}
       if not self.seq_len:
         banned.add(tok_lib.END_ID)
-      if self.tokenizer.kind == "char":  # every character of the text has its own id
+      if self.tokenizer.kind in ("char", "byte"):  # every character (byte) has its own id
         banned.add(tok_lib.UNK_ID)
     return tuple(sorted(banned))
 
