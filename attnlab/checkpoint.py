@@ -181,6 +181,16 @@ class Checkpointer:
       raise CheckpointWriteError(code, f"could not write checkpoint step {step} in "
                                        f"{self.directory} ({reason})") from e
 
+  def prune(self, keep: int, protect: tuple[int, ...] = ()) -> None:
+    """Deletes the checkpoints but the newest `keep` and those of the steps in `protect` (a
+    Checkpointer made with max_to_keep=None, whose caller decides: early stopping keeps the best
+    evaluation's checkpoint however old)."""
+    steps = self.steps()
+    kept = set(steps[-keep:] if keep > 0 else []) | set(protect)
+    for step in steps:
+      if step not in kept:
+        self._manager.delete(step)
+
   def _discard_partial(self, step: int) -> None:
     """Removes orbax's temporary directory of a refused save of `step`; what stays (on a read-only
     disk, or written by a writer thread still running) orbax removes when the run restarts."""

@@ -29,6 +29,10 @@ def base_config() -> ConfigDict:
   # after the last step always covers the whole split. Tasks with their own evaluate (decoding,
   # BLEU: translation, regression) always evaluate in full.
   config.eval_batches = 0
+  # Early stopping: stop after this many evaluations in a row without a lower validation loss
+  # than the best so far (0: off; needs eval_every > 0). The best evaluation's checkpoint is kept
+  # and is the run's result (what generate, view, export and init_from restore); attnlab/train.py.
+  config.early_stop_patience = 0
   # Save a checkpoint every this many steps (0: only at the end); also at the end and on SIGTERM/Ctrl-C.
   config.checkpoint_every = 500
   # How many of the most recent checkpoints to keep.
@@ -85,3 +89,26 @@ def base_config() -> ConfigDict:
   # Data hyperparameters, defined by the task (see its config file).
   config.data = ConfigDict()
   return config
+
+
+def add_labeled_file(data: ConfigDict, *, pairs: bool = True) -> None:
+  """The keys of a labelled CSV/TSV file (`dataset=csv`, attnlab/data/labeled_csv.py), in the data
+  group of a classifier's config (BERT fine-tuning; the RNN classifier without `pairs`)."""
+  # csv: the training file, CSV or TSV with a header row (attnlab/data/labeled_csv.py).
+  data.path = ""
+  # csv: the delimiter: "" (from the extension: .csv comma, .tsv tab), comma, tab, semicolon,
+  # pipe, or one character.
+  data.delimiter = ""
+  # csv: the header's name of the text column (sentence A of a pair).
+  data.text_column = "sentence"
+  if pairs:
+    # csv: the column of the second text of sentence pairs ("" = single sentences).
+    data.text_pair_column = ""
+  # csv: the label column (any strings; the classes are its sorted distinct values).
+  data.label_column = "label"
+  # csv: the validation file, with the same columns ("" = hold out data.valid_fraction).
+  data.valid_path = ""
+  # csv without data.valid_path: the fraction of the training file's rows held out.
+  data.valid_fraction = 0.1
+  # csv without data.valid_path: the seed of the permutation that picks the held-out rows.
+  data.valid_seed = 0

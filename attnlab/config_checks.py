@@ -42,6 +42,11 @@ def validate(config: ConfigDict) -> None:
                            ("eval_batches", 0, " (0: the whole split)"),
                            ("keep_checkpoints", 1, "")):
     need(config.get(key, least) >= least, f"{key} must be >= {least}{note}, got {config[key]}")
+  patience = config.get("early_stop_patience", 0)
+  need(patience >= 0, f"early_stop_patience must be >= 0 (0: no early stopping), got {patience}")
+  need(patience == 0 or config.eval_every > 0,
+       f"early_stop_patience={patience} counts evaluations, but eval_every=0 evaluates only at the "
+       f"end; set eval_every > 0")
   num_seeds = config.get("num_seeds", 1)
   need(isinstance(num_seeds, int) and num_seeds >= 1,
        f"num_seeds must be an int >= 1 (1: an ordinary run), got {num_seeds!r}")

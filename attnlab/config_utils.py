@@ -25,7 +25,7 @@ from typing import Any
 
 import ml_collections
 
-from attnlab.config_base import base_config  # the config files start from it
+from attnlab.config_base import add_labeled_file, base_config  # the config files start from it
 from attnlab.errors import ConfigError
 from attnlab.errors import UserError
 

@@ -5,7 +5,8 @@ comparing two (what may change when a run resumes).
 Versions: RENAMED keys are read under their current names; the Transformer families' flat
 attention keys of version 1 (model.mechanism, model.window, ...) move into model.attention
 (attnlab.attention.config.migrate_flat_keys); fields added since (ADDED_DEFAULTS) read as their
-defaults, so older runs load, resume and analyse unchanged.
+defaults (and ADDED_TASK_DEFAULTS, those of one task), so older runs load, resume and analyse
+unchanged.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 TASK_CONFIG_FILES: dict[str, tuple[str, str]] = {
     "regression": ("nadaraya_watson.py", ""), "causal_lm": ("gpt.py", ""),
     "masked_lm": ("bert.py", "mode=pretrain"), "classification": ("bert.py", "mode=finetune"),
-    "long_range": ("lra.py", ""), "translation": ("seq2seq.py", "")}
+    "long_range": ("lra.py", ""), "translation": ("seq2seq.py", ""),
+    "rnn_classification": ("classify.py", "")}
 
 
 def _merge(into: dict[str, Any], more: Mapping[str, Any]) -> dict[str, Any]:
@@ -143,7 +145,7 @@ def run_defaults(data: Mapping[str, Any]) -> dict[str, Any]:
   (TASK_CONFIG_FILES; config.json names no file, so the task, the translation model.name, and
   the data.name that picks a file's data defaults stand for it) when the repository has it."""
   defaults = base_config().to_dict()
-  for key, value in ADDED_DEFAULTS.items():
+  for key, value in added_defaults(data).items():
     *groups, leaf = key.split(".")
     node = defaults
     for group in groups:
@@ -157,7 +159,8 @@ def run_defaults(data: Mapping[str, Any]) -> dict[str, Any]:
   if task == "translation" and isinstance(model, Mapping) and model.get("name") == "transformer":
     name = "transformer.py"
   dataset = group.get("name") if isinstance(group, Mapping) else None
-  if task in ("translation", "long_range") and isinstance(dataset, str) and dataset.isidentifier():
+  if (task in ("translation", "long_range", "rnn_classification") and isinstance(dataset, str)
+      and dataset.isidentifier()):
     arg = f"data.name={dataset}"
   found = _config_file_defaults(name, arg)
   return _merge(defaults, found) if found is not None else defaults
@@ -245,9 +248,33 @@ ADDED_DEFAULTS: dict[str, Any] = {"num_seeds": 1, "mesh.data": -1, "mesh.fsdp": 
                                   "data.min_span": 2, "data.max_span": 16,
                                   # GPT's own text corpus and pretrained start (#49).
                                   "data.path": "", "init_from": "",
+                                  # The translation family's own corpora (#49): anki's pair,
+                                  # per-side tokenizers, BLEU's tokenizer.
+                                  "data.pair": "", "data.source_tokenizer": "",
+                                  "data.target_tokenizer": "", "data.bleu_tokenize": "",
+                                  # Fine-tuning: early stopping, GPT's frozen parameters.
+                                  "early_stop_patience": 0, "finetune.freeze_embeddings": False,
+                                  "finetune.freeze_layers": 0,
                                   # The RNN's GNMT wiring and beam search's coverage penalty (#50).
                                   "model.bidirectional_layers": 0, "model.residual_start": 0,
                                   "model.attention_from": "top", "decode.coverage_penalty": 0.0}
+
+
+# Fields added to one task's config file after runs of it existed: an older config.json of that
+# task without them reads as these defaults, as with ADDED_DEFAULTS.
+ADDED_TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    # BERT fine-tuning on the user's own labelled file (#49).
+    "classification": {"data.name": "sst2", "data.delimiter": "", "data.text_column": "sentence",
+                       "data.text_pair_column": "", "data.label_column": "label",
+                       "data.valid_path": "", "data.valid_fraction": 0.1,
+                       "data.valid_seed": 0},
+}
+
+
+def added_defaults(data: Mapping[str, Any]) -> dict[str, Any]:
+  """ADDED_DEFAULTS and the ADDED_TASK_DEFAULTS of the task of the config `data`."""
+  task = data.get("task")
+  return {**ADDED_DEFAULTS, **(ADDED_TASK_DEFAULTS.get(task, {}) if isinstance(task, str) else {})}
 
 
 # Keys that may change when a run resumes: they change where it runs, not what it computes.
@@ -257,7 +284,7 @@ RESUMABLE_KEYS = ("allow_config_change", "write_plots", "mesh.data", "mesh.fsdp"
 
 def config_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
   """Differences "key: old -> new" between two configs, but in RESUMABLE_KEYS."""
-  flat_old, flat_new = ({**ADDED_DEFAULTS, **flatten(rename_old_keys(c))} for c in (old, new))
+  flat_old, flat_new = ({**added_defaults(c), **flatten(rename_old_keys(c))} for c in (old, new))
   lines = []
   for key in sorted((set(flat_old) | set(flat_new)) - set(RESUMABLE_KEYS)):
     a, b = flat_old.get(key, "<absent>"), flat_new.get(key, "<absent>")

@@ -2,7 +2,8 @@
 
     workdir/
       config.json        the full resolved config of the run (checked when the run is resumed)
-      metrics.jsonl      one JSON object per logged step and split
+      metrics.jsonl      one JSON object per logged step and split (and one "early_stop"
+                         record when early stopping ended the run)
       provenance.jsonl   one JSON line per start: package versions, host, git commit
       run.lock           held (flock) by the process training in the workdir; names its host and pid
       checkpoints/       orbax checkpoints (attnlab/checkpoint.py)
@@ -226,13 +227,35 @@ def last_records(records: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]
   return last
 
 
+# The split of the record the trainer writes when early stopping ends a run (config.
+# early_stop_patience): {"step": the step it stopped at, "split": "early_stop", "best_step",
+# "best_loss", "patience"}.
+EARLY_STOP_SPLIT = "early_stop"
+
+
+def early_stop(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
+  """The early-stop record of a run that early stopping ended (its last record of that split,
+  with no train or eval record after it: a run resumed past it with a larger patience has none),
+  else None."""
+  records = list(records)
+  stops = [r for r in records if r.get("split") == EARLY_STOP_SPLIT]
+  if not stops:
+    return None
+  last = max(stops, key=lambda r: r["step"])
+  if any(r["step"] > last["step"] for r in records if r.get("split") != EARLY_STOP_SPLIT):
+    return None
+  return last
+
+
 def is_complete(workdir: str | os.PathLike, num_train_steps: int,
                 records: Iterable[dict[str, Any]] | None = None) -> bool:
   """Whether the run reached its last step: the final evaluation (written after the final
-  checkpoint) is in metrics.jsonl (or in `records`, when the caller has read them already)."""
-  records = read_metrics(workdir) if records is None else records
+  checkpoint) is in metrics.jsonl (or in `records`, when the caller has read them already), or
+  early stopping ended it (`early_stop`)."""
+  records = list(read_metrics(workdir) if records is None else records)
   last_eval = last_records(records).get("eval")
-  return last_eval is not None and last_eval["step"] >= num_train_steps
+  return (last_eval is not None and last_eval["step"] >= num_train_steps) or (
+      early_stop(records) is not None)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """The train state of a run and its N >= 1 replicas (seeds), apart from the loop that trains it.
 
-- `TrainState` (step, params, optimizer state); `make_optimizer(config.optimizer, schedule)`.
+- `TrainState` (step, params, optimizer state); `make_optimizer(config.optimizer, schedule)`;
+  `task_optimizer`, the one a run trains with: the task's frozen parameters (Task.frozen, e.g.
+  GPT's finetune.freeze_layers) left out by `freeze`, loss scaling for float16.
 - Keys: parameters come from `split(key(seed))[0]`; step t's dropout/sampling key is
   `fold_in(split(key(seed))[1], t)` (`run_keys`).
 - Replicas: with `config.num_seeds = N > 1`, N replicas (seeds seed, ..., seed+N-1: each its own
@@ -99,6 +101,31 @@ def make_optimizer(opt: ml_collections.ConfigDict,
   if opt.grad_clip > 0:
     tx = optax.chain(optax.clip_by_global_norm(opt.grad_clip), tx)
   return tx
+
+
+# Labels of `freeze`'s partition of the parameters.
+TRAINED, FROZEN = "trained", "frozen"
+
+
+def freeze(tx: optax.GradientTransformation, frozen: Callable[[Any], Any] | None
+           ) -> optax.GradientTransformation:
+  """`tx` on the parameters `frozen(params)` marks False; those it marks True get zero updates
+  (optax.set_to_zero) and no optimizer state: optax.multi_transform hands `tx` the trained
+  leaves only (the frozen ones are empty MaskedNodes in its state), so Adam keeps no moments
+  and gradient clipping and weight decay see no frozen leaf. `frozen` None: `tx` itself (the
+  optimizer state keeps its plain layout, so runs without freezing restore as before)."""
+  if frozen is None:
+    return tx
+  labels = lambda params: jax.tree.map(lambda f: FROZEN if f else TRAINED, frozen(params))
+  return optax.multi_transform({TRAINED: tx, FROZEN: optax.set_to_zero()}, labels)
+
+
+def task_optimizer(task: tasks.Task, config: ml_collections.ConfigDict,
+                   schedule: optax.Schedule) -> optax.GradientTransformation:
+  """The optimizer a run of `config` trains `task` with: `make_optimizer`, the task's frozen
+  parameters left out (`freeze`, Task.frozen), inside loss scaling for float16 (precision)."""
+  return precision.wrap_optimizer(freeze(make_optimizer(config.optimizer, schedule),
+                                         task.frozen()), config)
 
 
 def create_train_state(task: tasks.Task, tx: optax.GradientTransformation,
@@ -246,7 +273,7 @@ def training(task: tasks.Task, config: ml_collections.ConfigDict,
              mesh: jax.sharding.Mesh | None) -> Training:
   """Optimizer, keys, batches and state layout of `config` for `task` on `mesh`."""
   schedule = make_schedule(config.optimizer, config.num_train_steps)
-  tx = precision.wrap_optimizer(make_optimizer(config.optimizer, schedule), config)
+  tx = task_optimizer(task, config, schedule)
   seeds = replica_seeds(config)
   init_rng, train_rng = replica_keys(config)
   abstract = abstract_train_state(task, tx, run_keys(config.seed)[0], mesh=mesh)
@@ -412,9 +439,7 @@ def restore_target(task: tasks.Task) -> TrainState:
   """The abstract state (shapes, dtypes, first-device shardings) a checkpoint of `task`'s config
   is restored into."""
   config = task.config
-  tx = precision.wrap_optimizer(
-      make_optimizer(config.optimizer, make_schedule(config.optimizer, config.num_train_steps)),
-      config)
+  tx = task_optimizer(task, config, make_schedule(config.optimizer, config.num_train_steps))
   return abstract_train_state(task, tx, run_keys(config.seed)[0])
 
 
@@ -493,10 +518,20 @@ def _rebuild_task(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> t
   return task
 
 
+def best_step(workdir: str | os.PathLike) -> int | None:
+  """The step of the best evaluation of a run that early stopping ended (config.
+  early_stop_patience; its early-stop record in metrics.jsonl), else None."""
+  record = rundir.early_stop(rundir.read_metrics(workdir))
+  step = None if record is None else record.get("best_step")
+  return int(step) if isinstance(step, (int, float)) and step >= 0 else None
+
+
 def restore(workdir: str | os.PathLike, step: int | str = "latest") -> Restored:
   """Checkpoint `step` ("latest" or an int) of the run in `workdir`.
 
-  With "latest", an unreadable newest checkpoint is reported and the previous one is used.
+  "latest" is the run's result: its newest checkpoint, or for a run that early stopping ended
+  (`best_step`), its best evaluation's. With "latest", an unreadable newest checkpoint is
+  reported and the previous one is used.
   Raises:
     checkpoint.CheckpointError (a ValueError): no run there, no such step, no readable checkpoint,
       or a checkpoint that does not fit the model in config.json.
@@ -507,6 +542,11 @@ def restore(workdir: str | os.PathLike, step: int | str = "latest") -> Restored:
   abstract = restore_target(task)
   ckpt = checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR, read_only=True)
   try:
+    best = best_step(workdir) if step == "latest" else None
+    if best is not None and best in ckpt.steps():
+      _LOG.info("%s: early stopping ended the run; restoring its best evaluation's checkpoint, "
+                "step %d", workdir, best)
+      step = best
     if step == "latest":
       restored = ckpt.restore_latest(abstract)
       if restored is None:

@@ -410,9 +410,15 @@ def run(config: ConfigSpec | None = None, axes: Axes | None = None, *,
 
 
 def final_metrics_per_seed(workdir: str | os.PathLike) -> list[dict[str, float]]:
-  """{"eval/<name>": value} of the last evaluation and "train/loss" of the last train log, for each
-  replica of the run: one dict, or N for a run with num_seeds=N."""
-  last = rundir.last_records(rundir.read_metrics(workdir))
+  """{"eval/<name>": value} of the last evaluation (of a run that early stopping ended, its best
+  one: the run's result) and "train/loss" of the last train log, for each replica of the run: one
+  dict, or N for a run with num_seeds=N."""
+  records = rundir.read_metrics(workdir)
+  last = rundir.last_records(records)
+  stop = rundir.early_stop(records)
+  best = [r for r in records if stop and r["split"] == "eval" and r["step"] == stop["best_step"]]
+  if best:
+    last["eval"] = best[-1]
   per_seed = {split: r["per_seed"] for split, r in last.items()
               if isinstance(r.get("per_seed"), Mapping)}
   if not per_seed:  # a run of one replica: its records' values

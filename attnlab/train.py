@@ -14,6 +14,15 @@ checkpoint. A resumed run therefore ends with the same parameters, bit for bit, 
 uninterrupted one. A step's evaluation follows its checkpoint; a run killed between the two
 evaluates that checkpoint when it resumes, so no evaluation record is lost.
 
+Early stopping (`config.early_stop_patience` = P > 0, `EarlyStopping`): every evaluation step
+also saves a checkpoint; the run stops at the P-th evaluation in a row that does not lower the
+validation loss below its best, writes an "early_stop" record (rundir.EARLY_STOP_SPLIT: the
+step, best_step, best_loss, patience) to metrics.jsonl and says so in the log. The best
+evaluation's checkpoint is never pruned (keep_checkpoints counts the others) and is the run's
+result: `state.restore(workdir)` ("latest": generate, view, inspect, export, a fine-tuning
+run's init_from) gives it, and so do the plots. The same command resumes a stopped run without
+training further (the state is replayed from metrics.jsonl).
+
 The train state, its N >= 1 replicas (`config.num_seeds`, trained in one program by `jax.vmap`)
 and their keys, data and evaluation are in attnlab/state.py; checkpoints hold all replicas, and
 each metrics.jsonl record holds the mean over replicas plus `seeds` and `per_seed` ({name: [N
@@ -27,6 +36,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import pathlib
 import shutil
@@ -318,7 +328,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
   """Trains `config.task` for `config.num_train_steps` in `workdir`, resuming what is there.
 
   Returns:
-    The final TrainState (params equal those of the last checkpoint).
+    The final TrainState (params equal those of the last checkpoint; of a run that early stopping
+    ended, those of its best evaluation's checkpoint).
   Raises:
     UserError: bad config, a workdir holding a different config, a checkpoint that
       does not fit the model.
@@ -429,6 +440,63 @@ def _stop_on_refused_writes(workdir: pathlib.Path):
     raise WriteFailed(f"{what}; training stopped: {then}") from e
 
 
+class EarlyStopping:
+  """`config.early_stop_patience` = P > 0: the run stops at the evaluation that is the P-th in a
+  row not to lower the validation loss below the best so far (a NaN loss never does). The
+  evaluation after the last step (the whole split; the others cover config.eval_batches) is
+  not counted: the run ends there anyway, with its last checkpoint. The state is a function of
+  the run's evaluation records, so a resumed run rebuilds it from metrics.jsonl (`replay`) and
+  a run that stopped stays stopped."""
+
+  def __init__(self, patience: int):
+    self.patience = patience
+    self.best_step: int | None = None  # None until an evaluation has a finite loss
+    self.best_loss = math.inf
+    self.since_best = 0  # evaluations since the best one
+
+  @classmethod
+  def replay(cls, patience: int, records: list[dict[str, Any]]) -> EarlyStopping:
+    """The state after the evaluation records of metrics.jsonl."""
+    stopper = cls(patience)
+    for record in sorted((r for r in records if r.get("split") == "eval" and "loss" in r),
+                         key=lambda r: r["step"]):
+      stopper.update(record["step"], record["loss"])
+    return stopper
+
+  def update(self, step: int, loss: float) -> bool:
+    """Counts the evaluation of `step`; True when the run stops there."""
+    if math.isfinite(loss) and loss < self.best_loss:
+      self.best_step, self.best_loss, self.since_best = step, float(loss), 0
+    else:
+      self.since_best += 1
+    return self.stopped
+
+  @property
+  def stopped(self) -> bool:
+    return self.since_best >= self.patience
+
+  def record(self) -> dict[str, float]:
+    """The early-stop record's fields (rundir.EARLY_STOP_SPLIT)."""
+    return {"best_step": -1 if self.best_step is None else self.best_step,
+            "best_loss": self.best_loss, "patience": self.patience}
+
+  def protected(self) -> tuple[int, ...]:
+    """The checkpoint steps pruning must keep: the best evaluation's."""
+    return () if self.best_step is None else (self.best_step,)
+
+
+def _best_state(ckpt: checkpoint.Checkpointer, stopper: EarlyStopping, state: TrainState,
+                abstract: TrainState) -> TrainState:
+  """The state of the best evaluation's checkpoint of a run that early stopping ended (`state`
+  itself when that checkpoint is gone: a run that turned early stopping on when resumed)."""
+  best = stopper.best_step
+  if best is not None and best in ckpt.steps():
+    return ckpt.restore(best, abstract)[0]
+  _LOG.warning("the checkpoint of the best evaluation (step %s) is not in %s; the run's result "
+               "is its newest checkpoint", best, ckpt.directory)
+  return state
+
+
 def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, task: tasks.Task,
                       mesh: jax.sharding.Mesh | None, is_main: bool,
                       own_assets: bool = True, phases: _Phases | None = None) -> TrainState:
@@ -443,8 +511,11 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
   if is_main:
     _record_start(workdir, task, own_assets)
 
+  # Early stopping keeps the best evaluation's checkpoint however old (EarlyStopping.protected);
+  # the loop prunes the others itself.
+  patience = int(config.get("early_stop_patience", 0))
   ckpt = checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR,
-                                 max_to_keep=config.keep_checkpoints)
+                                 max_to_keep=None if patience else config.keep_checkpoints)
   try:
     restored = state_lib.restore_latest(ckpt, parts.abstract, num_seeds, quarantine=is_main)
     if restored is None:
@@ -461,11 +532,17 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
       _finish_complete_run(task, state, workdir, start, seeds)
       return state
     _evaluate_if_missing(config, task, state, workdir, start, seeds)
+    stopper = EarlyStopping.replay(patience, rundir.read_metrics(workdir)) if patience else None
+    if stopper is not None and stopper.stopped:
+      _finish_stopped_run(workdir, stopper, start, seeds)
+      return _best_state(ckpt, stopper, state, parts.abstract)
     train_step = make_train_step(task, tx, parts.schedule, num_seeds=num_seeds, mesh=mesh,
                                  state_shardings=shardings)
     phases.seconds["setup"] = time.perf_counter() - phases.start
     state = _train_loop(config, workdir, task, state, train_iter, ckpt, train_step,
-                        parts.train_rng, seeds, phases)
+                        parts.train_rng, seeds, phases, stopper)
+    if stopper is not None and stopper.stopped:  # the run's result: its best evaluation
+      state = _best_state(ckpt, stopper, state, parts.abstract)
   finally:
     ckpt.close()
   if config.write_plots and is_main:
@@ -483,6 +560,19 @@ def _finish_complete_run(task: tasks.Task, state: TrainState, workdir: pathlib.P
       metrics, per_seed = state_lib.evaluate(task, state.params, len(seeds))
       logger.write(step, "eval", metrics, per_seed)
   _LOG.info("%s is complete (step %d); nothing to train", workdir, step)
+
+
+def _finish_stopped_run(workdir: pathlib.Path, stopper: EarlyStopping, step: int,
+                        seeds: list[int]) -> None:
+  """A run resumed from the checkpoint at which early stopping ended it: add its early-stop
+  record if a crash skipped it, and train nothing."""
+  if parallel.is_main_process() and rundir.early_stop(rundir.read_metrics(workdir)) is None:
+    with _MetricLogger(workdir, step, seeds) as logger:
+      logger.write(step, rundir.EARLY_STOP_SPLIT, stopper.record())
+  _LOG.info("%s was stopped early at step %d (early_stop_patience=%d; its best evaluation is "
+            "step %s); nothing to train: raise early_stop_patience (with "
+            "--config.allow_config_change=True) to train on", workdir, step, stopper.patience,
+            stopper.best_step)
 
 
 def _evaluate_if_missing(config: ml_collections.ConfigDict, task: tasks.Task, state: TrainState,
@@ -525,8 +615,31 @@ def _first_step_done(metrics: dict, since: float) -> None:
   _LOG.info("first train step done in %.1f s (compiling it included)", time.time() - since)
 
 
+def _stops_early(stopper: EarlyStopping, step: int, eval_metrics: dict[str, float],
+                 task: tasks.Task, logger: _MetricLogger) -> bool:
+  """Counts evaluation `step` for early stopping; when it ends the run, writes the early-stop
+  record and says so in the log."""
+  if "loss" not in eval_metrics:
+    raise config_utils.ConfigError(
+        f"early_stop_patience watches the validation loss, which the {task.name!r} task's "
+        f"evaluation does not report (it reports {', '.join(eval_metrics)}); set "
+        f"early_stop_patience=0")
+  if not stopper.update(step, eval_metrics["loss"]):
+    return False
+  logger.write(step, rundir.EARLY_STOP_SPLIT, stopper.record())
+  _LOG.info("early stopping at step %d: the validation loss has not improved on its best "
+            "(%.4g, step %s) for %d evaluations (early_stop_patience=%d); training stopped, and "
+            "checkpoint %s, the best, is the run's result (generate, view and export use it)",
+            step, stopper.best_loss, stopper.best_step, stopper.since_best, stopper.patience,
+            stopper.best_step)
+  return True
+
+
 def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, train_rng,
-                seeds, phases: _Phases | None = None) -> TrainState:
+                seeds, phases: _Phases | None = None,
+                stopper: EarlyStopping | None = None) -> TrainState:
+  """Trains from the state's step to config.num_train_steps, or until `stopper` (early
+  stopping) says stop (then `stopper.stopped`); returns the state at the last step trained."""
   phases = phases or _Phases()
   num_steps, start, num_seeds = config.num_train_steps, state_lib.step_of(state), len(seeds)
   pending: list[tuple[int, dict]] = []  # per-step metrics (on device) since the last log
@@ -552,6 +665,7 @@ def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, trai
       do_ckpt = last or stopping or (
           config.checkpoint_every > 0 and step % config.checkpoint_every == 0)
       do_eval = last or (not stopping and config.eval_every > 0 and step % config.eval_every == 0)
+      do_ckpt = do_ckpt or (do_eval and stopper is not None)  # each evaluation may be the best
       if not (do_log or do_ckpt or do_eval):
         continue
       with phases("training steps"):  # reads the steps' losses: their device time lands here
@@ -580,6 +694,15 @@ def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, trai
         _LOG.info("step %d eval: %s", step,
                   ", ".join(f"{k}={v:.4g}" for k, v in eval_metrics.items()))
         last_log_time = time.time()  # throughput counts training only
+        if stopper is not None and not last and _stops_early(stopper, step, eval_metrics, task,
+                                                              logger):
+          if pending:  # the steps since the last log (no resumed run trains them again)
+            summary, per_seed = state_lib.mean_metrics(pending, num_seeds)
+            logger.write(step, "train", summary, per_seed)
+          ckpt.prune(config.keep_checkpoints, stopper.protected())
+          return state
+      if do_ckpt and stopper is not None:
+        ckpt.prune(config.keep_checkpoints, stopper.protected())
       if stopping and not last:
         name = signal.Signals(stop.signum).name
         raise TrainingInterrupted(

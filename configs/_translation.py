@@ -21,6 +21,10 @@ TRANSLATION_DATA: dict[str, dict[str, Any]] = {
     "reverse": {"length_bins": (5, 10, 15, 20, 25, 30), "max_len": 30},
 }
 TRANSLATION_DATA["copy"] = TRANSLATION_DATA["reverse"]
+# Any parallel corpus (attnlab/data/parallel_corpus.py): an Anki/manythings file (data.path, or
+# data.pair downloaded) or a plain TSV (data.path); the real-language defaults of marathi.
+TRANSLATION_DATA["anki"] = {**TRANSLATION_DATA["marathi"], "direction": "forward"}
+TRANSLATION_DATA["tsv"] = {**TRANSLATION_DATA["marathi"], "direction": "forward"}
 
 
 def translation_groups(config: ConfigDict, arg: str | None,
@@ -34,20 +38,35 @@ def translation_groups(config: ConfigDict, arg: str | None,
   dataset = check_choice("data.name", arg_value(arg, "data.name", "dates", shortcuts),
                          TRANSLATION_DATA, "datasets")
   config.data = ConfigDict({
-      # Dataset: dates (synthetic), marathi (anki_mar_eng), reverse, copy (synthetic).
+      # Dataset: dates (synthetic), marathi (anki_mar_eng), reverse, copy (synthetic), anki (an
+      # Anki/manythings file: data.path or data.pair), tsv (a file of source<TAB>target lines).
       "name": dataset,
+      # anki: the Anki file (<code>.txt, English<TAB>Other[<TAB>attribution] lines, or its
+      # <code>-eng.zip); tsv: the file of source<TAB>target lines (no header).
+      "path": "",
+      # anki: the three-letter code of the language paired with English (fra, spa, deu, cmn,
+      # jpn, ...): the file is found in data.manual_dir or $ATTNLAB_DATA_DIR, or downloaded from
+      # manythings.org/anki into the data dir ("": data.path).
+      "pair": "",
       # Tokenizer of source and target: char, word (punctuation split off) or subword
       # (sentencepiece).
       "tokenizer": "char",
+      # Tokenizer of the source only ("": data.tokenizer); e.g. word for English.
+      "source_tokenizer": "",
+      # Tokenizer of the target only ("": data.tokenizer); char or subword for a script written
+      # without spaces (Chinese, Japanese).
+      "target_tokenizer": "",
       # Subword vocabulary size, or the word vocabulary's cap (0: subword 4000, words uncapped).
       "tokenizer_size": 0,
       # Words seen fewer times in training become <unk> (word tokenizer).
       "min_count": 1,
       # Lower-case words (word tokenizer).
       "lower": True,
-      # Training examples (synthetic: generated; marathi: the first N of the split, 0 = all).
+      # Training examples (synthetic: generated; marathi, anki, tsv: the first N of the split,
+      # 0 = all).
       "num_train": 50000,
-      # Evaluation examples (synthetic: generated; marathi: the first N of the split, 0 = all).
+      # Evaluation examples (synthetic: generated; marathi, anki, tsv: the first N of the split,
+      # 0 = all).
       "num_eval": 1000,
       # Seed of the synthetic data (fixed, so runs with different seeds see the same examples).
       "seed": 0,
@@ -57,7 +76,8 @@ def translation_groups(config: ConfigDict, arg: str | None,
       "max_len": 10,
       # reverse/copy: alphabet size.
       "symbols": 10,
-      # marathi: en-mr (English -> Marathi) or mr-en.
+      # marathi: en-mr (English -> Marathi) or mr-en; anki, tsv: forward (first column ->
+      # second; anki: English -> the other language) or reverse.
       "direction": "en-mr",
       # Drop pairs with more whitespace-separated words (punctuation counted) on either side
       # (0: keep).
@@ -66,6 +86,10 @@ def translation_groups(config: ConfigDict, arg: str | None,
       "buckets": (),
       # Upper edges of source-length bins for per-length metrics, e.g. (5, 10, 15) (): none.
       "length_bins": (),
+      # sacrebleu tokenizer of BLEU ("": the target tokenizer's tokens for char and word; for
+      # subword the text with 13a, or zh / char when the references are Chinese / Japanese);
+      # 13a, intl, zh, char, none, ja-mecab or ko-mecab (the last two need their packages).
+      "bleu_tokenize": "",
       # Split evaluated during training.
       "eval_split": "validation",
       # Examples per evaluation and decoding batch.

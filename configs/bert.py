@@ -1,4 +1,5 @@
-"""BERT: MLM + NSP pretraining (task "masked_lm") and SST-2 [CLS] fine-tuning ("classification").
+"""BERT: MLM + NSP pretraining (task "masked_lm") and [CLS] fine-tuning ("classification") on
+SST-2 or on your own labelled CSV/TSV file.
 
 Shortcuts in the arg (besides any field, e.g. `optimizer.learning_rate=1e-4`; score and size are
 the names every config file uses):
@@ -14,6 +15,7 @@ the names every config file uses):
   pretrained=DIR           (finetune) start from the encoder of run DIR, e.g. a checkpoint imported
                            with `attnlab import-hf`: sets init_from=DIR and copies DIR's encoder
                            fields (model.*) and tokenizer fields (data.*) so that they match
+  dataset=sst2|csv         (finetune) = data.name: GLUE SST-2, or your labelled file data.path
 
 Launch (from the repository root; data from $ATTNLAB_DATA_DIR or
 `--config.data.manual_dir=../shared/data`, else downloaded):
@@ -31,6 +33,17 @@ Seconds-long checks of both modes (`init_from` must name a run of the same size 
   attnlab train --config=configs/bert.py:mode=finetune,runlocal=True \
       --config.init_from=/tmp/bert_pt --workdir=/tmp/bert_ft
 The study (pretrain, fine-tune vs scratch, 3 seeds): python experiments/bert_sst2/run.py
+
+Your own labels (`dataset=csv`, attnlab/data/labeled_csv.py): a CSV or TSV file with a header
+row; the columns data.text_column (default sentence), data.text_pair_column (a second text:
+sentence pairs `[CLS] a [SEP] b [SEP]`; "" = single sentences) and data.label_column (default
+label); any number of classes, the sorted distinct labels of the file. Validation: the file
+data.valid_path, else data.valid_fraction (0.1) of the rows, held out with data.valid_seed:
+  attnlab train --config=configs/bert.py:mode=finetune,dataset=csv,data.path=train.csv \
+      --workdir=runs/mine                                  # from scratch, its own vocabulary
+  attnlab train --config=configs/bert.py:mode=finetune,pretrained=runs/bert_pretrain,dataset=csv,\
+data.path=pairs.tsv,data.text_column=premise,data.text_pair_column=hypothesis,\
+data.valid_path=dev.tsv --workdir=runs/mine_pairs          # the pretraining run's tokenizer
 """
 
 
@@ -42,6 +55,8 @@ from attnlab.errors import ConfigError
 
 # Values of the `mode` shortcut -> task name.
 MODES = {"pretrain": "masked_lm", "finetune": "classification"}
+# Fine-tuning data sets (attnlab/tasks/classification.py DATASETS; the task checks it again).
+DATASETS = ("sst2", "csv")
 # Encoder sizes (attnlab.models imports no JAX, so reading a config stays cheap).
 SIZES = models.SIZES["bert"]
 # Fields that `pretrained=DIR` copies from DIR/config.json (when DIR's config has them).
@@ -72,6 +87,13 @@ def _set_size(config, size: str) -> None:
   config_utils.apply_overrides(config, {f"model.{key}": value for key, value in dims.items()})
 
 
+def _set_dataset(config, name: str) -> None:
+  """dataset=sst2|csv (finetune): data.name."""
+  if config.task != MODES["finetune"]:
+    raise ConfigError("dataset= goes with mode=finetune (pretraining reads data.corpus)")
+  config.data.name = config_utils.check_choice("dataset", name, DATASETS, "datasets")
+
+
 def _set_pretrained(config, workdir: str) -> None:
   """pretrained=DIR: init_from=DIR and DIR's encoder and tokenizer fields (PRETRAINED_FIELDS)."""
   if config.task != MODES["finetune"]:
@@ -92,7 +114,8 @@ def _set_pretrained(config, workdir: str) -> None:
 # config file). Under runlocal=True, finalize applies them again after the runlocal overrides, so
 # a pretrained run's fields win over those.
 SHORTCUTS = config_utils.shortcut_table("score", "implementation", "mechanism", mode=_set_mode,
-                                        size=_set_size, pretrained=_set_pretrained)
+                                        size=_set_size, pretrained=_set_pretrained,
+                                        dataset=_set_dataset)
 
 
 def get_config(arg: str | None = None):
@@ -203,10 +226,13 @@ def get_config(arg: str | None = None):
     # Seed of the held-out pairs and masks.
     data.eval_seed = 0
   else:
-    # Use only the first N SST-2 training sentences (0 = all 67,349).
+    # Labelled examples: sst2 (GLUE SST-2) or csv (your file data.path; the keys below).
+    data.name = "sst2"
+    # Use only the first N training examples (0 = all; SST-2 has 67,349).
     data.num_train = 0
-    # Use only the first N validation sentences (0 = all 872).
+    # Use only the first N validation examples (0 = all; SST-2 has 872).
     data.num_eval = 0
+    config_utils.add_labeled_file(data)  # data.path, data.text_column, ... (dataset=csv)
 
   local = {"model.max_len": 32, "model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0,
            "data.vocab_size": 400, "data.max_documents": 400, "data.max_extra_sentences": 400,

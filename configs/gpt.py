@@ -12,8 +12,23 @@ Launch (from the repository root):
 Fine-tuning a pretrained run (an attnlab GPT run, or a GPT-2 imported with `attnlab import-hf`) on
 any text, tokenized with that run's tokenizer:
   attnlab train --config=configs/gpt.py:pretrained=runs/gpt_nano,dataset=text,data.path=my.txt,\
-num_train_steps=500,optimizer.learning_rate=3e-4 --workdir=runs/gpt_nano_mine
+num_train_steps=500,eval_every=50,early_stop_patience=3 --workdir=runs/gpt_nano_mine
   attnlab generate --workdir=runs/gpt_nano_mine --prompt="ROMEO:"
+  attnlab import-hf runs/gpt_nano_mine --export_to=out/mine   # for transformers (GPT-2 settings)
+The fine-tuning recipe (the defaults whenever pretrained=DIR, or init_from=DIR, is in the arg;
+a key given in the arg, before or after it, or as a flag wins): AdamW at a tenth of the from-scratch peak, learning rate 1e-4
+with 20 warmup steps and a cosine to 1e-5 (FINETUNE_RECIPE; runlocal=True keeps its 2 warmup
+steps); the rest of the optimizer as below. Options:
+  finetune.freeze_embeddings=True   the token table (which is also the tied output layer) and the
+                                    position table stay as pretrained
+  finetune.freeze_layers=N          the lowest N blocks stay as pretrained
+  early_stop_patience=P             stop after P evaluations (every eval_every steps) without a
+                                    lower validation loss; the best evaluation's checkpoint is
+                                    the run's result: generate, view, export and pretrained=
+                                    use it (attnlab/train.py)
+Frozen parameters get zero updates and no optimizer state. A GPT-2 imported with import-hf
+(learned positions, biases, gelu) exports back after fine-tuning; an attnlab GPT exports when
+trained with model.position=learned,model.use_bias=True (and the default attention).
 A seconds-long check of the whole pipeline:
   attnlab train --config=configs/gpt.py:runlocal=True --workdir=/tmp/gpt_local
 
@@ -34,14 +49,15 @@ Shortcuts in the arg (besides any field; the same names as in the other config f
   mechanism=NAME                  = model.attention.mechanism (full, linear, performer, ...)
   dataset=NAME, or task=NAME      = data.name (tiny_shakespeare, text, addition,
                                   synthetic_tokens, induction)
-  tokenizer=char|subword          = data.tokenizer
+  tokenizer=char|byte|subword     = data.tokenizer
   pretrained=DIR                  start from run DIR (a causal_lm run, e.g. a GPT-2 imported with
                                   `attnlab import-hf`): sets init_from=DIR and copies DIR's
                                   architecture (PRETRAINED_FIELDS: sizes, positions, the
                                   model.attention subtree, vocabulary) and tokenizer fields; the
                                   text is tokenized with DIR's kept tokenizer. Keys set after it
                                   that differ from DIR are refused in one line (before anything
-                                  is written); optimizer, steps, dropout and data stay free.
+                                  is written); optimizer, steps, dropout and data stay free, the
+                                  optimizer's defaults being the fine-tuning recipe above.
 `dataset=text,data.path=FILE_OR_DIR`: your own corpus, a UTF-8 text file or a folder whose *.txt
 files are read in sorted order; the last 10% of the characters are held out for validation
 (attnlab/data/text_corpus.py), the character vocabulary is built from the first 90% (or is the
@@ -95,6 +111,13 @@ def _set_pretrained(config, workdir: str) -> None:
     node[field] = value  # adds the fields an imported run has (model.vocab_size, ...)
 
 
+# The optimizer defaults of a fine-tuning run (pretrained=DIR or init_from=DIR in the arg): a tenth
+# of the from-scratch peak learning rate, a short warmup, cosine to a tenth of the peak. Any key
+# given in the arg or as a flag still wins.
+FINETUNE_RECIPE = {"optimizer.learning_rate": 1e-4, "optimizer.warmup_steps": 20,
+                   "optimizer.end_learning_rate": 1e-5}
+
+
 # Short arg keys (config_utils.SHORTCUTS: one meaning in every config file). Under runlocal=True,
 # finalize applies them again after the runlocal overrides, so a pretrained run's fields win.
 SHORTCUTS = config_utils.shortcut_table("size", "score", "implementation", "mechanism",
@@ -106,6 +129,9 @@ def get_config(arg: str | None = None):
   # The size picks some defaults (gpt2: nanoGPT's GPT-2 recipe); finalize applies the whole arg.
   size = config_utils.arg_value(arg, "model.size", "nano", SHORTCUTS)
   gpt2 = size == "gpt2"
+  # Fine-tuning a pretrained run (pretrained=DIR, or init_from=DIR in the arg): FINETUNE_RECIPE.
+  finetuning = bool(config_utils.arg_value(arg, "pretrained", "")
+                    or config_utils.arg_value(arg, "init_from", ""))
   config = config_utils.base_config()
   config.task = "causal_lm"
   config.num_train_steps = 2000
@@ -139,6 +165,16 @@ def get_config(arg: str | None = None):
     config.optimizer.warmup_steps = 2000
     config.optimizer.end_learning_rate = 6e-5
     config.optimizer.b2 = 0.95
+  if finetuning:
+    for key, value in FINETUNE_RECIPE.items():
+      group, field = key.split(".")
+      config[group][field] = value
+  # Fine-tuning: parameters the optimizer leaves unchanged (zero updates, no optimizer state).
+  config.finetune = config_utils.ConfigDict()
+  # Freeze the token table (which is also the tied output layer) and the position table.
+  config.finetune.freeze_embeddings = False
+  # Freeze the lowest N Transformer blocks (0: none; at most model.num_layers).
+  config.finetune.freeze_layers = 0
 
   # Size preset: nano (4 layers, 4 heads, 128 dims, block 64), small (6, 6, 384, 256), tiny,
   # gpt2 (GPT-2 small: 12, 12, 768, 1024).
@@ -180,8 +216,8 @@ def get_config(arg: str | None = None):
   config.data.name = "tiny_shakespeare"
   # text: a UTF-8 text file, or a folder of *.txt files (sorted); the last 10% held out.
   config.data.path = ""
-  # Tokenizer for tiny_shakespeare and text: char or subword (sentencepiece); addition is always
-  # char.
+  # Tokenizer for tiny_shakespeare and text: char, byte (UTF-8 bytes: a fixed vocabulary of 263
+  # ids for any text) or subword (sentencepiece); addition is always char.
   config.data.tokenizer = "char"
   # Subword vocabulary size (tokenizer=subword); token ids of synthetic_tokens and induction
   # (GPT-2's 50257 with size=gpt2).

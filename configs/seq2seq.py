@@ -10,6 +10,12 @@ Launch (from the repository root):
   attnlab train --config=configs/seq2seq.py:preset=gnmt,model.num_layers=4 --workdir=runs/gnmt4
   attnlab train --config=configs/seq2seq.py:preset=gnmt,decode.beam_size=4,\
 decode.length_penalty=0.6,decode.coverage_penalty=0.2 --workdir=runs/gnmt          # GNMT's beam
+Any parallel corpus (configs/_translation.py; docs/guide.md, "Your own parallel corpus"):
+  attnlab train --config=configs/seq2seq.py:dataset=anki,data.pair=fra --workdir=runs/fra
+  attnlab train --config=configs/seq2seq.py:dataset=anki,data.path=cmn.txt,\
+data.target_tokenizer=char --workdir=runs/cmn
+  attnlab train --config=configs/seq2seq.py:dataset=tsv,data.path=pairs.tsv,data.direction=reverse \
+      --workdir=runs/mine
 A seconds-long check of the whole pipeline:
   attnlab train --config=configs/seq2seq.py:runlocal=True --workdir=/tmp/s2s_local
 Translate with a trained run (prints the output, saves the alignment heatmap):
@@ -18,7 +24,7 @@ Studies built on it: experiments/dates, experiments/bottleneck, experiments/scor
 experiments/marathi, experiments/gnmt (each: README + run.py).
 
 Shortcuts in the arg (besides any field; the same names as in the other config files):
-  task=NAME, or dataset=NAME      = data.name (dates, marathi, reverse, copy)
+  task=NAME, or dataset=NAME      = data.name (dates, marathi, reverse, copy, anki, tsv)
   attention=none|bahdanau|luong   = model.attention
   score=NAME                      = model.score (dot, scaled_dot, cosine, general, additive, ...)
   preset=gnmt                     = GNMT's stack (Wu et al. 2016): model.cell=lstm,
@@ -89,6 +95,8 @@ PRESETS = {
     },
 }
 PRESETS["copy"] = PRESETS["reverse"]
+# A corpus of real sentences gets the Marathi model.
+PRESETS["anki"] = PRESETS["tsv"] = PRESETS["marathi"]
 
 # Overrides of runlocal=True (after config_utils.RUNLOCAL): tiny model and data.
 RUNLOCAL = {

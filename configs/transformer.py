@@ -4,6 +4,9 @@ Launch (from the repository root):
   attnlab train --config=configs/transformer.py --workdir=runs/tf_dates               # dates
   attnlab train --config=configs/transformer.py:task=marathi --workdir=runs/tf_marathi
   attnlab train --config=configs/transformer.py:task=reverse --workdir=runs/tf_reverse
+  attnlab train --config=configs/transformer.py:dataset=anki,data.pair=spa --workdir=runs/tf_spa
+  attnlab train --config=configs/transformer.py:dataset=tsv,data.path=pairs.tsv \
+      --workdir=runs/tf_mine
   attnlab train --config=configs/transformer.py:size=tiny,score=additive,\
 model.position=learned,model.share_embeddings=target --workdir=runs/tf_dates_variant
 A seconds-long check of the whole pipeline:
@@ -14,7 +17,7 @@ Per-layer, per-head attention grids of a sentence pair:
   python experiments/rnn_vs_transformer/run.py --heatmaps=runs/tf_marathi
 
 Shortcuts in the arg (besides any field; the same names as in the other config files):
-  task=NAME, or dataset=NAME      = data.name (dates, marathi, reverse, copy)
+  task=NAME, or dataset=NAME      = data.name (dates, marathi, reverse, copy, anki, tsv)
   size=tiny|small|medium|base     = model.size
   score=NAME                      = model.attention.score (dot, scaled_dot, cosine, general, ...)
   implementation=NAME             = model.attention.implementation (auto, reference, xla, ...)
@@ -54,6 +57,8 @@ PRESETS = {
     },
 }
 PRESETS["copy"] = PRESETS["reverse"]
+# A corpus of real sentences gets the Marathi model.
+PRESETS["anki"] = PRESETS["tsv"] = PRESETS["marathi"]
 
 # Overrides of runlocal=True (after config_utils.RUNLOCAL): tiny model and data.
 RUNLOCAL = {

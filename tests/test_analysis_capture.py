@@ -167,3 +167,30 @@ def test_capture_errors_name_the_choices(gpt_run):
     analysis.capture(fake, [1, 2])
   with pytest.raises(ValueError, match="block_size=32"):
     analysis.capture(gpt_run, np.ones((40,), np.int32))
+
+
+def test_extras_are_the_forward_pass_own_activations(bert_run):
+  """extras=True reads the hook sites of the same forward pass (attnlab.analysis.hooks)."""
+  from attnlab.analysis import hooks  # pylint: disable=g-import-not-at-top
+  tok = bert_run.task.tokenizer
+  ids = np.array([[tok.cls_id, *tok.encode("the cat"), tok.sep_id, *tok.encode("sat"),
+                   tok.sep_id]], np.int32)
+  segments = np.zeros_like(ids)
+  segments[0, 9:] = 1
+  inputs = {"tokens": ids, "segments": segments}
+  cap = analysis.capture(bert_run, inputs, extras=True)
+  _, cache = hooks.run_with_cache(bert_run, inputs)
+  for i in range(2):
+    path = f"encoder/block_{i}/self_attention"
+    for name, site in (("queries", "q"), ("keys", "k"), ("values", "v")):
+      np.testing.assert_allclose(cap.extras[f"{path}/{name}"], cache[f"blocks.{i}.attn.{site}"][0],
+                                 rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(cap.extras[f"{path}/context"],
+                               np.swapaxes(cache[f"blocks.{i}.attn.z"][0], 0, 1), rtol=1e-6,
+                               atol=1e-6)
+    np.testing.assert_allclose(cap.extras[f"encoder/block_{i}/output"],
+                               cache[f"blocks.{i}.resid_post"][0], rtol=1e-6, atol=1e-6)
+    q, k = cap.extras[f"{path}/queries"], cap.extras[f"{path}/keys"]
+    scores = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1])
+    np.testing.assert_allclose(cap.extras[f"{path}/scores"], scores, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(_softmax(scores, True), cap.weights[path], rtol=1e-4, atol=1e-6)

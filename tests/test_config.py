@@ -127,6 +127,9 @@ SHORTCUT_ARGS = {
                 "model.attention.implementation=reference,"
                 "model.attention.mechanism=sliding_window"),
     "nadaraya_watson.py": ("kernel=gaussian", "model.kernel=gaussian"),
+    # dataset= and tokenizer= pick the defaults of the data set and the tokenizer.
+    "classify.py": ("dataset=cue_word,tokenizer=char,pooling=mean,cell=lstm",
+                    "data.name=cue_word,data.tokenizer=char,model.pooling=mean,model.cell=lstm"),
     # scale= picks the defaults (like BERT's mode=): there is no full key for it.
     "lra.py": ("task=imdb_bytes,mechanism=full,score=cosine,implementation=reference",
                "data.name=imdb_bytes,model.attention.mechanism=full,"

@@ -8,38 +8,52 @@
   rows = analysis.head_table(cap)                    # entropy, offsets, special mass per head
   report = analysis.evaluate_alignment(run)          # argmax alignment accuracy / AER (synthetic)
   result = analysis.head_ablation(run)               # the task's loss with each head removed
-  logits, cache = analysis.run_with_cache(run, tokens, ["blocks.0.attn.pattern"])   # GPT sites
+  logits, cache = analysis.run_with_cache(run, tokens, ["blocks.0.attn.pattern"])   # any family
   logits = analysis.run_with_hooks(run, tokens, [analysis.Intervention("blocks.1.attn.z", "zero")])
   grid = analysis.patch_sweep(run, clean, corrupted, metric, site="resid_pre")   # [layers, len]
+  text = analysis.generate_with_hooks(run, prompt, [iv], num_tokens=50)   # edits at every step
   scores = analysis.detect_heads(run)                # previous-token, duplicate-token, induction
   layers = analysis.logit_lens(run, tokens)          # [layers + 1, batch, len, vocab]
   dla = analysis.logit_attribution(run, tokens)      # per component and head; sums to the logits
   grid = analysis.attribution_patch(run, clean, corrupted, metric, site="attn.z", over="head")
+  w = analysis.head_weights(run); w.qk(1, 0); w.ov(0, 1)   # per-head QK and OV matrices
+  comp = analysis.composition_scores(w, "k")        # [layers, heads, layers, heads] K-composition
+  grid = analysis.path_patch(run, clean, corrupted, metric, receivers=[(1, 0)], receiver_input="q")
+  sinks = analysis.sink_metrics(run)                # first-token weight, sink rate, sink mass
 
 Modules: runs (load_run, attention_maps), capture (Capture, capture, capture_text,
 capture_batch), metrics (entropy, offsets, special-token mass, rollout, head_table), alignment
 (gold alignments of copy/reverse/dates, evaluate_alignment), ablation (head_ablation,
 plot_head_ablation), hooks (the hook-site table, run_with_cache, run_with_hooks, Intervention,
 patch_sweep), detectors (previous-token, duplicate-token and induction scores), lens (logit
-lens, direct logit attribution, attribution patching).
+lens, direct logit attribution, attribution patching), circuits (QK/OV matrices, Q/K/V
+composition scores and their random baseline), paths (path patching), sinks (attention-sink
+metrics), head_report (the per-head table of `attnlab inspect --heads` and the viewer).
 """
 
 from attnlab.analysis.ablation import AblationResult, head_ablation, plot_head_ablation
 from attnlab.analysis.alignment import evaluate_alignment, gold_alignment
 from attnlab.analysis.capture import Capture, capture, capture_batch, capture_text
+from attnlab.analysis.circuits import (HeadWeights, composition_scores, head_weights,
+                                       random_baseline)
 from attnlab.analysis.detectors import (chance_scores, detect_heads, duplicate_token_score,
                                         induction_score, previous_token_score,
                                         repeated_random_tokens)
-from attnlab.analysis.hooks import Intervention, patch_sweep, run_with_cache, run_with_hooks
+from attnlab.analysis.hooks import (Intervention, generate_with_hooks, patch_sweep, run_with_cache,
+                                    run_with_hooks)
 from attnlab.analysis.lens import (LogitAttribution, attribution_patch, logit_attribution,
                                    logit_lens)
 from attnlab.analysis.metrics import (attention_rollout, entropy, head_table, mean_abs_offset,
                                       mean_offset, normalized_entropy, special_token_mass)
+from attnlab.analysis.sinks import SinkMetrics, first_token_score, sink_metrics, sink_rate
+from attnlab.analysis.paths import path_patch
 from attnlab.analysis.runs import Run, attention_maps, few_steps_warning, load_run, read_metrics
 
-__all__ = ["AblationResult", "Capture", "Intervention", "LogitAttribution", "Run",
+__all__ = ["AblationResult", "Capture", "HeadWeights", "Intervention", "LogitAttribution", "Run",
+           "SinkMetrics", "composition_scores", "first_token_score", "head_weights", "path_patch",
+           "random_baseline", "sink_metrics", "sink_rate",
            "attention_maps", "attention_rollout", "attribution_patch", "capture", "capture_batch", "capture_text", "chance_scores",
-           "detect_heads", "duplicate_token_score", "entropy", "evaluate_alignment", "few_steps_warning",
+           "detect_heads", "duplicate_token_score", "entropy", "evaluate_alignment", "few_steps_warning", "generate_with_hooks",
            "gold_alignment", "head_ablation", "head_table", "induction_score", "load_run", "logit_attribution", "logit_lens",
            "mean_abs_offset", "mean_offset", "normalized_entropy", "patch_sweep",
            "plot_head_ablation", "previous_token_score", "read_metrics", "repeated_random_tokens",

@@ -190,8 +190,8 @@ def evaluate_alignment(run, *, num_examples: int = 200, split: str | None = None
   for ex, s_len in zip(examples, arrays["source_length"]):
     src, tgt = ex["source"], ex["target"]
     if name != "dates":  # copy/reverse: gold links between tokens, not characters
-      src, tgt = (task.src_tok.split(task.prepare_text(src)),
-                  task.tgt_tok.split(task.prepare_text(tgt)))
+      src, tgt = (task.src_tok.split(task.prepare_text(src, "source")),
+                  task.tgt_tok.split(task.prepare_text(tgt, "target")))
     golds.append(shift_gold(gold_alignment(name, src, tgt), shift, int(s_len)))
   report = {}
   for path, w in cross.items():  # [batch, heads, t, s]

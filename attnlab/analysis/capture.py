@@ -11,8 +11,11 @@
 Paths are the "/"-joined module paths of `attention_maps` (sorted naturally: layer_2 before
 layer_10): "block_<i>/self_attention" (GPT), "encoder/block_<i>/self_attention" (BERT),
 "encoder_layer_<i>/self_attention", "decoder_layer_<i>/{self,cross}_attention" (Transformer),
-"." (the RNN seq2seq sows its one attention at the model root; heads = 1) and "." for the
-Nadaraya-Watson regression (sides "queries" and "keys").
+"." (the RNN seq2seq sows its one attention at the model root; heads = 1), "." for the
+Nadaraya-Watson regression (sides "queries" and "keys") and "pooling" for the RNN text
+classifier's attention pooling (`[1, 1, len]`: sides "context", the one position of the learned
+context vector u_w, labelled "[u_w]", and "tokens"; kind "cross"; a run with last or mean
+pooling has no attention and captures nothing).
 
 Token sides. Encoder-decoder runs: "source" = the source tokens, "target" = the decoder's input
 tokens `<start> y_1 .. y_n`, one per decoder position: row i of a cross-attention is the step
@@ -27,36 +30,38 @@ padded with 0), by task:
                   with the task's decoder and the decoded output is teacher-forced.
   causal_lm       {"inputs", "length"?} or the ids themselves.
   masked_lm, classification  {"tokens", "segments"?, "valid"?} or the ids themselves.
+  rnn_classification  {"tokens"} or the ids themselves (right-padded with 0).
   regression      {"queries", "keys", "values"} float `[n]` (default: the task's test grid and
                   training points).
 
 extras=True adds, per MultiHeadAttention path, "<path>/queries", "<path>/keys", "<path>/values"
-`[heads, len, head_dim]` (after rotary), "<path>/scores" `[heads, q_len, k_len]` (the raw score
-logits, before masking and softmax), "<path>/context" `[heads, q_len, head_dim]` (each head's
-output before the output projection), and "<block path>/output" `[len, d]` for every
-TransformerBlock (and the RNN encoder's states), collected with Flax `capture_intermediates`.
-The default path (extras=False) computes nothing beyond the forward pass.
+`[heads, len, head_dim]` (after rotary; grouped-query kv heads repeated to the query heads),
+"<path>/scores" `[heads, q_len, k_len]` (the layer's score function on those queries and keys:
+the raw logits, before position biases, masking and the normaliser), "<path>/context"
+`[heads, q_len, head_dim]` (each head's output before the output projection), and
+"<block path>/output" `[len, d]` for every TransformerBlock (and the RNN encoder's states). All
+are the forward pass's own activations, read at its hook sites (attnlab.analysis.hooks: attn.q,
+.k, .v, .z, resid_post, encoder.states) in the same pass as the weights. The default path
+(extras=False) computes nothing beyond the forward pass.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import flax.linen as nn
+from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attnlab.attention import core as attn_core
-from attnlab.attention import positions as positions_lib
+from attnlab.analysis import hooks as hooks_lib
 from attnlab.attention import scores as scores_lib
+from attnlab.layers import hooks as layer_hooks
 from attnlab.layers import sown
-from attnlab.layers.attention import MultiHeadAttention
-from attnlab.layers.transformer import TransformerBlock
+from attnlab.layers.attention import repeat_kv_heads
 
 __all__ = ["Capture", "capture", "capture_batch", "capture_text", "layer_info", "SUPPORTED_TASKS"]
 
@@ -264,6 +269,44 @@ def _task_tokenizer(run, side: str):
   return run.task.tokenizer
 
 
+# The query side of attention pooling: the learned context vector u_w, one position (no token).
+CONTEXT_SIDE = "context"
+CONTEXT_LABEL = "[u_w]"
+
+
+def _prepare_rnn_classifier(run, inputs) -> _Prepared:
+  inputs = _dict_inputs(inputs, "tokens")
+  _check_keys("rnn_classification", inputs, ("tokens",), ())
+  ids = _as_batch(inputs["tokens"], "tokens")
+  if np.any((ids[:, 1:] != 0) & (ids[:, :-1] == 0)):
+    raise ValueError("rnn_classification tokens must be right-padded with 0 (no id after a 0)")
+  lengths = (ids != 0).sum(1).astype(np.int32)
+  return _Prepared(args=(ids,), ids={"tokens": ids, CONTEXT_SIDE: np.ones((len(ids), 1),
+                                                                         np.int32)},
+                   lengths={"tokens": lengths, CONTEXT_SIDE: np.ones((len(ids),), np.int32)})
+
+
+def _rnn_classifier_info(path: str) -> tuple[tuple[str, str], str]:
+  if path.startswith("encoder"):  # the encoder's states (extras=True)
+    return ("tokens", "tokens"), "self"
+  return (CONTEXT_SIDE, "tokens"), "cross"
+
+
+def _rnn_classifier_text(run, text: str, target: str | None) -> np.ndarray:
+  if target is not None:
+    raise ValueError("an rnn_classification run reads one text; leave the target out")
+  return run.task.encode(text)
+
+
+class _ContextFamily(_Family):
+  """A family with attention pooling: the context side's one position is labelled u_w."""
+
+  def labels(self, run, side: str, ids: np.ndarray) -> list[str]:
+    if side == CONTEXT_SIDE:
+      return [CONTEXT_LABEL] * len(ids)
+    return super().labels(run, side, ids)
+
+
 _BERT = _Family(_prepare_bert, lambda p: (("tokens", "tokens"), "self"), _bert_text,
                 _task_tokenizer)
 # config.task -> how its model is fed and its layers are named.
@@ -277,6 +320,8 @@ _FAMILIES: dict[str, _Family] = {
     "classification": _BERT,
     "regression": _Family(_prepare_regression, lambda p: (("queries", "keys"), "cross"), None,
                           None),
+    "rnn_classification": _ContextFamily(_prepare_rnn_classifier, _rnn_classifier_info,
+                                         _rnn_classifier_text, _task_tokenizer),
 }
 # Tasks whose runs capture() understands.
 SUPPORTED_TASKS: tuple[str, ...] = tuple(_FAMILIES)
@@ -300,83 +345,91 @@ def layer_info(run, path: str) -> tuple[tuple[str, str], str]:
 # ------------------------------------------------------------------------------ forward pass
 
 
-def _attention_extras(next_fun, args, kwargs, context):
-  """Method interceptor: after a MultiHeadAttention call, sows its q/k/v, scores and context."""
-  out = next_fun(*args, **kwargs)
-  mdl = context.module
-  if not isinstance(mdl, MultiHeadAttention) or context.method_name != "__call__":
-    return out
-  inputs_kv = args[1] if len(args) > 1 else kwargs.get("inputs_kv")
-  if kwargs.get("decode") or isinstance(inputs_kv, Mapping):
-    return out  # cached decoding / precomputed keys: not the single forward pass captured here
-  params = mdl.variables["params"]
-  x_q = args[0] if args else kwargs["inputs_q"]
-  x_kv = x_q if inputs_kv is None else inputs_kv
+# Hook sites read for extras=True, by their local name -> the extra's name.
+_EXTRA_SITES = {"q": "queries", "k": "keys", "v": "values", "z": "context",
+                "resid_post": "output"}
 
-  def project(x, name):
-    y = jnp.matmul(x.astype(jnp.float32), params[f"{name}_kernel"])  # [batch, len, inner]
-    if f"{name}_bias" in params:
-      y = y + params[f"{name}_bias"]
-    return attn_core.split_heads(y, mdl.num_heads)  # [batch, heads, len, head_dim]
 
-  qh, kh, vh = project(x_q, "query"), project(x_kv, "key"), project(x_kv, "value")
-  if mdl.rotary and inputs_kv is None:
-    positions = jnp.arange(qh.shape[2])  # [len]
-    qh, kh = positions_lib.rotary(qh, positions), positions_lib.rotary(kh, positions)
-  score_params = params.get("score_params") or {}
-  scores = scores_lib.get_score_fn(mdl.attention.score)(qh, kh, **score_params)  # [b, h, q, k]
-  weights = mdl.get_variable("intermediates", "attention_weights")[-1]  # [b, heads, q, k]
-  context_h = jnp.matmul(weights.astype(jnp.float32), vh)  # [batch, heads, q_len, head_dim]
-  for name, value in (("queries", qh), ("keys", kh), ("values", vh), ("scores", scores),
-                      ("context", context_h)):
-    mdl.sow("intermediates", name, value)
+def _extra_sites(model: Any) -> dict[str, str]:
+  """{site key: "<module path>/<extra name>"} of the hook sites that extras=True reads (none
+  for a model without hook sites, e.g. the Nadaraya-Watson regression)."""
+  try:
+    table = hooks_lib.sites(model)
+  except ValueError:
+    return {}
+  out = {}
+  for site in table.values():
+    path, _, local = site.key.rpartition("/")
+    if local in _EXTRA_SITES:
+      out[site.key] = f"{path}/{_EXTRA_SITES[local]}"
+    elif site.name == "encoder.states":  # the RNN encoder's output
+      out[site.key] = f"{path}/output"
   return out
 
 
-def _is_block(mdl: nn.Module, method_name: str) -> bool:
-  from attnlab.models import seq2seq  # pylint: disable=g-import-not-at-top
-  return method_name == "__call__" and isinstance(mdl, (TransformerBlock, seq2seq.Encoder))
+@functools.partial(jax.jit, static_argnames=("model", "keys"))
+def _forward(model, params, args, keys: tuple[str, ...] | None):
+  """(intermediates, hook values {site key: value}) of one forward pass; keys: the hook sites
+  to sow (None: none, the plain pass)."""
+  if keys is None:
+    _, state = model.apply({"params": params}, *args, mutable=["intermediates"])
+    return state.get("intermediates", {}), {}  # a model without attention sows nothing
+  with layer_hooks.capturing(keys):
+    _, state = model.apply({"params": params}, *args, mutable=["intermediates", layer_hooks.HOOKS])
+  flat = traverse_util.flatten_dict(state.get(layer_hooks.HOOKS, {}), sep="/")
+  return state.get("intermediates", {}), {k: v[-1] for k, v in flat.items()}
 
 
-@functools.partial(jax.jit, static_argnames=("model", "extras"))
-def _forward(model, params, args, extras: bool):
-  with nn.intercept_methods(_attention_extras) if extras else contextlib.nullcontext():
-    _, state = model.apply({"params": params}, *args, mutable=["intermediates"],
-                           capture_intermediates=_is_block if extras else False)
-  return state["intermediates"]
+def _extras(model: Any, params: Any, wanted: dict[str, str], values: dict[str, Any]
+            ) -> dict[str, np.ndarray]:
+  """{"<path>/<name>": batched value} from the forward pass's own hook values: queries, keys,
+  values `[batch, heads, len, head_dim]` (kv heads repeated to the query heads), context (z)
+  `[batch, heads, q_len, head_dim]`, scores `[batch, heads, q_len, k_len]` (the layer's score
+  function on those queries and keys), block / RNN encoder outputs `[batch, len, d]`."""
+  extra = {wanted[key]: np.asarray(value) for key, value in values.items()}
+  for key in [k for k in extra if k.endswith("/context")]:
+    extra[key] = np.swapaxes(extra[key], 1, 2)  # z [batch, len, heads, hd] -> [b, heads, len, hd]
+  for key in [k for k in extra if k.endswith("/queries")]:
+    path = key.rpartition("/")[0]
+    q = extra[key]
+    for name in ("keys", "values"):
+      extra[f"{path}/{name}"] = np.asarray(repeat_kv_heads(extra[f"{path}/{name}"], q.shape[1]))
+    layer = params
+    for part in path.split("/"):
+      layer = layer[part]
+    score_params = layer.get("score_params") or {}
+    scores = scores_lib.get_score_fn(model.attention.score)(
+        jnp.asarray(q), jnp.asarray(extra[f"{path}/keys"]), **score_params)  # [b, h, q, k]
+    extra[f"{path}/scores"] = np.asarray(scores, np.float32)
+  return extra
 
 
-def _collect(intermediates: Any, extras: bool) -> tuple[dict[str, np.ndarray],
-                                                        dict[str, np.ndarray]]:
-  """({path: weights [batch, heads, q, k]}, {"<path>/<name>": batched extra})."""
-  weights, extra = {}, {}
+def _collect(intermediates: Any) -> dict[str, np.ndarray]:
+  """{path: weights [batch, heads, q, k]} of the sown attention weights."""
+  weights = {}
   for key, values in sown.sown_values(intermediates, None).items():
     path, _, name = key.rpartition("/")
     path = path or "."
-    value = values[-1]  # sow keeps every call's value
-    if name == "__call__":
-      if extras:  # a block's output; the RNN Encoder returns (states, final carries)
-        out = value[0] if isinstance(value, tuple) else value
-        extra[f"{path}/output"] = np.asarray(out)
+    if name != sown.ATTENTION_WEIGHTS:
       continue
-    value = np.asarray(value)
-    if name == sown.ATTENTION_WEIGHTS:
-      value = value.astype(np.float32)
-      if value.ndim == 2:  # Nadaraya-Watson: [n_q, n_k]
-        value = value[None, None]
-      elif value.ndim == 3:  # RNN seq2seq: [batch, tgt_len, src_len], one head
-        value = value[:, None]
-      weights[path] = value
-    elif extras and name in ("queries", "keys", "values", "scores", "context"):
-      extra[f"{path}/{name}"] = value
-  order = lambda d: {k: d[k] for k in sorted(d, key=sown.natural_key)}
-  return order(weights), order(extra)
+    value = np.asarray(values[-1]).astype(np.float32)  # sow keeps every call's value
+    if value.ndim == 2:  # Nadaraya-Watson: [n_q, n_k]
+      value = value[None, None]
+    elif value.ndim == 3:  # RNN seq2seq: [batch, tgt_len, src_len], one head
+      value = value[:, None]
+    weights[path] = value
+  return weights
 
 
 def _run_forward(run, prepared: _Prepared, extras: bool):
-  intermediates = _forward(run.model, run.params, tuple(jnp.asarray(a) for a in prepared.args),
-                           extras=bool(extras))
-  return _collect(jax.device_get(intermediates), extras)
+  wanted = _extra_sites(run.model) if extras else {}
+  args = tuple(jnp.asarray(a) for a in prepared.args)
+  intermediates, values = _forward(run.model, run.params, args,
+                                   keys=tuple(sorted(wanted)) if extras else None)
+  weights = _collect(jax.device_get(intermediates))
+  extra = _extras(run.model, run.params, wanted, jax.device_get(values)) if wanted else {}
+  order = lambda d: {k: d[k] for k in sorted(d, key=sown.natural_key)}
+  return order(weights), order(extra)
 
 
 def capture_batch(run, inputs: Any = None, *, extras: bool = False) -> dict[str, np.ndarray]:
@@ -434,6 +487,7 @@ def capture_text(run, text: str, target: str | None = None, *, extras: bool = Fa
     otherwise the greedy decoding of `text` is captured. causal_lm: the prompt as
     `attnlab generate` encodes it. masked_lm / classification: `[CLS] text [SEP]`, or
     `[CLS] text [SEP] target [SEP]` (segments 0 and 1) when `target` is given.
+    rnn_classification: the text's ids (cut to data.max_len), no target.
   """
   family = _family(run)
   if family.encode_text is None:

@@ -104,6 +104,9 @@ def detect_heads(run: Any, *, seq_len: int | None = None, batch: int = 8, seed: 
   `tokens` `[batch, 2 * seq_len]` of that form; with `interventions` (attnlab.analysis.hooks)
   applied, e.g. a head ablated."""
   model, _ = hooks_lib._unpack(run)  # pylint: disable=protected-access
+  if hooks_lib.family(model) != "gpt":
+    raise ValueError(f"detect_heads reads a causal language model (GPT); got a "
+                     f"{type(model).__name__}")
   if tokens is None:
     seq_len = seq_len or min(model.block_size // 2, 50)
     if 2 * seq_len > model.block_size and model.position in ("learned", "sinusoidal"):

@@ -49,7 +49,9 @@ Array = jax.Array
 
 
 def _check(model: Any) -> None:
-  hooks_lib.sites(model)  # ValueError for a family without hook sites
+  if hooks_lib.family(model) != "gpt":  # ValueError for a family without hook sites
+    raise ValueError(f"the logit lens and attributions read a GPT (its tied unembedding and "
+                     f"final LayerNorm); got a {type(model).__name__}")
 
 
 def _final_norm(model: Any, params: Any) -> tuple[Array, Array | None]:
@@ -181,6 +183,7 @@ def attribution_patch(run: Any, clean: Any, corrupted: Any, metric: Callable[[Ar
   if over not in hooks_lib.OVER:
     raise ValueError(f"unknown over={over!r}; valid: {', '.join(hooks_lib.OVER)}")
   model, params = hooks_lib._unpack(run)  # pylint: disable=protected-access
+  _check(model)
   table = hooks_lib.sites(model)
   names = tuple(hooks_lib._site(table, f"blocks.{l}.{site}").name  # pylint: disable=protected-access
                 for l in range(model.num_layers))

@@ -58,7 +58,9 @@ def load_run(workdir: str | os.PathLike, step: int | str = "latest",
   [N] axis: `replica` picks one (0..N-1, seed = config.seed + replica) so `model.apply` works as
   for a single-seed run; `replica=None` keeps them all.
 
-  With "latest", an unreadable newest checkpoint is reported and the previous one is used.
+  "latest" is the run's result: its newest checkpoint, or for a run that early stopping ended
+  (config.early_stop_patience), its best evaluation's. With "latest", an unreadable newest
+  checkpoint is reported and the previous one is used.
   Raises:
     checkpoint.CheckpointError (a ValueError): no run there, no such step, no readable checkpoint,
       or a checkpoint that does not fit the model in config.json.

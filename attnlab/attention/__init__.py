@@ -36,9 +36,12 @@ from attnlab.attention.normalizers import NORMALIZERS
 from attnlab.attention.normalizers import init_normalizer_params
 from attnlab.attention.normalizers import normalize
 from attnlab.attention.pooling import average_pooling
+from attnlab.attention.pooling import context_attention_pooling
+from attnlab.attention.pooling import init_context_pooling_params
 from attnlab.attention.pooling import init_kernel_params
 from attnlab.attention.pooling import learned_kernel_pooling
 from attnlab.attention.pooling import leave_one_out_mask
+from attnlab.attention.pooling import masked_mean
 from attnlab.attention.pooling import nadaraya_watson
 from attnlab.attention.positions import AlibiBias
 from attnlab.attention.positions import T5Bias
@@ -74,10 +77,10 @@ __all__ = [
     "sliding_window_attention", "sliding_window_mask", "t5_bias", "t5_relative_bucket",
     "FAST_SCORES", "HardAttention", "IMPLEMENTATIONS", "PARAMETRIC_SCORES", "SCORE_FNS",
     "SCORE_PARAM_NAMES", "additive", "attend", "average_pooling", "causal_mask", "check_mask",
-    "choose_implementation", "combine", "cosine", "dot", "general", "get_score_fn",
-    "hard_attend", "init_kernel_params", "init_score_params", "learned_kernel_pooling",
+    "choose_implementation", "combine", "context_attention_pooling", "cosine", "dot", "general",
+    "get_score_fn", "hard_attend", "init_context_pooling_params", "init_kernel_params", "init_score_params", "learned_kernel_pooling",
     "leave_one_out_mask", "local_attend", "local_mask", "local_window_weights", "location",
-    "masked_softmax", "merge_heads", "monotonic_centers", "precompute_keys",
+    "masked_mean", "masked_softmax", "merge_heads", "monotonic_centers", "precompute_keys",
     "nadaraya_watson", "padding_mask", "predict_position", "reinforce_loss",
     "scaled_dot", "sinusoidal", "split_heads",
 ]

@@ -11,7 +11,8 @@ import sys
 COMMANDS = {
     "train": ("attnlab.cli.train", "train or resume a run from a config"),
     "sweep": ("attnlab.cli.sweep", "run the cross product of config values"),
-    "inspect": ("attnlab.cli.inspect_run", "print a run's config, last metrics and checkpoints"),
+    "inspect": ("attnlab.cli.inspect_run",
+                "print a run's config, last metrics and checkpoints (--heads: one line per head)"),
     "generate": ("attnlab.cli.generate", "sample text from a trained language model"),
     "translate": ("attnlab.cli.translate",
                   "translate a sentence with a trained model and plot alignment"),

@@ -4,6 +4,10 @@
   attnlab inspect --workdir=runs/nw --step=50  also restores checkpoint 50 and lists its parameters
   attnlab inspect --workdir=runs/nw --step=latest   the same for the newest checkpoint
   attnlab inspect --workdir=runs/nw --verify   also restores every checkpoint into the model
+  attnlab inspect --workdir=runs/gpt --heads   also one line per head of a GPT run (the newest
+                                               checkpoint, or --step): detector scores, sink
+                                               metrics, strongest composition
+                                               (attnlab.analysis.head_report)
 
 Every listed checkpoint is checked: it reads back whole, every array as orbax stored it
 (checkpoint.Checkpointer.check); `--verify` restores each one into the model as a resumed run
@@ -25,6 +29,7 @@ from attnlab import config_utils
 from attnlab.cli import tool
 from attnlab import rundir
 from attnlab.errors import DamagedCheckpoints
+from attnlab.errors import UserError
 
 
 def _define_flags() -> flags.FlagValues:
@@ -33,6 +38,10 @@ def _define_flags() -> flags.FlagValues:
                       "and summarise its parameters.", flag_values=flag_values)
   flags.DEFINE_bool("verify", False, "Restore every checkpoint into the model (slower: builds the "
                     "task), beyond checking that its files are complete and readable.",
+                    flag_values=flag_values)
+  flags.DEFINE_bool("heads", False, "Also print one line per attention head of a GPT run "
+                    "(--step's checkpoint, else the newest): previous-token, duplicate-token and "
+                    "induction scores, first-token (sink) weight, strongest composition.",
                     flag_values=flag_values)
   return flag_values
 
@@ -68,11 +77,12 @@ def _format_record(record: dict) -> str:
 
 
 def describe(workdir: str | pathlib.Path, step: int | str | None = None,
-             verify: bool = False) -> str:
+             verify: bool = False, heads: bool = False) -> str:
   """The text `attnlab inspect` prints.
 
   Raises:
     DamagedCheckpoints: a checkpoint is damaged (its `report` is the text, with the bad ones marked).
+    UserError: `heads` for a run that is not a GPT.
   """
   workdir = pathlib.Path(tool.resolve_path(workdir))
   config = rundir.read_config(workdir)
@@ -91,8 +101,12 @@ def describe(workdir: str | pathlib.Path, step: int | str | None = None,
   bad = check_checkpoints(workdir, config, steps, verify)
   complete = rundir.is_complete(workdir, config.num_train_steps, records)
   listed = [f"{s} (damaged)" if s in bad else str(s) for s in steps]
+  stop = rundir.early_stop(records)
+  status = (f"stopped early at step {stop['step']}; the result is the best evaluation's "
+            f"checkpoint, step {stop['best_step']}") if stop else (
+                "complete" if complete else "not complete")
   lines.append(f"checkpoints: {', '.join(listed) or 'none'} "
-               f"(of {config.num_train_steps} steps; {'complete' if complete else 'not complete'})")
+               f"(of {config.num_train_steps} steps; {status})")
   if steps and not bad:
     lines.append(f"  all {'restored into the model' if verify else 'complete and readable'}")
   for bad_step, problem in sorted(bad.items()):
@@ -113,6 +127,8 @@ def describe(workdir: str | pathlib.Path, step: int | str | None = None,
                    f"mean={array.mean():.5g} std={array.std():.5g}")
     if not leaves:
       lines.append("  (none: the model has no trainable parameters)")
+  if heads and not bad:
+    lines.append(_heads(workdir, "latest" if step is None else step))
   if bad:
     good = [s for s in steps if s not in bad]
     newest = (f"the newest good checkpoint is step {good[-1]} (a resumed run starts from it)"
@@ -123,6 +139,24 @@ def describe(workdir: str | pathlib.Path, step: int | str | None = None,
         f"{'are' if len(bad) > 1 else 'is'} damaged ({bad[max(bad)]}); {newest}",
         "\n".join(lines))
   return "\n".join(lines)
+
+
+def _heads(workdir: pathlib.Path, step: int | str) -> str:
+  """The per-head table of checkpoint `step` of a GPT run (analysis.head_report)."""
+  # pylint: disable=g-import-not-at-top  (these import JAX)
+  from attnlab import analysis
+  from attnlab.analysis import head_report
+  from attnlab.analysis import hooks
+  # pylint: enable=g-import-not-at-top
+  run = analysis.load_run(workdir, step)
+  try:
+    hooks.sites(run.model)
+  except (ValueError, TypeError):
+    raise UserError(f"--heads needs a GPT (causal_lm) run; {workdir} is a {run.config.task!r} run "
+                    "(hook sites are declared for the GPT family only)") from None
+  report = head_report.head_report(run)
+  text = head_report.format_report(report)
+  return f"heads @ step {run.step}:\n" + "\n".join("  " + line for line in text.splitlines())
 
 
 def _check(fv: flags.FlagValues) -> str | None:
@@ -140,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     step = flag_values.step
     try:
       print(describe(flag_values.workdir, int(step) if step and step.isdigit() else step,
-                     flag_values.verify))
+                     flag_values.verify, flag_values.heads))
     except DamagedCheckpoints as e:
       print(e.report)
       print(f"{prog}: error: {e}", file=sys.stderr)

@@ -80,7 +80,7 @@ def translate(workdir: str, sentences: Sequence[str], *, step: str = "latest",
     (warn or _LOG.warning)(few)
   # The source text as the task segments it (punctuation split off for word tokenizers).
   for sentence in sentences:
-    message = tokenizers.unknown_warning(run.task.src_tok, run.task.prepare_text(sentence),
+    message = tokenizers.unknown_warning(run.task.src_tok, run.task.prepare_text(sentence, "source"),
                                          f"the input {sentence!r}")
     if message is not None:
       (warn or _LOG.warning)(message)

@@ -6,7 +6,9 @@
   attnlab view --workdir=runs/bert --text="the cat sat on the mat" --step=2000
 
 Restores the run (attnlab.analysis.load_run), captures every attention layer's weights on the text
-(analysis.capture.capture_text), measures each head (analysis.metrics.head_table) and writes one
+(analysis.capture.capture_text), measures each head (analysis.metrics.head_table; the mean weight
+on the first token, and for a GPT run the previous-token, duplicate-token and induction scores on
+random tokens: analysis.head_report.view_columns) and writes one
 self-contained page (analysis.view.write_html; DIR/view.html by default): layer and head pickers,
 the token-to-token line view, the heatmap or, for cross-attention, the alignment, and the per-head
 metrics table. Prints the page's path. From Python / a notebook:
@@ -64,6 +66,7 @@ def view_text(workdir, text: str, target: str | None = None, out: str | os.PathL
   run = workdir if isinstance(workdir, analysis.Run) else analysis.load_run(workdir, step)
   # (attnlab.analysis also exports a function named `capture`: import the names themselves.)
   from attnlab.analysis.capture import capture_text
+  from attnlab.analysis.head_report import view_columns as head_columns
   from attnlab.analysis.metrics import head_table
   from attnlab.analysis.view import write_html
   # pylint: enable=g-import-not-at-top
@@ -80,7 +83,7 @@ def view_text(workdir, text: str, target: str | None = None, out: str | os.PathL
   if not any(np.any(w) for w in capture.weights.values()):
     raise UserError(f"{run.workdir} is a {run.config.task!r} run whose model has no attention "
                     "(no layer sows nonzero weights); there is nothing to view")
-  rows = head_table(capture)
+  rows = head_columns(run, capture, head_table(capture))
   path = pathlib.Path(out) if out else run.workdir / "view.html"
   title = f"{run.workdir.name} \u00b7 step {run.step}"
   try:

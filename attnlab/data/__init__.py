@@ -50,6 +50,8 @@ Synthetic tasks (no files; every option has a default; `num_examples` per split,
 |          |                                           | "text": "12+345=357"}                 |
 | induction| length, vocab_size, min_span, max_span    | {"ids": [int], "src", "dst", "span"}: |
 |          |                                           | ids[dst:dst+span] == ids[src:src+span]|
+| cue_word | min_len, max_len (words), vocab_size,     | {"sentence": "w3 c1_0 w17", "label":  |
+|          | num_classes, cues_per_class               | 1}: the cue word decides the label    |
 
 Splits of synthetic tasks: train, validation, test (independent seeds per split).
 
@@ -99,8 +101,8 @@ def get_dataset(name: str, split: str, *, data_dir: PathLike | None = None,
   """Examples of one split of dataset `name` (see the module docstring for names and fields).
 
   Args:
-    name: a real dataset (anki_mar_eng, tiny_shakespeare, sst2) or a synthetic task (dates,
-      reverse, copy, addition, induction).
+    name: a real dataset (anki_mar_eng, tiny_shakespeare, sst2, ...) or a synthetic task (dates,
+      reverse, copy, addition, induction, cue_word).
     split: "train", "validation" or "test" where the dataset has it.
     data_dir: TFDS data dir for prepared real datasets (default $TFDS_DATA_DIR).
     manual_dir: folder with a local copy of the raw files of a real dataset.

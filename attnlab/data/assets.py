@@ -5,8 +5,10 @@ RUN_DIR/assets/ holds
   folder of tokenizer files for an imported Hugging Face one (a bare-ids tokenizer needs nothing:
   the config's vocab_size rebuilds it);
 - `sizes.json`: the numbers the model's shapes were derived from the data (the longest training
-  source of a translation corpus, ...).
-Tasks fill and read them through `Task.asset_tokenizer` / `Task.asset_size`
+  source of a translation corpus, ...);
+- `labels.json` (only where a task has some): named lists of strings, such as the class names of
+  a classifier trained on the user's own labels, in the order of its outputs.
+Tasks fill and read them through `Task.asset_tokenizer` / `Task.asset_size` / `Task.asset_labels`
 (attnlab/tasks/base.py); the trainer writes the folder when a run starts, in one rename, so a
 crash never leaves half of it.
 """
@@ -18,6 +20,7 @@ import os
 import pathlib
 import shutil
 from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 
 from attnlab.data import hf_tokenizer
@@ -27,11 +30,16 @@ from attnlab.errors import DataError
 # The folder's name inside a run directory.
 DIRNAME = "assets"
 SIZES_FILE = "sizes.json"
+LABELS_FILE = "labels.json"
+# At most this many names in one list of labels.json (a classifier's width comes from it).
+MAX_LABELS = 10_000
+# At most this many characters in one name.
+MAX_LABEL_CHARS = 1_000
 
 
 def save(directory: str | os.PathLike, vocabularies: Mapping[str, Any],
-         sizes: Mapping[str, int]) -> None:
-  """Writes `directory` (replacing it) with the vocabularies and sizes."""
+         sizes: Mapping[str, int], labels: Mapping[str, Sequence[str]] | None = None) -> None:
+  """Writes `directory` (replacing it) with the vocabularies, sizes and lists of labels."""
   directory = pathlib.Path(directory)
   tmp = directory.with_name(directory.name + ".tmp")
   shutil.rmtree(tmp, ignore_errors=True)
@@ -45,6 +53,10 @@ def save(directory: str | os.PathLike, vocabularies: Mapping[str, Any],
     elif isinstance(tokenizer, tokenizers.Vocab):
       tokenizer.save(tmp / f"{name}.json")
   (tmp / SIZES_FILE).write_text(json.dumps({k: int(v) for k, v in sizes.items()}, indent=1))
+  if labels:
+    (tmp / LABELS_FILE).write_text(
+        json.dumps({k: [str(x) for x in v] for k, v in labels.items()}, indent=1,
+                   ensure_ascii=False), encoding="utf-8")
   if directory.exists():
     shutil.rmtree(directory)
   os.replace(tmp, directory)
@@ -75,3 +87,24 @@ def load_sizes(directory: str | os.PathLike) -> dict[str, int]:
     raise DataError(f"{path} is damaged ({problem}); delete {path.parent} to rebuild it from the "
                     f"data")
   return dict(sizes)
+
+
+def load_labels(directory: str | os.PathLike) -> dict[str, list[str]]:
+  """The lists of labels kept in `directory` ({} when it has none); DataError (one line) when the
+  file is not a JSON object of lists of distinct strings within MAX_LABELS and MAX_LABEL_CHARS."""
+  path = pathlib.Path(directory) / LABELS_FILE
+  if not path.is_file():
+    return {}
+  try:
+    labels = json.loads(path.read_text(encoding="utf-8"))
+    problem = None if isinstance(labels, dict) and all(
+        isinstance(v, list) and len(v) <= MAX_LABELS and len(set(v)) == len(v)
+        and all(isinstance(x, str) and len(x) <= MAX_LABEL_CHARS for x in v)
+        for v in labels.values()) else (
+            f"not a JSON object of lists of at most {MAX_LABELS} distinct strings")
+  except (ValueError, RecursionError, TypeError) as e:  # JSON, UTF-8, nesting, unhashable items
+    problem = " ".join(str(e).split())[:200]
+  if problem is not None:
+    raise DataError(f"{path} is damaged ({problem}); delete {path.parent} to rebuild it from the "
+                    f"data")
+  return {k: list(v) for k, v in labels.items()}

@@ -144,12 +144,13 @@ class MaskedExample(NamedTuple):
 
 
 def truncate_pair(a: list[int], b: list[int], max_tokens: int,
-                  rng: np.random.Generator) -> tuple[list[int], list[int]]:
-  """Cuts one token at a time from the longer side (front or back at random) until they fit."""
+                  rng: np.random.Generator | None) -> tuple[list[int], list[int]]:
+  """Cuts one token at a time from the longer side (front or back at random; always the back
+  when rng is None, as for classification inputs) until they fit."""
   a, b = list(a), list(b)
   while len(a) + len(b) > max_tokens:
     longer = a if len(a) > len(b) else b
-    if rng.random() < 0.5:
+    if rng is not None and rng.random() < 0.5:
       del longer[0]
     else:
       longer.pop()
@@ -157,9 +158,11 @@ def truncate_pair(a: list[int], b: list[int], max_tokens: int,
 
 
 def make_pair(a: Sequence[int], b: Sequence[int] | None, max_len: int,
-              rng: np.random.Generator, *, cls_id: int = tokenizers.CLS_ID,
+              rng: np.random.Generator | None, *, cls_id: int = tokenizers.CLS_ID,
               sep_id: int = tokenizers.SEP_ID) -> tuple[list[int], list[int]]:
-  """(`[CLS] A [SEP] B [SEP]` ids, segment ids), or `[CLS] A [SEP]` when b is None; fits max_len.
+  """(`[CLS] A [SEP] B [SEP]` ids, segment ids), or `[CLS] A [SEP]` when b is None; fits max_len
+  (a single sentence loses its end; a pair, tokens of its longer side: `truncate_pair`, from the
+  back when rng is None).
 
   cls_id, sep_id: the tokenizer's ids (`tokenizer.cls_id`; an imported vocabulary has its own).
   """

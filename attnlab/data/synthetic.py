@@ -20,6 +20,11 @@ Tasks and example fields (python `str`, but for induction's ints):
   ids[src:src + span]. The copy's offset dst - src varies from example to example, so a head
   attending at a fixed offset cannot find the segment; an induction head (attend to the token
   after the previous occurrence of the current one) predicts ids dst + 1 .. dst + span - 1.
+- `cue_word`: {"sentence": words, "label": int} (the fields of SST-2's examples): a sentence of
+  min_len..max_len (uniform) filler words "w0".."w<vocab_size - 1>", one of them (at a uniform
+  position) replaced by a cue word of its class, "c<label>_<j>" (j < cues_per_class); the label
+  is uniform over num_classes. Only the cue decides the label, so a classifier that attends to
+  it is right: the offline test of the RNN text classifier (configs/classify.py).
 """
 
 from __future__ import annotations
@@ -122,6 +127,16 @@ def make_induction(rng: np.random.Generator, length: int, vocab_size: int, min_s
   dst = int(rng.integers(src + span, length - span + 1))
   ids[dst:dst + span] = ids[src:src + span]
   return {"ids": [int(i) for i in ids], "src": src, "dst": dst, "span": span}
+
+
+def make_cue_word(rng: np.random.Generator, min_len: int, max_len: int, vocab_size: int,
+                  num_classes: int, cues_per_class: int) -> dict[str, Any]:
+  """One `cue_word` example."""
+  length = int(rng.integers(min_len, max_len + 1))
+  words = [f"w{int(j)}" for j in rng.integers(0, vocab_size, size=length)]
+  label = int(rng.integers(0, num_classes))
+  words[int(rng.integers(0, length))] = f"c{label}_{int(rng.integers(0, cues_per_class))}"
+  return {"sentence": " ".join(words), "label": label}
 
 
 class SyntheticDataset(collections.abc.Sequence):
@@ -232,6 +247,20 @@ def induction(split: str = "train", *, num_examples: int = 1000, seed: int = 0,
                   num_examples, seed, split)
 
 
+def cue_word(split: str = "train", *, num_examples: int = 1000, seed: int = 0, min_len: int = 5,
+             max_len: int = 20, vocab_size: int = 50, num_classes: int = 2,
+             cues_per_class: int = 3) -> SyntheticDataset:
+  """Sentences of filler words with one cue word that decides the label (module docstring)."""
+  _check_range("cue_word", "min_len", min_len, "max_len", max_len, 1)
+  for name, value in (("vocab_size", vocab_size), ("num_classes", num_classes),
+                      ("cues_per_class", cues_per_class)):
+    if value < 1:
+      raise DataError(f"cue_word: {name} must be >= 1, got {value}")
+  return _dataset("cue_word", lambda rng: make_cue_word(rng, min_len, max_len, vocab_size,
+                                                        num_classes, cues_per_class),
+                  num_examples, seed, split)
+
+
 def _dataset(name: str, make: Callable[[np.random.Generator], dict[str, str]], num_examples: int,
              seed: int, split: str) -> SyntheticDataset:
   if split not in SPLITS:
@@ -251,6 +280,7 @@ SYNTHETIC: dict[str, Callable[..., SyntheticDataset]] = {
     "copy": copy,
     "addition": addition,
     "induction": induction,
+    "cue_word": cue_word,
 }
 
 

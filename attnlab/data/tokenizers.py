@@ -1,4 +1,4 @@
-"""Tokenizers: one vocabulary type (`Vocab`) with character, word and subword segmentation.
+"""Tokenizers: one vocabulary type (`Vocab`) with character, byte, word and subword segmentation.
 
 Ids 0..6 are always the special tokens, in this order (the models rely on 0 = padding):
   0 `<pad>`, 1 `<start>`, 2 `<end>`, 3 `<unk>`, 4 `[CLS]`, 5 `[SEP]`, 6 `[MASK]`.
@@ -13,7 +13,7 @@ tokens are added only when asked.
 - with `skip_special`, `[CLS]`, `[SEP]`, `[MASK]` are dropped too, otherwise written as is;
 - `<unk>` is written as "<unk>".
 For char and subword tokenizers `decode(encode(text)) == text` whenever every character of
-`text` was seen in training; the word tokenizer joins words with single spaces (lower-cased if
+`text` was seen in training (for the byte tokenizer, UTF-8 bytes, always); the word tokenizer joins words with single spaces (lower-cased if
 trained so).
 
 `save(path)` writes one self-contained JSON file (the sentencepiece model is embedded);
@@ -198,6 +198,49 @@ class CharTokenizer(Vocab):
     return cls(list(SPECIAL_TOKENS) + chars, min_count=min_count)
 
 
+# The 256 byte tokens of ByteTokenizer, ids len(SPECIAL_TOKENS) + byte: an ASCII byte is its
+# character, any other byte "<0xNN>" (strings no text character or special token can equal).
+BYTE_TOKENS = tuple(chr(b) if b < 128 else f"<0x{b:02X}>" for b in range(256))
+
+
+class ByteTokenizer(Vocab):
+  """One token per byte of the text's UTF-8 encoding: a fixed vocabulary of 7 special + 256 byte
+  tokens that encodes every text (no `<unk>`) and learns nothing from data, so two runs on
+  different corpora share their token ids. On ASCII text a byte is a character."""
+
+  kind = "byte"
+
+  def __init__(self, tokens: Sequence[str] | None = None, **options: Any):
+    expected = list(SPECIAL_TOKENS) + list(BYTE_TOKENS)
+    if tokens is not None and list(tokens) != expected:
+      raise DataError(f"a byte tokenizer holds the {len(SPECIAL_TOKENS)} special tokens and the "
+                      f"256 byte tokens in order; this file's {len(tokens)} tokens differ (damaged "
+                      f"or edited tokenizer file)")
+    super().__init__(expected, **options)
+
+  def split(self, text: str) -> list[str]:
+    return [BYTE_TOKENS[b] for b in text.encode("utf-8")]
+
+  def _encode(self, text: str) -> list[int]:
+    data = np.frombuffer(text.encode("utf-8"), np.uint8)
+    return (data.astype(np.int32) + len(SPECIAL_TOKENS)).tolist()
+
+  def _decode(self, ids: list[int]) -> str:
+    # Special tokens as written; each run of bytes between them decoded as UTF-8 (a cut or
+    # invalid sequence, as a sampled one can be, becomes U+FFFD).
+    offset = len(SPECIAL_TOKENS)
+    runs = itertools.groupby(ids, lambda i: i < offset)
+    return "".join("".join(self._tokens[i] for i in run) if special else
+                   bytes(i - offset for i in run).decode("utf-8", errors="replace")
+                   for special, run in runs)
+
+  @classmethod
+  def train(cls, texts: Iterable[str] = ()) -> "ByteTokenizer":
+    """The byte vocabulary (the same whatever `texts` are; for train_tokenizer's interface)."""
+    del texts
+    return cls()
+
+
 @functools.cache
 def _word_or_punct() -> re.Pattern:
   """A word, or one punctuation mark, for splitting punctuation off.
@@ -304,10 +347,11 @@ class SubwordTokenizer(Vocab):
   @classmethod
   def train(cls, texts: Iterable[str], vocab_size: int, model_dir: PathLike, *,
             model_type: str = "unigram", character_coverage: float = 1.0,
-            byte_fallback: bool = False) -> "SubwordTokenizer":
+            byte_fallback: bool = False, hard_vocab_limit: bool = True) -> "SubwordTokenizer":
     """Trains sentencepiece on `texts` (the training split) and writes model_dir/subword.model.
 
-    Deterministic: one thread, every input line used, no sampling.
+    Deterministic: one thread, every input line used, no sampling. `hard_vocab_limit=False`
+    makes `vocab_size` an upper bound (a small text gets the pieces it has, no error).
     """
     if model_type not in ("unigram", "bpe"):
       raise DataError(f"subword model_type must be 'unigram' or 'bpe', got {model_type!r}")
@@ -319,7 +363,8 @@ class SubwordTokenizer(Vocab):
       spm.SentencePieceTrainer.train(
           sentence_iterator=iter(chunks), model_writer=writer, vocab_size=int(vocab_size),
           model_type=model_type, character_coverage=character_coverage,
-          byte_fallback=byte_fallback, normalization_rule_name="identity",
+          byte_fallback=byte_fallback, hard_vocab_limit=hard_vocab_limit,
+          normalization_rule_name="identity",
           remove_extra_whitespaces=False, add_dummy_prefix=False, split_digits=False,
           pad_id=PAD_ID, bos_id=START_ID, eos_id=END_ID, unk_id=UNK_ID,
           pad_piece=SPECIAL_TOKENS[PAD_ID], bos_piece=SPECIAL_TOKENS[START_ID],
@@ -364,6 +409,7 @@ TOKENIZERS: dict[str, type[Vocab]] = {
     CharTokenizer.kind: CharTokenizer,
     WordTokenizer.kind: WordTokenizer,
     SubwordTokenizer.kind: SubwordTokenizer,
+    ByteTokenizer.kind: ByteTokenizer,
 }
 
 
@@ -433,10 +479,17 @@ def cache_dir(directory: PathLike | None = None) -> pathlib.Path:
 
 def cached_subword(corpus: str, options: dict[str, Any],
                    texts: Iterable[str] | Callable[[], Iterable[str]],
-                   directory: PathLike | None = None) -> "SubwordTokenizer":
+                   directory: PathLike | None = None, *,
+                   hard_vocab_limit: bool = True) -> "SubwordTokenizer":
   """The subword tokenizer of `corpus` (a name) with `options` (vocab_size and whatever else
   selects the texts): from the cache, or trained on `texts` and cached. Training is
-  deterministic, so a missing cache costs time only, never a different vocabulary."""
-  key = hashlib.sha256(json.dumps({"corpus": corpus, **options}, sort_keys=True).encode())
+  deterministic, so a missing cache costs time only, never a different vocabulary.
+  `hard_vocab_limit=False`: vocab_size is an upper bound (SubwordTokenizer.train)."""
+  keyed = {"corpus": corpus, **options}
+  if not hard_vocab_limit:
+    keyed["hard_vocab_limit"] = False
+  key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode())
   path = cache_dir(directory) / f"{corpus}_subword_{key.hexdigest()[:16]}.json"
-  return load_or_train_tokenizer(path, "subword", texts, vocab_size=int(options["vocab_size"]))
+  extra = {} if hard_vocab_limit else {"hard_vocab_limit": False}
+  return load_or_train_tokenizer(path, "subword", texts, vocab_size=int(options["vocab_size"]),
+                                 **extra)

@@ -466,8 +466,11 @@ def _check_gpt_exportable(config: Any) -> None:
     problems.append("model.use_bias=False (GPT-2 has biases)")
   problems += _attention_option_problems(m, "GPT-2")
   if problems:
-    raise HFError(f"this GPT run cannot be written as GPT-2: {'; '.join(problems)}; only runs "
-                  f"with position=learned, use_bias=True and the default attention can")
+    raise HFError(f"this GPT run cannot be written as GPT-2: {'; '.join(problems)}; GPT-2's "
+                  f"settings are learned positions, biases and plain attention (the tied output "
+                  f"layer and the gelu_tanh, gelu or relu MLP come along): train the run with "
+                  f"configs/gpt.py:model.position=learned,model.use_bias=True (a GPT-2 imported "
+                  f"with import-hf, and its fine-tuned runs, have them)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -708,6 +711,15 @@ def import_checkpoint(folder: PathLike, workdir: PathLike, *, overwrite: bool = 
   return workdir
 
 
+def _check_exportable(config: Any) -> None:
+  """HFError (one line) unless a run of `config` has a Hugging Face form (TASK_ARCHITECTURES
+  and the architecture's own check)."""
+  if config.get("task") not in TASK_ARCHITECTURES:
+    raise HFError(f"a {config.get('task')!r} run cannot be exported; valid tasks: "
+                  f"{', '.join(f'{k} (as {v})' for k, v in TASK_ARCHITECTURES.items())}")
+  ARCHITECTURES[TASK_ARCHITECTURES[config.task]][4](config)
+
+
 def export(run_or_dir: Any, out_dir: PathLike) -> pathlib.Path:
   """Writes a Hugging Face checkpoint folder (config.json + model.safetensors, and the run's
   tokenizer files) from a causal_lm (GPT-2) or masked_lm (BERT) run or run directory."""
@@ -715,15 +727,15 @@ def export(run_or_dir: Any, out_dir: PathLike) -> pathlib.Path:
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   if isinstance(run_or_dir, (str, os.PathLike)):
     from attnlab import analysis  # pylint: disable=g-import-not-at-top
+    from attnlab import rundir  # pylint: disable=g-import-not-at-top
+    _check_exportable(rundir.read_config(run_or_dir))  # before the checkpoint is read
+    # The run's result: its newest checkpoint, or the best one of a run early stopping ended.
     run = analysis.load_run(run_or_dir)
   else:
     run = run_or_dir
   config = run.config
-  if config.task not in TASK_ARCHITECTURES:
-    raise HFError(f"a {config.task!r} run cannot be exported; valid tasks: "
-                  f"{', '.join(f'{k} (as {v})' for k, v in TASK_ARCHITECTURES.items())}")
-  _, from_params, _, export_config, check = ARCHITECTURES[TASK_ARCHITECTURES[config.task]]
-  check(config)
+  _check_exportable(config)
+  _, from_params, _, export_config, _ = ARCHITECTURES[TASK_ARCHITECTURES[config.task]]
   params = jax.tree.map(np.asarray, jax.device_get(run.params))
   hf = export_config(config, params)
   out_dir = pathlib.Path(out_dir)

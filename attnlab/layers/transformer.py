@@ -16,8 +16,12 @@ branch). Attention weights are sown by the MultiHeadAttention modules
 
 Hook sites (attnlab.layers.hooks; `[batch, len, d]` each): resid_pre (the block's input),
 attn_out (the self-attention branch's output, after dropout), resid_mid (after the self-attention
-residual; pre-LN: before the MLP's LayerNorm), mlp_out (the MLP branch's output; absent without an
-MLP), resid_post (the block's output).
+residual: pre-LN, the sum x + attn_out; post-LN, ln_1 of that sum), cross_attn_out and
+resid_mid_cross (the same two for the cross-attention branch, when there is one), mlp_out (the
+MLP branch's output; absent without an MLP), resid_post (the block's output: post-LN, ln_2 of
+the sum). So in either placement resid_mid / resid_mid_cross / resid_post are what the next
+branch reads, and the LayerNorms' `scale` sites (ln_1, ln_cross, ln_2) normalise the branch's
+input (pre-LN) or the residual sum (post-LN).
 """
 
 from __future__ import annotations
@@ -179,8 +183,10 @@ class TransformerBlock(nn.Module):
             h, mask=mask, decode=decode, t5_table=t5_table, **attn_kw))))
     x = hooks.hook(self, "resid_mid", x)  # [batch, len, d]
     if self.cross_attention:
-      x = branch(x, "ln_cross", lambda h: drop(self._attention("cross_attention", False, False)(
-          h, encoded, mask=encoder_mask, **attn_kw)))
+      x = branch(x, "ln_cross", lambda h: hooks.hook(self, "cross_attn_out", drop(
+          self._attention("cross_attention", False, False)(h, encoded, mask=encoder_mask,
+                                                           **attn_kw))))
+      x = hooks.hook(self, "resid_mid_cross", x)  # [batch, len, d]
     if self.mlp_dim:
       mlp = MLP(self.mlp_dim, activation=self.activation, dropout_rate=self.dropout_rate,
                 use_bias=self.use_bias, kernel_init=self.kernel_init,

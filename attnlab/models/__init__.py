@@ -9,6 +9,7 @@ Each family module has a `from_config`:
                          (the translation task's models: TRANSLATION_MODELS)
   gpt                    from_config(model_config, vocab_size)
   bert                   from_config(config, vocab_size, num_classes=0)
+  rnn_classifier         from_config(model_config, vocab_size, num_classes) (configs/classify.py)
 `SIZES[family][name]` holds the size presets (read by the config files too; `config_dims` applies
 one to a config), `count_params` the number of scalars in a parameter pytree.
 """

@@ -14,6 +14,12 @@ Heads:
 
 Both keep the encoder under the sub-module name "encoder", so `params["encoder"]` of a
 pretraining run is exactly the encoder of a classifier (`transfer_encoder`).
+
+Hook sites (attnlab.layers.hooks; their public names and shapes: attnlab.analysis.hooks.SITES),
+all in the encoder: "embedded" (token + position embeddings), "segment_embedded" (the segment
+embeddings), the embedding LayerNorm's "scale" (1 / std of their sum, whose normalised value is
+block 0's input), the blocks' and attention layers' own, "resid_final" (the final LayerNorm's
+output, pre-LN stacks only) and "pooled" (the pooler's tanh output `[batch, d]`).
 """
 
 from __future__ import annotations
@@ -34,9 +40,11 @@ from attnlab.layers import Embeddings
 from attnlab.layers import POSITION_BIASES
 from attnlab.layers import POSITIONS
 from attnlab.layers import T5_NUM_BUCKETS
+from attnlab.layers import LayerNorm
 from attnlab.layers import TransformerBlock
 from attnlab.layers import default_kernel_init
 from attnlab.layers import get_activation
+from attnlab.layers import hooks
 
 Array = jax.Array
 
@@ -99,7 +107,8 @@ class BertEncoder(BertHyperparameters):
                      if bias == "t5_bias" else None)  # [num_buckets, heads]
     self.segment = nn.Embed(self.type_vocab_size, self.d_model,
                             embedding_init=default_kernel_init, dtype=self.dtype)
-    self.embed_norm = nn.LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype)
+    # attnlab's LayerNorm (flax.linen.LayerNorm's parameters) has a hook site for its 1 / std.
+    self.embed_norm = LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype)
     self.embed_dropout = nn.Dropout(self.dropout_rate)
     self.blocks = [
         TransformerBlock(
@@ -112,7 +121,7 @@ class BertEncoder(BertHyperparameters):
             mechanism_seed=i, dtype=self.dtype, name=f"block_{i}")
         for i in range(self.num_layers)]
     # A pre-LN stack needs a final LayerNorm; a post-LN one ends normalised already.
-    self.final_norm = (nn.LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype)
+    self.final_norm = (LayerNorm(epsilon=self.layer_norm_epsilon, dtype=self.dtype)
                        if self.norm_position == "pre" else None)
     self.pooler = Dense(self.d_model, dtype=self.dtype)
 
@@ -137,16 +146,17 @@ class BertEncoder(BertHyperparameters):
       segments = jnp.zeros_like(tokens)
     if valid is None:
       valid = tokens != 0
-    x = self.embed(tokens)  # [batch, len, d]
-    x = x + self.segment(segments)  # [batch, len, d]
+    x = hooks.hook(self, "embedded", self.embed(tokens))  # [batch, len, d]
+    x = x + hooks.hook(self, "segment_embedded", self.segment(segments))  # [batch, len, d]
     x = self.embed_dropout(self.embed_norm(x), deterministic=deterministic)
     mask = masks_lib.padding_mask(valid.astype(bool))  # [batch, 1, 1, len]
     for block in self.blocks:
       x = block(x, mask=mask, deterministic=deterministic, sow_weights=sow_weights,
                 t5_table=self.t5_table)  # [batch, len, d]
     if self.final_norm is not None:
-      x = self.final_norm(x)
-    pooled = jnp.tanh(self.pooler(x[:, 0]))  # [batch, d]
+      x = hooks.hook(self, "resid_final", self.final_norm(x))  # [batch, len, d]
+    pooled = hooks.hook(self, "pooled", jnp.tanh(self.pooler(x[:, 0])),
+                        positions_axis=None)  # [batch, d]
     return x, pooled
 
 

@@ -32,6 +32,11 @@ While prompt + generated tokens fit in block_size the two give identical logits,
 identical tokens under greedy decoding (tests/test_gpt.py checks); beyond it their contexts
 differ as described.
 
+Interventions (attnlab.layers.hooks; `generate(..., interventions=tree)`, built and checked by
+attnlab.analysis.hooks.generate_with_hooks) apply to every forward pass of either state: with
+the cache, an edited key or value is what the cache stores, so later steps read the edit as the
+full forward pass would; greedy decoding then gives the tokens of the uncached loop.
+
 A mechanism without KV-cache decoding in its registry entry (e.g. bigbird) generates without
 the cache by default (`use_cache=None`); asking for the cache with it is a clear error.
 
@@ -197,6 +202,33 @@ def from_config(model_cfg: Any, vocab_size: int) -> GPT:
   return model
 
 
+# ------------------------------------------------------------------------------ fine-tuning
+
+# Top-level parameters that are the embeddings: the token table (also the tied output layer),
+# the learned position table (both under "embed") and T5's shared relative-bias table.
+EMBEDDING_PARAMS = ("embed", "t5_bias")
+
+
+def frozen_mask(params: Any, *, embeddings: bool, layers: int) -> Any:
+  """A pytree like `params` (a GPT's, or several replicas' with a leading axis): True at the
+  embeddings (EMBEDDING_PARAMS) when `embeddings`, and at every parameter of blocks 0 ..
+  layers - 1 (the lowest `layers`); False elsewhere (the upper blocks, the final LayerNorm)."""
+  def frozen(path, leaf) -> bool:
+    del leaf
+    top = str(getattr(path[0], "key", path[0]))
+    if top in EMBEDDING_PARAMS:
+      return embeddings
+    return top.startswith("block_") and int(top[len("block_"):]) < layers
+  return jax.tree_util.tree_map_with_path(frozen, params)
+
+
+def check_freeze_layers(layers: int, num_layers: int) -> None:
+  """ConfigError for a finetune.freeze_layers the model cannot honour (configs/gpt.py)."""
+  if not 0 <= layers <= num_layers:
+    raise ConfigError(f"finetune.freeze_layers={layers} must be between 0 and the model's "
+                      f"{num_layers} blocks (0: none frozen)")
+
+
 # ------------------------------------------------------------------------------ KV cache
 
 
@@ -213,10 +245,20 @@ def init_cache(model: GPT, batch_size: int) -> Any:
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def decode_chunk(model: GPT, params: Any, cache: Any, tokens: Array) -> tuple[Array, Any]:
-  """Feeds `tokens` `[batch, L]` after what the cache holds: (logits `[batch, L, vocab]`, cache)."""
-  logits, variables = model.apply({"params": params, "cache": cache}, tokens, decode=True,
-                                  mutable=["cache"])
+def _variables(params: Any, interventions: Any = None, **collections: Any) -> dict[str, Any]:
+  """The variables of an apply: params, an "interventions" collection when one is given."""
+  out = {"params": params, **collections}
+  if interventions:
+    out[hooks.INTERVENTIONS] = interventions
+  return out
+
+
+def decode_chunk(model: GPT, params: Any, cache: Any, tokens: Array,
+                 interventions: Any = None) -> tuple[Array, Any]:
+  """Feeds `tokens` `[batch, L]` after what the cache holds: (logits `[batch, L, vocab]`, cache).
+  interventions: an "interventions" collection (attnlab.layers.hooks) applied to the chunk."""
+  logits, variables = model.apply(_variables(params, interventions, cache=cache), tokens,
+                                  decode=True, mutable=["cache"])
   return logits, variables["cache"]
 
 
@@ -239,7 +281,7 @@ def _set_cache_lengths(cache: Any, lengths: Array) -> Any:
   return jax.tree_util.tree_map_with_path(set_leaf, cache)
 
 
-def _cached_step_fn(model: GPT, params: Any, keep: int):
+def _cached_step_fn(model: GPT, params: Any, keep: int, interventions: Any = None):
   """step_fn(state, token) for decoding.sample; state {cache, window, length}."""
   block = model.block_size
 
@@ -250,14 +292,15 @@ def _cached_step_fn(model: GPT, params: Any, keep: int):
     window = state["window"]  # [batch, block]
     kept = window[:, block - keep:]  # [batch, keep]
     fresh = jax.tree.map(jnp.zeros_like, state["cache"])
-    _, cache = decode_chunk(model, params, fresh, kept)
+    _, cache = decode_chunk(model, params, fresh, kept, interventions)
     window = jnp.zeros_like(window).at[:, :keep].set(kept)  # [batch, block]
     refilled = {"cache": cache, "window": window, "length": jnp.full_like(state["length"], keep)}
     return _rows_where(full, refilled, state)
 
   def step_fn(state, token):
     state = jax.lax.cond(jnp.any(state["length"] >= block), refill, lambda s: s, state)
-    logits, cache = decode_chunk(model, params, state["cache"], token[:, None])  # [b, 1, vocab]
+    logits, cache = decode_chunk(model, params, state["cache"], token[:, None],
+                                 interventions)  # [batch, 1, vocab]
     n = state["length"]  # [batch]
     window = _set_at(state["window"], n, token)  # [batch, block]
     return logits[:, 0], {"cache": cache, "window": window, "length": n + 1}, ()
@@ -265,7 +308,7 @@ def _cached_step_fn(model: GPT, params: Any, keep: int):
   return step_fn
 
 
-def _uncached_step_fn(model: GPT, params: Any):
+def _uncached_step_fn(model: GPT, params: Any, interventions: Any = None):
   """step_fn(state, token) running the full forward pass over the last block_size tokens."""
   block = model.block_size
 
@@ -275,7 +318,7 @@ def _uncached_step_fn(model: GPT, params: Any):
     window = jnp.where(full[:, None], jnp.roll(window, -1, axis=1), window)  # drop the oldest
     n = jnp.where(full, n - 1, n)
     window = _set_at(window, n, token)  # [batch, block]
-    logits = model.apply({"params": params}, window)  # [batch, block, vocab]
+    logits = model.apply(_variables(params, interventions), window)  # [batch, block, vocab]
     last = jnp.take_along_axis(logits, n[:, None, None], axis=1)[:, 0]  # [batch, vocab]
     return last, {"window": window, "length": n + 1}, ()
 
@@ -287,7 +330,7 @@ def _uncached_step_fn(model: GPT, params: Any):
 def _generate(model: GPT, params: Any, prompt: Array, lengths: Array, rng: Array,
               temperature: Array, *, num_tokens: int, top_k: int | None, top_p: float | None,
               use_cache: bool, keep: int, end_id: int | None,
-              banned_ids: tuple[int, ...] = ()) -> decoding.Decoded:
+              banned_ids: tuple[int, ...] = (), interventions: Any = None) -> decoding.Decoded:
   """prompt `[batch, len]`: row b's tokens first, lengths[b] of them, then padding."""
   batch, length = prompt.shape
   # The last token of each prompt is its first input; the tokens before it are its context.
@@ -298,12 +341,12 @@ def _generate(model: GPT, params: Any, prompt: Array, lengths: Array, rng: Array
   if use_cache:
     cache = init_cache(model, batch)
     if length > 1:
-      _, cache = decode_chunk(model, params, cache, context)
+      _, cache = decode_chunk(model, params, cache, context, interventions)
       cache = _set_cache_lengths(cache, lengths - 1)
     state["cache"] = cache
-    step_fn = _cached_step_fn(model, params, keep)
+    step_fn = _cached_step_fn(model, params, keep, interventions)
   else:
-    step_fn = _uncached_step_fn(model, params)
+    step_fn = _uncached_step_fn(model, params, interventions)
   return decoding.sample(step_fn, state, start, rng, num_steps=num_tokens,
                          temperature=temperature, top_k=top_k, top_p=top_p, end_id=end_id,
                          banned_ids=banned_ids)
@@ -312,7 +355,8 @@ def _generate(model: GPT, params: Any, prompt: Array, lengths: Array, rng: Array
 def generate(model: GPT, params: Any, prompt: Any, rng: Array, *, num_tokens: int,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              use_cache: bool | None = None, keep: int | None = None,
-             end_id: int | None = None, banned_ids: Any = ()) -> decoding.Decoded:
+             end_id: int | None = None, banned_ids: Any = (),
+             interventions: Any = None) -> decoding.Decoded:
   """Continues each prompt row by `num_tokens` tokens (jit-compiled, one scan).
 
   Args:
@@ -329,6 +373,9 @@ def generate(model: GPT, params: Any, prompt: Any, rng: Array, *, num_tokens: in
     keep: tokens kept when the cache is full (default block_size // 2; 1 <= keep < block_size).
     end_id: stop a row at this token (the rest is padding 0).
     banned_ids: token ids never sampled (special tokens the training text never holds).
+    interventions: an "interventions" collection (attnlab.layers.hooks) applied to every
+      forward pass: the prefill, each step, each cache refill (or each uncached step);
+      attnlab.analysis.hooks.generate_with_hooks builds and checks it from Interventions.
   Returns:
     decoding.Decoded with tokens `[batch, num_tokens]`.
   """
@@ -346,7 +393,8 @@ def generate(model: GPT, params: Any, prompt: Any, rng: Array, *, num_tokens: in
     raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
   return _generate(model, params, prompt, lengths, rng, jnp.asarray(temperature, jnp.float32),
                    num_tokens=int(num_tokens), top_k=top_k, top_p=top_p, use_cache=use_cache,
-                   keep=keep, end_id=end_id, banned_ids=tuple(sorted(int(i) for i in banned_ids)))
+                   keep=keep, end_id=end_id, banned_ids=tuple(sorted(int(i) for i in banned_ids)),
+                   interventions=interventions or None)
 
 
 def _prompt_rows(prompt: Any, block_size: int) -> tuple[Array, Array]:

@@ -44,8 +44,19 @@ GNMT's wiring (Wu et al. 2016, "Google's Neural Machine Translation System", sec
 
 Decoding goes through `attnlab.decoding` with `init_decode_state` and `Seq2Seq.decode_step`
 (see `make_step_fn`).
+
+Hook sites (attnlab.layers.hooks; their public names and shapes: attnlab.analysis.hooks.SITES) of
+the teacher-forced pass (`__call__`; decoding runs without them): the encoder's "embedded" and
+"states" (its top layer's states, what the attention reads; the final carries that start the
+decoder are not edited with them), the decoder's "decoder_embedded", and per step (STEP_SITES,
+inside the scan, cached stacked over the steps): "attn_pattern", "attn_context" (an edited
+pattern makes the context pattern @ values), "decoder_states" (the top layer's new state: the
+cell's output and its next carry) and "decoder_features" (what the output layer reads; Luong's
+attentional state, also the next step's input feed). An edit at step t reaches every later step
+through the recurrence. A step's intervention sees only that step, so op "mean" needs its value.
 """
 
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -58,6 +69,7 @@ from attnlab.attention import core as attn_core
 from attnlab.attention import masks as attn_masks
 from attnlab.attention import scores as attn_scores
 from attnlab.errors import ConfigError
+from attnlab.layers import hooks
 
 ATTENTIONS = ("none", "bahdanau", "luong")
 WINDOWS = ("global", "local", "local_m", "hard")
@@ -69,6 +81,10 @@ ATTENTION_VALUES = ("states", "projected")
 ATTENTION_FROM = ("top", "bottom")
 # Scores with no parameters of their own need queries and keys of the same size.
 _SAME_SIZE_SCORES = ("dot", "scaled_dot", "cosine")
+
+# Hook sites of the decoder's steps (Seq2Seq's own, stacked over the steps `[batch, tgt_len,
+# ...]`): the attention weights and context, the top layer's new state, the output layer's input.
+STEP_SITES = ("attn_pattern", "attn_context", "decoder_states", "decoder_features")
 
 Carry = Any  # one layer's recurrent state: [batch, hidden] (GRU) or a (c, h) pair (LSTM)
 
@@ -85,7 +101,7 @@ def _make_cell(cell: str, features: int, name: str | None = None) -> nn.RNNCellB
   return nn.LSTMCell(features, name=name)
 
 
-def _hidden(carry: Carry) -> jax.Array:
+def hidden_state(carry: Carry) -> jax.Array:
   """The output state of one layer's carry (h of an LSTM's (c, h))."""
   return carry[1] if isinstance(carry, tuple) else carry
 
@@ -151,6 +167,7 @@ class Encoder(nn.Module):
     """
     x = nn.Embed(self.vocab_size, self.embed_dim, name="embed")(tokens)  # [batch, src_len, embed]
     x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+    x = hooks.hook(self, "embedded", x)  # [batch, src_len, embed]
     finals = []
     for layer in range(self.num_layers):
       if self.layer_is_bidirectional(layer):
@@ -168,7 +185,8 @@ class Encoder(nn.Module):
       # GNMT's residual: the next layer reads x_i + layer_i(x_i).
       x = y + x if residual_layer(layer, self.residual_start) else y
       finals.append(final)
-    return x, finals
+    # The top layer's states: what the attention reads (the final carries go on unedited).
+    return hooks.hook(self, "states", x), finals  # [batch, src_len, enc_dim]
 
 
 class _Options(nn.Module, kw_only=True):
@@ -314,21 +332,56 @@ class DecoderCell(_Options):
       new.append(c)
     return new, x
 
-  def __call__(self, carry: dict[str, Any], embedded: jax.Array, memory: dict[str, Any],
-               deterministic: bool = True):
+  def __call__(self, carry: dict[str, Any], embedded: jax.Array, memory: dict[str, jax.Array],
+               deterministic: bool = True, *, edits: Mapping[str, Any] | None = None,
+               keep: tuple[str, ...] = ()):
+    """One step; `edits` {step site: this step's Interventions, values `[batch, ...]`, position
+    masks `[batch]`} (Seq2Seq._step_edits), `keep` the step sites to return (STEP_SITES)."""
     rnn = list(carry["rnn"])
     step = carry.get("step")  # [batch] int32: the decoder step t (local-m only)
+    kept = {}
     bottom = self.attention_from == "bottom"
+
+    def site(name, x):  # a hook site of one step, x [batch, ...]
+      for iv in (edits or {}).get(name, ()):
+        iv = hooks.Intervention(iv.site, iv.op, None if iv.value is None else iv.value[:, None],
+                                None if iv.positions is None else iv.positions[:, None])
+        x = hooks.apply_intervention(x[:, None], iv, positions_axis=1, heads_axis=None)[:, 0]
+      if name in keep:
+        kept[name] = x
+      return x
+
+    def attend(query):
+      context, weights, log_prob = self._attend(query, memory, deterministic, step)
+      weights = site("attn_pattern", weights)  # [batch, src_len]
+      if (edits or {}).get("attn_pattern"):  # the context of the edited weights
+        context = jnp.einsum("bs,bse->be", weights.astype(memory["values"].dtype),
+                             memory["values"])  # [batch, enc_dim]
+      return site("attn_context", context), weights, log_prob  # [batch, enc_dim]
+
+    def cells(carries, x, first=0, context=None):
+      """Steps layers first.. (their `carries`); the top layer's output is a hook site."""
+      new, h = self._step_cells(carries, x, first, context)
+      if carries and first + len(carries) == self.num_layers:
+        edited = site("decoder_states", h)  # [batch, hidden]: the output and the top carry
+        top = new[-1]
+        # A residual top layer's carry is its cell's own state, not the output x + cell(x): it
+        # takes the edit's change.
+        own = (hidden_state(top) + (edited - h)
+               if residual_layer(self.num_layers - 1, self.residual_start) else edited)
+        new[-1] = (top[0], own) if isinstance(top, tuple) else own
+        h = edited
+      return new, h
+
     if self.attention == "none":
-      rnn, h = self._step_cells(rnn, embedded)
+      rnn, h = cells(rnn, embedded)
       weights = jnp.zeros(memory["mask"].shape[:1] + memory["mask"].shape[-1:], h.dtype)
       features, log_prob = h, jnp.zeros(h.shape[:1], jnp.float32)
     elif self.attention == "bahdanau":
       # The previous state of the querying layer (GNMT: the bottom one, y_{i-1}).
-      query = _hidden(rnn[0] if bottom else rnn[-1])
-      context, weights, log_prob = self._attend(query, memory, deterministic, step)
-      rnn, h = self._step_cells(rnn, jnp.concatenate([embedded, context], axis=-1),
-                                context=context if bottom else None)
+      context, weights, log_prob = attend(hidden_state(rnn[0] if bottom else rnn[-1]))
+      rnn, h = cells(rnn, jnp.concatenate([embedded, context], axis=-1),
+                     context=context if bottom else None)
       features = jnp.concatenate([h, context], axis=-1)  # [batch, hidden + enc_dim]
     else:  # luong
       x = embedded
@@ -336,19 +389,20 @@ class DecoderCell(_Options):
         x = jnp.concatenate([embedded, carry["feed"]], axis=-1)  # [batch, embed + hidden]
       if bottom:
         # The bottom layer's new state queries; the layers above read [output below; context].
-        first, h = self._step_cells(rnn[:1], x)
-        context, weights, log_prob = self._attend(h, memory, deterministic, step)
-        rest, h = self._step_cells(rnn[1:], h, first=1, context=context)
+        first, h = cells(rnn[:1], x)
+        context, weights, log_prob = attend(h)
+        rest, h = cells(rnn[1:], h, first=1, context=context)
         rnn = first + rest
       else:
-        rnn, h = self._step_cells(rnn, x)
-        context, weights, log_prob = self._attend(h, memory, deterministic, step)
+        rnn, h = cells(rnn, x)
+        context, weights, log_prob = attend(h)
       features = jnp.tanh(self.combine(jnp.concatenate([context, h], axis=-1)))  # [batch, hidden]
+    features = site("decoder_features", features)  # [batch, out_dim]
     new_carry = {"rnn": tuple(rnn), "feed": features if self.attention == "luong"
                  else carry["feed"]}
     if step is not None:
       new_carry["step"] = step + 1
-    return new_carry, (features, weights, log_prob)
+    return new_carry, (features, weights, log_prob, kept)
 
 
 class Seq2Seq(_Options):
@@ -417,6 +471,38 @@ class Seq2Seq(_Options):
               "lengths": src_lengths}
     return {"carry": carry, "memory": memory}
 
+  def _step_edits(self, steps: tuple[int, int], values: jax.Array) -> dict[str, Any]:
+    """{step site: its Interventions with values `[batch, tgt_len, ...]` and position masks
+    `[batch, tgt_len]` (None: all), broadcast in full}: the scan hands each step its slice."""
+    batch, length = steps
+    out_dim = self.hidden_dim + (values.shape[-1] if self.attention == "bahdanau" else 0)
+    shapes = {"attn_pattern": (batch, length, values.shape[1]),
+              "attn_context": (batch, length, values.shape[-1]),
+              "decoder_states": (batch, length, self.hidden_dim),
+              "decoder_features": (batch, length, out_dim)}
+    edits = {}
+    for name, shape in shapes.items():
+      if not hooks.intervened(self, name):
+        continue
+      sliced = []
+      for iv in self.get_variable(hooks.INTERVENTIONS, name):
+        if iv.heads is not None:
+          raise ValueError(f"site {iv.site!r} has no heads axis; leave its heads mask out")
+        if iv.op == "mean" and iv.value is None:
+          raise ValueError(f"op 'mean' at the recurrent site {iv.site!r} needs its value (e.g. "
+                           f"the mean of a cached run): a step cannot see the later steps")
+        positions = None
+        if iv.positions is not None:
+          positions = jnp.asarray(iv.positions, bool)
+          if positions.ndim not in (1, 2) or positions.shape[-1] != length:
+            raise ValueError(f"positions mask of {iv.site!r} must be [{length}] or [batch, "
+                             f"{length}] (the target length), got shape {positions.shape}")
+          positions = jnp.broadcast_to(positions, (batch, length))
+        value = None if iv.value is None else jnp.broadcast_to(jnp.asarray(iv.value), shape)
+        sliced.append(hooks.Intervention(iv.site, iv.op, value, positions))
+      edits[name] = tuple(sliced)
+    return edits
+
   def _logits(self, features: jax.Array, deterministic: bool) -> jax.Array:
     return self.output(self.dropout(features, deterministic=deterministic))
 
@@ -424,15 +510,20 @@ class Seq2Seq(_Options):
                deterministic: bool = True) -> tuple[jax.Array, dict[str, jax.Array]]:
     state = self.encode(src, src_lengths, deterministic=deterministic)
     embedded = self.dropout(self.tgt_embed(tgt_in), deterministic=deterministic)  # [b, t, embed]
+    embedded = hooks.hook(self, "decoder_embedded", embedded)  # [batch, tgt_len, embed]
+    edits = self._step_edits(embedded.shape[:2], state["memory"]["values"])
+    keep = tuple(n for n in STEP_SITES if hooks.capturing_site(self, n))
 
-    def body(cell, carry, x, memory):
-      return cell(carry, x, memory, deterministic=deterministic)
+    def body(cell, carry, x, edits, memory):
+      return cell(carry, x, memory, deterministic=deterministic, edits=edits, keep=keep)
 
     scan = nn.scan(body, variable_broadcast="params", split_rngs={"params": False, "sample": True},
-                   in_axes=(1, nn.broadcast), out_axes=1)
-    _, (features, weights, log_prob) = scan(self.decoder_cell, state["carry"], embedded,
-                                            state["memory"])
+                   in_axes=(1, 1, nn.broadcast), out_axes=1)
+    _, (features, weights, log_prob, kept) = scan(self.decoder_cell, state["carry"], embedded,
+                                                  edits, state["memory"])
     # features: [batch, tgt_len, out_dim]; weights: [batch, tgt_len, src_len]
+    for name, value in kept.items():  # the step sites, stacked [batch, tgt_len, ...]
+      self.sow(hooks.HOOKS, name, value)
     self.sow("intermediates", "attention_weights", weights)
     logits = self._logits(features, deterministic)  # [batch, tgt_len, tgt_vocab]
     aux = {"attention_weights": weights}
@@ -444,8 +535,8 @@ class Seq2Seq(_Options):
                   ) -> tuple[jax.Array, dict[str, Any], jax.Array]:
     """One greedy/beam step for `attnlab.decoding`: (logits [b, vocab], new state, weights [b, s])."""
     embedded = self.tgt_embed(tokens)  # [batch, embed]
-    carry, (features, weights, _) = self.decoder_cell(state["carry"], embedded, state["memory"],
-                                                      deterministic=True)
+    carry, (features, weights, _, _) = self.decoder_cell(state["carry"], embedded,
+                                                         state["memory"], deterministic=True)
     logits = self._logits(features, True)  # [batch, tgt_vocab]
     return logits, {"carry": carry, "memory": state["memory"]}, weights
 

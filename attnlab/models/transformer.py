@@ -34,6 +34,12 @@ KV-cache decoding (attnlab.attention.registry) decodes the uncached way through 
 Attention weights are sown by every attention module: `intermediates/encoder_layer_<i>/
 self_attention/attention_weights` and `intermediates/decoder_layer_<i>/{self,cross}_attention/
 attention_weights` `[batch, heads, q_len, k_len]` (`attention_grids` collects them per layer).
+
+Hook sites (attnlab.layers.hooks; their public names and shapes: attnlab.analysis.hooks.SITES):
+"encoder_embedded", "decoder_embedded" (the embeddings' outputs), "encoder_final",
+"decoder_final" (the final LayerNorms' outputs, pre-LN only) here, the blocks' and attention
+layers' own (self_attention and cross_attention distinct) below them. They act on the
+teacher-forced forward pass (`__call__`); the decoding methods run without them.
 """
 
 from __future__ import annotations
@@ -52,12 +58,14 @@ from attnlab.attention.config import AttentionConfig
 from attnlab.attention import masks as masks_lib
 from attnlab.layers import Dense
 from attnlab.layers import Embeddings
+from attnlab.layers import LayerNorm
 from attnlab.layers import NORM_POSITIONS
 from attnlab.layers import POSITION_BIASES
 from attnlab.layers import POSITIONS
 from attnlab.layers import T5_NUM_BUCKETS
 from attnlab.layers import TransformerBlock
 from attnlab.layers import get_activation
+from attnlab.layers import hooks
 from attnlab.layers import project_kv
 from attnlab.layers import sown
 
@@ -152,8 +160,10 @@ class Transformer(nn.Module):
     self.encoder_t5_table = t5("encoder_t5_bias")
     self.decoder_t5_table = t5("decoder_t5_bias")
     if self.norm_position == "pre":
-      self.encoder_norm = nn.LayerNorm(dtype=self.dtype, name="encoder_norm")
-      self.decoder_norm = nn.LayerNorm(dtype=self.dtype, name="decoder_norm")
+      # attnlab's LayerNorm (flax.linen.LayerNorm's parameters and epsilon) has a hook site
+      # for its 1 / std.
+      self.encoder_norm = LayerNorm(epsilon=1e-6, dtype=self.dtype, name="encoder_norm")
+      self.decoder_norm = LayerNorm(epsilon=1e-6, dtype=self.dtype, name="decoder_norm")
     if self.share_embeddings == "none":
       self.output = Dense(self.tgt_vocab_size, dtype=self.dtype, name="output")
 
@@ -173,11 +183,12 @@ class Transformer(nn.Module):
     """(encoder outputs `[batch, src_len, d]`, source padding mask `[batch, 1, 1, src_len]`)."""
     mask = masks_lib.padding_mask(src_lengths.astype(jnp.int32), src.shape[1])
     x = self.src_embed(src, deterministic=deterministic)  # [batch, src_len, d]
+    x = hooks.hook(self, "encoder_embedded", x)  # [batch, src_len, d]
     for layer in self.encoder_layers:
       x = layer(x, mask=mask, deterministic=deterministic,
                 t5_table=self.encoder_t5_table)  # [batch, src_len, d]
     if self.norm_position == "pre":
-      x = self.encoder_norm(x)
+      x = hooks.hook(self, "encoder_final", self.encoder_norm(x))  # [batch, src_len, d]
     return x, mask
 
   def decode_tokens(self, tgt: Array, memory: Any, src_mask: Array, *, deterministic: bool = True,
@@ -189,12 +200,13 @@ class Transformer(nn.Module):
     decode: feed `tgt` into the self-attention KV cache (needs the "cache" collection mutable).
     """
     y = self.tgt_embed(tgt, deterministic=deterministic, decode=decode)  # [batch, tgt_len, d]
+    y = hooks.hook(self, "decoder_embedded", y)  # [batch, tgt_len, d]
     for i, layer in enumerate(self.decoder_layers):
       encoded = memory[i] if isinstance(memory, (list, tuple)) else memory
       y = layer(y, encoded=encoded, encoder_mask=src_mask, deterministic=deterministic,
                 decode=decode, t5_table=self.decoder_t5_table)  # [batch, tgt_len, d]
     if self.norm_position == "pre":
-      y = self.decoder_norm(y)
+      y = hooks.hook(self, "decoder_final", self.decoder_norm(y))  # [batch, tgt_len, d]
     if self.share_embeddings == "none":
       return self.output(y).astype(jnp.float32)  # [batch, tgt_len, tgt_vocab]
     logits = self.tgt_embed.attend(y) * self.d_model ** -0.5  # [batch, tgt_len, vocab]

@@ -9,6 +9,7 @@ owns everything else: optimizer, jit, checkpoints, metrics files, resume, signal
       def init(self, rng) -> params         # a pytree of arrays (e.g. a Flax "params" collection)
       def load_pretrained(self, params, pretrained_config, pretrained_params)  # config.init_from
       def check_pretrained(cls, config, pretrained_config)  # optional classmethod: the same, early
+      def frozen(self) -> params -> pytree of bools | None  # optional: parameters left unchanged
       def train_iterator(self) -> BatchIterator
       def loss_fn(self, params, batch, rng) -> (loss, metrics)
       def eval_batches(self) -> Iterable[batch]            # optional: held-out batches
@@ -42,7 +43,8 @@ Contract the trainer relies on:
   zero rows zero weight (their weight or mask field is 0). Without one, each `loss_fn` metric
   counts once per batch (the mean over batches).
 - What the model's shapes and the text <-> ids mapping take from the data (vocabularies, the
-  longest source, ...) goes through `asset_tokenizer(name, build)` / `asset_size(name, compute)`:
+  longest source, a classifier's class names, ...) goes through `asset_tokenizer(name, build)` /
+  `asset_size(name, compute)` / `asset_labels(name, compute)`:
   built from the data for a new run, read from the run directory's `assets/` folder
   (attnlab.data.assets) when the task is rebuilt from a run (resume, `load_run`), so that a run
   reloads, generates and translates with the dataset gone. Read the data itself lazily (on
@@ -56,7 +58,7 @@ from __future__ import annotations
 import abc
 import os
 import pathlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import jax
@@ -104,8 +106,10 @@ class Task(abc.ABC):
     # or an older run directory without one): vocabularies and sizes come from it.
     self.assets = pathlib.Path(assets) if assets and pathlib.Path(assets).is_dir() else None
     self._sizes_kept = assets_lib.load_sizes(self.assets) if self.assets else {}
+    self._labels_kept = assets_lib.load_labels(self.assets) if self.assets else {}
     self._vocabularies: dict[str, Any] = {}
     self._sizes: dict[str, int] = {}
+    self._labels: dict[str, tuple[str, ...]] = {}
     # The Flax module for analysis (or None for tasks without one).
     self.model = None
     self._jit_metric_sums = None
@@ -124,9 +128,17 @@ class Task(abc.ABC):
     self._sizes[name] = int(compute() if value is None else value)
     return self._sizes[name]
 
+  def asset_labels(self, name: str, compute: Callable[[], Sequence[str]]) -> tuple[str, ...]:
+    """A list of names derived from the data (a classifier's classes, in the order of its
+    outputs): the run's kept list (assets), else `compute()`."""
+    value = self._labels_kept.get(name)
+    self._labels[name] = tuple(compute() if value is None else value)
+    return self._labels[name]
+
   def save_assets(self, directory: str | os.PathLike) -> None:
-    """Writes the vocabularies and sizes this task used into `directory` (a run's assets/)."""
-    assets_lib.save(directory, self._vocabularies, self._sizes)
+    """Writes the vocabularies, sizes and labels this task used into `directory` (a run's
+    assets/)."""
+    assets_lib.save(directory, self._vocabularies, self._sizes, self._labels)
 
   @abc.abstractmethod
   def init(self, rng: jax.Array) -> Params:
@@ -149,6 +161,14 @@ class Task(abc.ABC):
     that keeps Task.load_pretrained cannot start from another run; others are not checked."""
     if cls.load_pretrained is Task.load_pretrained:
       raise _cannot_start_from(cls.name, config, pretrained_config)
+
+  def frozen(self) -> Callable[[Params], Any] | None:
+    """The parameters training leaves unchanged (fine-tuning): a function of a params pytree
+    giving a pytree of the same structure with True at each frozen leaf, or None (the default)
+    when every parameter trains. The trainer's optimizer gives frozen leaves zero updates and no
+    optimizer state (attnlab.state.task_optimizer). It may be called on the parameters of
+    several replicas (a leading [num_seeds] axis): decide by the path, not the shape."""
+    return None
 
   @abc.abstractmethod
   def train_iterator(self) -> BatchIterator:

@@ -3,8 +3,10 @@
 Datasets (config.data.name):
 - `tiny_shakespeare`: the 90% / 10% character split of attnlab.data; character tokenizer by
   default (`data.tokenizer=subword` trains a sentencepiece model of `data.vocab_size` pieces on
-  the training text, cached under `data.tokenizer_dir`); a run keeps its tokenizer in
-  RUN_DIR/assets and reads the text only when it trains or evaluates. Training batches are
+  the training text, cached under `data.tokenizer_dir`; `byte`: the UTF-8 bytes, a fixed
+  vocabulary of 263 ids that encodes any text, so a run pretrained on one corpus fine-tunes on
+  any other); a run keeps its tokenizer in RUN_DIR/assets and reads the text only when it trains
+  or evaluates. Training batches are
   `batch_size` windows of block_size + 1 tokens at random offsets (nanoGPT's sampler), drawn
   from a generator seeded by (seed, step), so a resumed run sees the same batches. Evaluation covers every
   non-overlapping block_size window of the validation text (or the first `data.eval_windows`).
@@ -43,6 +45,10 @@ the same dataset. The architecture (sizes, positions, model.attention but its im
 vocabulary; the output layer is always tied to the token table) must equal the run's
 (`check_pretrained`, before the trainer writes anything, the differing keys in one line), and
 `load_pretrained` gives the step-0 parameters that run's latest ones.
+
+Fine-tuning: `frozen` leaves the embeddings (`finetune.freeze_embeddings`) and the lowest
+`finetune.freeze_layers` blocks unchanged (attnlab.state.freeze: zero updates, no optimizer
+state); configs/gpt.py's docstring has the recipe.
 
 Metrics: loss (mean cross-entropy per target token, nats), perplexity = exp(loss), token
 accuracy, for addition exact_match, for induction copy_loss and copy_accuracy.
@@ -92,7 +98,7 @@ SYNTHETIC_TRAIN_TOKENS = 1 << 20
 SYNTHETIC_EVAL_WINDOWS = 8
 # Tokenizers for tiny_shakespeare (addition always uses characters); hf and ids are those of an
 # imported checkpoint (attnlab.data.hf_tokenizer), read from data.tokenizer_path.
-TOKENIZERS = ("char", "subword", "hf", "ids")
+TOKENIZERS = ("char", "byte", "subword", "hf", "ids")
 # Tokenizers that come with the run rather than from the data (the text is read only to train).
 PRETRAINED_TOKENIZERS = ("hf", "ids")
 # Characters of the addition texts.
@@ -181,6 +187,7 @@ class CausalLMTask(Task):
     vocab_size = -(-vocab_size // multiple) * multiple  # rows past the tokenizer's are never seen
     self.model = gpt_lib.from_config(config.model, vocab_size)
     self.block_size = self.model.block_size
+    gpt_lib.check_freeze_layers(self._freezing()[1], self.model.num_layers)
     if self.seq_len > self.block_size:
       raise ConfigError(f"addition texts need {self.seq_len} positions but model.block_size is "
                         f"{self.block_size}; lower data.max_digits or raise model.block_size")
@@ -200,6 +207,8 @@ class CausalLMTask(Task):
                                         self.config.model.get("vocab_size", 0))
     elif d.tokenizer == "char":
       build = lambda: tok_lib.CharTokenizer.train([self._texts()[0]])
+    elif d.tokenizer == "byte":  # a fixed vocabulary: the text is not read to build it
+      build = tok_lib.ByteTokenizer
     else:
       # A text corpus's cache entry is named by its absolute path (edit the files: a new
       # data.tokenizer_dir, or delete the cached one).
@@ -368,6 +377,20 @@ class CausalLMTask(Task):
     # jit: one compilation instead of one per operation of an eager init
     return jax.jit(self.model.init)(rng, tokens)["params"]
 
+  def _freezing(self) -> tuple[bool, int]:
+    """(finetune.freeze_embeddings, finetune.freeze_layers); (False, 0) without the group."""
+    finetune = self.config.get("finetune") or {}
+    return bool(finetune.get("freeze_embeddings", False)), int(finetune.get("freeze_layers", 0))
+
+  def frozen(self):
+    """The embeddings (finetune.freeze_embeddings: the token table, which is also the output
+    layer, and the position table) and the lowest finetune.freeze_layers blocks; None when
+    neither is set (gpt.frozen_mask)."""
+    embeddings, layers = self._freezing()
+    if not (embeddings or layers):
+      return None
+    return lambda params: gpt_lib.frozen_mask(params, embeddings=embeddings, layers=layers)
+
   @classmethod
   def check_pretrained(cls, config, pretrained_config) -> None:
     """A causal_lm run with this model's architecture and a dataset whose token ids mean the
@@ -494,7 +517,7 @@ class CausalLMTask(Task):
       banned |= {tok_lib.PAD_ID, tok_lib.START_ID, tok_lib.CLS_ID, tok_lib.SEP_ID, tok_lib.MASK_ID}
       if not self.seq_len:
         banned.add(tok_lib.END_ID)
-      if self.tokenizer.kind == "char":  # every character of the text has its own id
+      if self.tokenizer.kind in ("char", "byte"):  # every character (byte) has its own id
         banned.add(tok_lib.UNK_ID)
     return tuple(sorted(banned))
 

@@ -1,13 +1,21 @@
-"""Sequence-to-sequence translation (task "translation"): dates, Marathi, reverse, copy.
+"""Sequence-to-sequence translation (task "translation"): dates, Marathi, any parallel corpus,
+reverse, copy.
 
 Data (`config.data.name`):
   dates    synthetic human-readable dates -> ISO dates (no files), character tokens;
   marathi  anki_mar_eng English -> Marathi (or `data.direction="mr-en"`), word or subword tokens;
+  anki     any Anki/manythings file, `English<TAB>Other[<TAB>attribution]` lines: `data.path`, or
+           `data.pair=<code>` (fra, spa, cmn, ...) found locally or downloaded; English -> the
+           other language (`data.direction=forward`) or back (`reverse`);
+  tsv      a plain TSV of `source<TAB>target` lines (`data.path`), forward or reverse likewise;
   reverse  synthetic random symbol strings -> the same reversed (`data.min_len..max_len` symbols);
   copy     the same, unchanged.
-Source and target each get their own tokenizer, trained on the training split (deterministic, so a
-reloaded run rebuilds the same vocabularies). Targets are `<start> tokens <end>`; the decoder reads
-target[:-1] and predicts target[1:] (teacher forcing).
+anki and tsv (attnlab.data.parallel_corpus) are shuffled and cut 80/10/10 as marathi is.
+Source and target each get their own tokenizer (`data.tokenizer`, or `data.source_tokenizer` /
+`data.target_tokenizer` for one side: char for a script without spaces), trained on the training
+split (deterministic) and kept in the run's assets, so a reloaded run translates without the data.
+Targets are `<start> tokens <end>`; the decoder reads target[:-1] and predicts target[1:] (teacher
+forcing).
 
 Model (`config.model.name`): module `attnlab.models.<name>` provides
 `from_config(model_config, src_vocab_size, tgt_vocab_size, max_src_len)` returning a
@@ -23,8 +31,9 @@ decoded output (greedy, or beam search with `config.decode.beam_size` > 1, ranke
 `decode.length_penalty` and `decode.coverage_penalty`, attnlab.decoding.beam_search), `exact_match`,
 `decoded_token_accuracy` (position-wise matches / max(output, reference) length) and corpus
 `bleu` (sacrebleu over the target tokenizer's tokens: characters for dates/reverse/copy, words for
-Marathi; detokenized text with the 13a tokenizer for subwords), and the same per source-length bin
-when `config.data.length_bins` is set (`exact_match_len_01_05`, ...).
+Marathi; detokenized text with the 13a tokenizer for subwords, or sacrebleu's zh / char tokenizer
+when the references are Chinese / Japanese; `data.bleu_tokenize` names one for any tokenizer), and
+the same per source-length bin when `config.data.length_bins` is set (`exact_match_len_01_05`, ...).
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ from attnlab import models
 from attnlab.attention import core as attn_core
 from attnlab.config_utils import check_choice
 from attnlab.errors import ConfigError
+from attnlab.data import parallel_corpus
 from attnlab.data import pipeline
 from attnlab.data import tokenizers
 from attnlab.tasks import register_task
@@ -60,9 +70,20 @@ from attnlab.tasks.base import pad_rows
 _LOG = logging.getLogger(__name__)
 
 # data.name -> the dataset of attnlab.data it reads.
-DATASETS = {"dates": "dates", "marathi": "anki_mar_eng", "reverse": "reverse", "copy": "copy"}
+DATASETS = {"dates": "dates", "marathi": "anki_mar_eng", "reverse": "reverse", "copy": "copy",
+            "anki": "anki", "tsv": "tsv"}
 SYNTHETIC = ("dates", "reverse", "copy")
+# A user's own corpus file (attnlab.data.parallel_corpus).
+FILE_DATASETS = tuple(parallel_corpus.FORMATS)
 TOKENIZER_KINDS = ("char", "word", "subword")
+# data.bleu_tokenize: "" (auto: TranslationTask.bleu_tokenize) or one of sacrebleu's tokenizers
+# that need no download (its spm/flores ones fetch a model).
+BLEU_TOKENIZERS = ("13a", "intl", "zh", "char", "none", "ja-mecab", "ko-mecab")
+# Auto BLEU of a subword target: references with at least this share of CJK characters (of those
+# not white space) are scored with sacrebleu's zh tokenizer (char with kana: Japanese).
+CJK_SHARE = 0.3
+_CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+_KANA = re.compile(r"[\u3040-\u30ff]")
 # Punctuation the word tokenizer separates from words (as the attention-NMT tutorial does).
 _PUNCT = re.compile(r"([?.!,¿\"“”;:])")
 # Examples drawn for write_plots' heatmaps.
@@ -71,6 +92,13 @@ NUM_PLOTS = 4
 # (unless the model's position table holds fewer): decoding runs up to twice the source's length,
 # and its memory grows with source length x steps (a 10,000-character input took 15 GB).
 MAX_INPUT_FACTOR = 4
+
+
+def cjk_share(texts: Sequence[str]) -> float:
+  """The share of Chinese characters and kana among the characters of `texts` (white space not
+  counted)."""
+  text = "".join("".join(t.split()) for t in texts)
+  return len(_CJK.findall(text)) / len(text) if text else 0.0
 
 
 def separate_punctuation(text: str) -> str:
@@ -106,13 +134,31 @@ class TranslationTask(Task):
     dc = config.data
     check_choice("data.name", dc.name, DATASETS, "datasets")
     check_choice("data.tokenizer", dc.tokenizer, TOKENIZER_KINDS, "kinds")
+    for side in ("source", "target"):
+      if dc.get(f"{side}_tokenizer", ""):
+        check_choice(f"data.{side}_tokenizer", dc[f"{side}_tokenizer"], TOKENIZER_KINDS, "kinds")
+    self._bleu_tokenize = dc.get("bleu_tokenize", "")
+    if self._bleu_tokenize:
+      check_choice("data.bleu_tokenize", self._bleu_tokenize, BLEU_TOKENIZERS,
+                   "sacrebleu tokenizers")
+      try:
+        sacrebleu.BLEU(tokenize=self._bleu_tokenize)
+      except Exception as e:  # pylint: disable=broad-except  (mecab's packages missing)
+        raise ConfigError(f"data.bleu_tokenize={self._bleu_tokenize} cannot be used here "
+                          f"({' '.join(str(e).split())[:200]}); install what it needs or pick "
+                          f"another: {', '.join(BLEU_TOKENIZERS[:5])}") from None
+    if dc.name in FILE_DATASETS:
+      check_choice("data.direction", dc.get("direction", "forward"), parallel_corpus.DIRECTIONS,
+                   f"directions of dataset={dc.name}")
+    # The corpus file's splits (anki, tsv), read on first use.
+    self._file_splits: dict[str, list[tuple[str, str]]] | None = None
     # Raw and encoded examples by split, read on first use (a reloaded run needs none).
     self._examples: dict[str, list[dict[str, str]]] = {}
     self._encoded: dict[str, list[dict[str, Any]]] = {}
     self.src_tok = self.asset_tokenizer("source", lambda: self._train_tokenizer(
-        [ex["source"] for ex in self.examples("train")]))
+        [ex["source"] for ex in self.examples("train")], "source"))
     self.tgt_tok = self.asset_tokenizer("target", lambda: self._train_tokenizer(
-        [ex["target"] for ex in self.examples("train")]))
+        [ex["target"] for ex in self.examples("train")], "target"))
     longest = lambda field: max(len(ex[field]) for ex in self.encoded("train"))
     self.max_src_len = self.asset_size("max_src_len", lambda: longest("source"))
     self.max_tgt_len = self.asset_size("max_tgt_len", lambda: longest("target"))  # <start>...<end>
@@ -153,6 +199,15 @@ class TranslationTask(Task):
       if dc.name != "dates":
         options.update(min_len=dc.min_len, max_len=dc.max_len, vocab_size=dc.symbols)
       examples = list(data_lib.get_dataset(name, split, **options))
+    elif dc.name in FILE_DATASETS:
+      if self._file_splits is None:
+        self._file_splits = parallel_corpus.load_splits(dc)
+      if split not in self._file_splits:
+        raise ConfigError(f"dataset={dc.name} has no split {split!r}; valid splits: "
+                          f"{', '.join(parallel_corpus.SPLITS)}")
+      examples = [{"source": a, "target": b} for a, b in self._file_splits[split]]
+      if split == "train" and dc.num_train > 0:
+        examples = examples[:dc.num_train]
     else:
       examples = list(data_lib.get_dataset(name, split, direction=dc.direction,
                                            **data_location(dc)))
@@ -170,16 +225,25 @@ class TranslationTask(Task):
       examples = examples[:dc.num_eval]
     return [{"source": ex["source"], "target": ex["target"]} for ex in examples]
 
-  def prepare_text(self, text: str) -> str:
-    """`text` as the tokenizers see it (punctuation split off for word tokens)."""
-    return separate_punctuation(text) if self.config.data.tokenizer == "word" else text
+  def tokenizer_kind(self, side: str) -> str:
+    """The tokenizer kind of "source" or "target": data.<side>_tokenizer, else data.tokenizer."""
+    return self.config.data.get(f"{side}_tokenizer", "") or self.config.data.tokenizer
 
-  def _train_tokenizer(self, texts: list[str]) -> tokenizers.Vocab:
+  def prepare_text(self, text: str, side: str = "source") -> str:
+    """`text` as the `side` tokenizer sees it (punctuation split off for word tokens)."""
+    return separate_punctuation(text) if self.tokenizer_kind(side) == "word" else text
+
+  def _train_tokenizer(self, texts: list[str], side: str) -> tokenizers.Vocab:
     dc = self.config.data
-    texts = [self.prepare_text(t) for t in texts]
-    if dc.tokenizer == "char":
+    kind = self.tokenizer_kind(side)
+    texts = [self.prepare_text(t, side) for t in texts]
+    if kind == "char":
       return tokenizers.CharTokenizer.train(texts)
-    if dc.tokenizer == "word":
+    if kind == "word":
+      if cjk_share(texts) >= CJK_SHARE:
+        _LOG.warning("the %s text is mostly Chinese or Japanese, written without spaces: a word "
+                     "tokenizer takes whole sentences as words; set data.%s_tokenizer=char (or "
+                     "subword)", side, side)
       return tokenizers.WordTokenizer.train(texts, lower=dc.lower, split_punct=False,
                                             min_count=dc.min_count,
                                             max_size=dc.tokenizer_size or None)
@@ -188,11 +252,11 @@ class TranslationTask(Task):
       return tokenizers.SubwordTokenizer.train(texts, dc.tokenizer_size or 4000, model_dir)
 
   def encode_source(self, text: str) -> list[int]:
-    return self.src_tok.encode(self.prepare_text(text))
+    return self.src_tok.encode(self.prepare_text(text, "source"))
 
   def encode_target(self, text: str) -> list[int]:
     """`<start>` + the target tokens of `text` + `<end>`, as the training targets are encoded."""
-    return self.tgt_tok.encode(self.prepare_text(text), add_start=True, add_end=True)
+    return self.tgt_tok.encode(self.prepare_text(text, "target"), add_start=True, add_end=True)
 
   def _pad_lengths(self) -> dict[str, int]:
     return {"source": self.max_src_len, "target": self.max_tgt_len}
@@ -406,16 +470,29 @@ class TranslationTask(Task):
   # ----------------------------------------------------------------------------------- evaluation
 
   def _bleu_tokens(self, text: str) -> str:
-    """Text as BLEU sees it: the target tokenizer's tokens joined by spaces (subword: the text)."""
-    if self.config.data.tokenizer == "subword":
+    """Text as BLEU gets it: the target tokenizer's tokens joined by spaces for char and word
+    tokens (as decode writes words: lower-cased, punctuation apart), the text for subwords."""
+    if self.tokenizer_kind("target") == "subword":
       return text
-    return " ".join(self.tgt_tok.split(self.prepare_text(text)))
+    return " ".join(self.tgt_tok.split(self.prepare_text(text, "target")))
 
-  def _bleu(self, hyps: list[str], refs: list[str]) -> float:
+  def bleu_tokenize(self, refs: Sequence[str] = ()) -> str:
+    """The sacrebleu tokenizer BLEU uses: data.bleu_tokenize, else "none" for char and word tokens
+    (`_bleu_tokens` has split them), else for subwords "zh" when at least CJK_SHARE of the
+    references' characters are Chinese ("char" when kana show Japanese), else "13a"."""
+    if self._bleu_tokenize:
+      return self._bleu_tokenize
+    if self.tokenizer_kind("target") != "subword":
+      return "none"
+    if refs and cjk_share(refs) >= CJK_SHARE:
+      return "char" if any(_KANA.search(r) for r in refs) else "zh"
+    return "13a"
+
+  def _bleu(self, hyps: list[str], refs: list[str], tokenize: str | None = None) -> float:
     if not hyps:
       return float("nan")
-    tokenize = "13a" if self.config.data.tokenizer == "subword" else "none"
-    # force: the texts are tokenized on purpose (tokenize="none" scores the tokens as given).
+    tokenize = tokenize or self.bleu_tokenize(refs)
+    # force: the texts may be tokenized on purpose (tokenize="none" scores the tokens as given).
     return float(sacrebleu.corpus_bleu(hyps, [refs], tokenize=tokenize, force=True).score)
 
   def evaluate_split(self, params, split: str | None = None,
@@ -445,19 +522,22 @@ class TranslationTask(Task):
           "bleu_hyp": self._bleu_tokens(output),
           "bleu_ref": self._bleu_tokens(ex["target"]),
       })
-    result.update(self._decoded_metrics(records))
+    # One tokenizer for the split and its bins (chosen from all of the split's references).
+    tokenize = self.bleu_tokenize([r["bleu_ref"] for r in records])
+    result.update(self._decoded_metrics(records, tokenize))
     for low, high in self._length_bins():
       part = [r for r in records if low <= r["source_length"] <= high]
       if part:
-        for name, value in self._decoded_metrics(part).items():
+        for name, value in self._decoded_metrics(part, tokenize).items():
           result[f"{name}_len_{low:02d}_{high:02d}"] = value
     return result, records
 
-  def _decoded_metrics(self, records: list[dict[str, Any]]) -> dict[str, float]:
+  def _decoded_metrics(self, records: list[dict[str, Any]], tokenize: str) -> dict[str, float]:
     return {
         "exact_match": float(np.mean([r["exact"] for r in records])),
         "decoded_token_accuracy": float(np.mean([r["token_matches"] for r in records])),
-        "bleu": self._bleu([r["bleu_hyp"] for r in records], [r["bleu_ref"] for r in records]),
+        "bleu": self._bleu([r["bleu_hyp"] for r in records], [r["bleu_ref"] for r in records],
+                           tokenize),
     }
 
   def _length_bins(self) -> list[tuple[int, int]]:

@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from attnlab.data.builders import base
-from attnlab.errors import DataError, DataFormatError
+from attnlab.errors import DataError
 
 # Seed of the shuffle that precedes the split; changing it needs a new VERSION.
 SPLIT_SEED = 0
@@ -31,19 +31,7 @@ DIRECTIONS = ("en-mr", "mr-en")
 
 def parse_pairs(path: pathlib.Path) -> tuple[list[tuple[str, str]], int]:
   """Reads `english<TAB>marathi[<TAB>...]` lines; returns (pairs, blank lines skipped)."""
-  lines, blank = base.read_lines(path)
-  pairs = []
-  for lineno, line in lines:
-    fields = line.split("\t")
-    if len(fields) < 2:
-      raise DataFormatError(f"{path}:{lineno}: expected 'english<TAB>marathi', found no tab in "
-                            f"{line[:60]!r}")
-    en, mr = fields[0].strip(), fields[1].strip()
-    if not en or not mr:
-      raise DataFormatError(f"{path}:{lineno}: empty {'english' if not en else 'marathi'} side "
-                            f"in {line[:60]!r}; each line needs 'english<TAB>marathi'")
-    pairs.append((en, mr))
-  return pairs, blank
+  return base.read_pairs(path, ("english", "marathi"), "english<TAB>marathi")
 
 
 def split_pairs(pairs: list[tuple[str, str]], seed: int = SPLIT_SEED

@@ -176,13 +176,14 @@ def extract_zip_members(name: str, archive: pathlib.Path, source: RawSource
   return {f: folder / f for f in source.files}
 
 
-def _decode(path: pathlib.Path) -> str:
-  """The UTF-8 text of a file, a leading BOM dropped.
+def _decode(path: pathlib.Path, data: bytes | None = None) -> str:
+  """The UTF-8 text of a file (or `data`, the bytes of the file `path` names, e.g. a zip member),
+  a leading BOM dropped.
 
   Raises:
     DataFormatError: the file is not valid UTF-8 (the message names file and line).
   """
-  data = path.read_bytes().removeprefix(b"\xef\xbb\xbf")
+  data = (path.read_bytes() if data is None else data).removeprefix(b"\xef\xbb\xbf")
   try:
     return data.decode("utf-8")
   except UnicodeDecodeError as e:
@@ -193,14 +194,16 @@ def _decode(path: pathlib.Path) -> str:
         f"line); re-save the file as UTF-8") from None
 
 
-def read_lines(path: pathlib.Path) -> tuple[list[tuple[int, str]], int]:
-  """Reads a UTF-8 text file line by line (LF or CRLF ends, a leading BOM dropped).
+def read_lines(path: pathlib.Path, data: bytes | None = None
+               ) -> tuple[list[tuple[int, str]], int]:
+  """Reads a UTF-8 text file line by line (LF or CRLF ends, a leading BOM dropped); `data`: the
+  file's bytes when they do not come from `path` (which the messages name).
 
   Returns:
     ([(1-based line number, text without its line end)] for the non-blank lines, number of
     blank (empty or whitespace-only) lines skipped).
   """
-  pieces = _decode(path).split("\n")
+  pieces = _decode(path, data).split("\n")
   if pieces[-1] == "":
     pieces.pop()  # The text after the final line end is not a line.
   lines, blank = [], 0
@@ -211,6 +214,45 @@ def read_lines(path: pathlib.Path) -> tuple[list[tuple[int, str]], int]:
     else:
       blank += 1
   return lines, blank
+
+
+def read_pairs(path: pathlib.Path, names: tuple[str, str], layout: str,
+               max_fields: int | None = None, data: bytes | None = None
+               ) -> tuple[list[tuple[str, str]], int]:
+  """Reads a file of sentence pairs, one `first<TAB>second` a line (read_lines: UTF-8, LF or CRLF,
+  blank lines skipped), each side stripped of surrounding white space.
+
+  Args:
+    path: the file.
+    names: what the two columns hold, for the messages ("english", "marathi").
+    layout: the expected line, for the messages ("english<TAB>marathi").
+    max_fields: the most tab-separated fields a line may have (None: any; fields after the second,
+      such as the Anki files' attribution, are ignored).
+    data: the file's bytes when they do not come from `path` (a zip member; `path` names it).
+
+  Returns:
+    ([(first, second)], number of blank lines skipped).
+
+  Raises:
+    DataFormatError: one line naming the file and line number of a line without a tab, with too
+      many fields, or with an empty side.
+  """
+  lines, blank = read_lines(path, data)
+  pairs = []
+  for lineno, line in lines:
+    fields = line.split("\t")
+    if len(fields) < 2:
+      raise DataFormatError(f"{path}:{lineno}: expected '{layout}', found no tab in "
+                            f"{line[:60]!r}")
+    if max_fields is not None and len(fields) > max_fields:
+      raise DataFormatError(f"{path}:{lineno}: expected '{layout}', found {len(fields)} "
+                            f"tab-separated fields in {line[:60]!r}")
+    first, second = fields[0].strip(), fields[1].strip()
+    if not first or not second:
+      raise DataFormatError(f"{path}:{lineno}: empty {names[0] if not first else names[1]} side "
+                            f"in {line[:60]!r}; each line needs '{layout}'")
+    pairs.append((first, second))
+  return pairs, blank
 
 
 def read_text(path: pathlib.Path) -> str:
