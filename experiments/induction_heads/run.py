@@ -328,13 +328,14 @@ def plot_controls(results: dict, path: pathlib.Path) -> None:
   FigureCanvasAgg(fig)
   axes = np.asarray(fig.subplots(2, n, squeeze=False))
   for i, c in enumerate(arm["controls"]):
-    for ax, key, title, cmap in ((axes[0, i], "copy_loss_ablated", "copy loss, head zeroed",
-                                  "Reds"),
+    rise = np.asarray(c["copy_loss_ablated"]) - c["copy_loss_clean"]  # [layers, heads]
+    for ax, key, title, cmap in ((axes[0, i], "copy_loss_ablated",
+                                  "copy loss rise, head zeroed", "Reds"),
                                  (axes[1, i], "patch_recovery",
                                   "patched clean -> corrupted\n(share of copy loss recovered)",
                                   "RdBu_r")):
-      grid = np.asarray(c[key])
-      kw = {"vmin": -1, "vmax": 1} if key == "patch_recovery" else {}
+      grid = rise if key == "copy_loss_ablated" else np.asarray(c[key])
+      kw = {"vmin": -1, "vmax": 1} if key == "patch_recovery" else {"vmin": 0}
       im = ax.imshow(grid, cmap=cmap, aspect="auto", **kw)
       for (l, h), v in np.ndenumerate(grid):
         ax.text(h, l, f"{v:.2f}", ha="center", va="center", fontsize=7)
@@ -342,7 +343,7 @@ def plot_controls(results: dict, path: pathlib.Path) -> None:
       ax.set_yticks(range(grid.shape[0]))
       ax.set_xlabel("head")
       ax.set_ylabel("layer")
-      extra = f" (clean {c['copy_loss_clean']:.2f})" if key == "copy_loss_ablated" else ""
+      extra = f"\n(clean {c['copy_loss_clean']:.2f} nats)" if key == "copy_loss_ablated" else ""
       ax.set_title(f"seed {arm['seeds'][i]}: {title}{extra}", fontsize=8)
       fig.colorbar(im, ax=ax, fraction=0.05)
   fig.tight_layout()
