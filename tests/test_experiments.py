@@ -175,7 +175,7 @@ def test_induction_heads(tmp_path):
     a, b = v @ o.T, q @ k.T
     draws.append(np.linalg.norm(a @ b) / (np.linalg.norm(a) * np.linalg.norm(b)))
   assert summary["composition_baseline"] == pytest.approx(np.mean(draws), rel=0.05)
-  assert len(_rows((tmp_path / "results.md").read_text())) >= 2 * 3 + 5 + 9
+  assert len(_rows((tmp_path / "results.md").read_text())) >= 2 * 3 + 5 + 5 + 9
   _pngs(tmp_path / "induction_heads.png", tmp_path / "controls.png")
   # Run again: both arms are finished, so nothing trains (the checkpoints stay as they were).
   before = sorted(p.name for p in (tmp_path / "layers2").rglob("*"))

@@ -259,11 +259,21 @@ def shakespeare(workdir: pathlib.Path, steps: int, data_dir: str) -> dict:
       ablated[l, h] = second_half([analysis.Intervention(
           f"blocks.{m}.attn.z", "zero", heads=eye[h] if m == l else np.zeros(heads, bool))
           for m in range(layers)])[0]
+  # The same detectors on in-distribution input: 32 characters of validation text, twice.
+  text = run.task.eval_batches()[0]["inputs"][:16, :SEQ_LEN]  # [16, 32]
+  text = np.concatenate([text, text], axis=1)  # [16, 64]
+  on_text = analysis.detect_heads(run, tokens=text)
+  logits = analysis.run_with_hooks(run, text[:, :-1], [])
+  import optax  # pylint: disable=g-import-not-at-top
+  nll = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, text[:, 1:]))
   evals = [r for r in analysis.read_metrics(workdir) if r["split"] == "eval"]
   return {"steps": steps, "train_s_this_invocation": seconds, "val_loss": evals[-1]["loss"],
           "repeat_loss_second_half": clean[0], "repeat_loss_first_half": clean[1],
           "repeat_loss_second_half_ablated": np.round(ablated, 4).tolist(),
-          **{k: np.round(v, 4).tolist() for k, v in scores.items()}}
+          **{k: np.round(v, 4).tolist() for k, v in scores.items()},
+          "text_loss_first_half": float(nll[:, :SEQ_LEN - 1].mean()),
+          "text_loss_second_half": float(nll[:, SEQ_LEN:].mean()),
+          **{f"text_{k}": np.round(v, 4).tolist() for k, v in on_text.items()}}
 
 
 # ------------------------------------------------------------------------------------- plots
@@ -373,6 +383,24 @@ def tables(results: dict, chance: dict, baseline: float) -> str:
           fmt([max(r["previous_token"][0]) for r in rows]),
           fmt([max(r["induction"][-1]) for r in rows]),
           fmt([r["icl_score"] for r in rows]), fmt([r["repeat_loss_gap"] for r in rows])]) + " |")
+  lines += ["\nThe steepest fall of the copy loss between two checkpoints, per seed, and the layer-0 "
+            "previous-token and last-layer induction scores (best heads) across it:", "",
+            "| arm | seed | steps | copy_loss | prev-token (L0) | induction (last) | ICL score |",
+            "|---|---|---|---|---|---|---|"]
+  for name, arm in results.items():
+    steps = sorted(int(s) for s in arm["rows"])
+    for i, seed in enumerate(arm["seeds"]):
+      curve = [arm["rows"][str(s)][i] for s in steps]
+      if len(curve) < 2:
+        continue
+      k = int(np.argmin(np.diff([r["copy_loss_here"] for r in curve])))
+      a, b = curve[k], curve[k + 1]
+      arrow = lambda f, a=a, b=b: f"{f(a):.2f} -> {f(b):.2f}"
+      lines.append(f"| {name} | {seed} | {steps[k]} -> {steps[k + 1]} | "
+                   f"{arrow(lambda r: r['copy_loss_here'])} | "
+                   f"{arrow(lambda r: max(r['previous_token'][0]))} | "
+                   f"{arrow(lambda r: max(r['induction'][-1]))} | "
+                   f"{arrow(lambda r: r['icl_score'])} |")
   lines += ["\nControls at the last checkpoint (copy loss on the 256 validation sequences):", "",
             "| arm | seed | top induction head (score) | clean | it ablated | worst other head "
             "ablated | non-copy loss clean / it ablated | corrupted | it patched in (recovered) |",
@@ -418,6 +446,16 @@ def shakespeare_table(s: dict) -> str:
     lines.append(f"| {l} | " + " / ".join(f"{v:.2f}" for v in ind[l]) + " | "
                  + " / ".join(f"{v:.2f}" for v in prev[l]) + " | "
                  + " / ".join(f"{v:.2f}" for v in abl[l]) + " |")
+  if "text_induction" in s:
+    ind, prev = np.asarray(s["text_induction"]), np.asarray(s["text_previous_token"])
+    dup = np.asarray(s["text_duplicate_token"])
+    lines += [f"\nOn 32 characters of validation text repeated twice (16 windows): loss first "
+              f"half {s['text_loss_first_half']:.3f}, second half {s['text_loss_second_half']:.3f}",
+              "", "| layer | induction per head | duplicate-token per head | previous-token per head |",
+              "|---|---|---|---|"]
+    for l in range(ind.shape[0]):
+      lines.append(f"| {l} | " + " | ".join(" / ".join(f"{v:.2f}" for v in a[l])
+                                             for a in (ind, dup, prev)) + " |")
   return "\n".join(lines)
 
 
@@ -487,7 +525,8 @@ def main(argv=None) -> int:
   summary = {"chance": chance, "composition_baseline": baseline, "arms": results}
   if args.shakespeare_steps:
     saved = workdir / "shakespeare" / MEASURE_FILE
-    if saved.is_file() and json.loads(saved.read_text())["steps"] == args.shakespeare_steps:
+    if saved.is_file() and json.loads(saved.read_text())["steps"] == args.shakespeare_steps \
+        and "text_induction" in json.loads(saved.read_text()):
       summary["shakespeare"] = json.loads(saved.read_text())
     else:
       print(f"shakespeare: training the nano GPT {args.shakespeare_steps} steps", flush=True)
