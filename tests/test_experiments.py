@@ -143,9 +143,9 @@ def test_rnn_vs_transformer(tmp_path):
   _pngs(tmp_path / "reverse_by_length.png")
 
 
-def test_induction_heads(tmp_path):
+def test_induction_heads(tmp_path, shared_data):
   args = (f"--workdir={tmp_path}", "--steps=20", "--every=10", "--seeds=2",
-          "--config_arg=data.num_train=200")
+          "--config_arg=data.num_train=200", "--shakespeare_steps=5", f"--data_dir={shared_data}")
   _run("induction_heads/run.py", *args)
   summary = json.loads((tmp_path / "results.json").read_text())
   arms = summary["arms"]
@@ -175,12 +175,18 @@ def test_induction_heads(tmp_path):
     a, b = v @ o.T, q @ k.T
     draws.append(np.linalg.norm(a @ b) / (np.linalg.norm(a) * np.linalg.norm(b)))
   assert summary["composition_baseline"] == pytest.approx(np.mean(draws), rel=0.05)
-  assert len(_rows((tmp_path / "results.md").read_text())) >= 2 * 3 + 5 + 5 + 9
+  # The nano GPT on Shakespeare: per-head scores on random and on text ids, each head ablated.
+  nano = summary["shakespeare"]
+  assert nano["steps"] == 5 and math.isfinite(nano["val_loss"])
+  for key in ("induction", "previous_token", "text_induction", "repeat_loss_second_half_ablated"):
+    assert np.asarray(nano[key]).shape == (4, 4), key
+  assert len(_rows((tmp_path / "results.md").read_text())) == 2 * 3 + 5 + 5 + 9 + 5 + 5
   _pngs(tmp_path / "induction_heads.png", tmp_path / "controls.png")
   # Run again: both arms are finished, so nothing trains (the checkpoints stay as they were).
   before = sorted(p.name for p in (tmp_path / "layers2").rglob("*"))
   again = _run("induction_heads/run.py", *args)
   assert "layers2: done" in again and "layers1: done" in again
+  assert "shakespeare: training" not in again
   assert sorted(p.name for p in (tmp_path / "layers2").rglob("*")) == before
 
 
