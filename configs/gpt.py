@@ -67,8 +67,10 @@ downloaded (see attnlab.data). `synthetic_tokens` is uniform random token ids (d
 of them, token-id "text") for throughput measurements without a corpus. `induction` is random
 ids (data.vocab_size of them) with a random-length segment copied to a random later offset, for
 circuit studies (experiments/induction_heads); evaluation adds copy_loss, the loss on the copied
-ids an induction head can predict:
-  attnlab train --config=configs/gpt.py:dataset=induction,model.mlp_ratio=0,model.num_layers=2,data.vocab_size=64 --workdir=runs/gpt_induction
+ids an induction head can predict. The study's recipe (copies of 8..32 ids; with 4..16, 14% of
+the targets, a 2-layer model stayed on the uniform plateau for 3000 steps, and the default 2..16
+copies fewer still; experiments/induction_heads/README.md):
+  attnlab train --config=configs/gpt.py:dataset=induction,model.mlp_ratio=0,model.num_layers=2,data.vocab_size=64,model.d_model=64,data.min_span=8,data.max_span=32,batch_size=32,num_train_steps=3000 --workdir=runs/gpt_induction
 """
 
 

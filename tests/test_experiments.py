@@ -68,6 +68,7 @@ def test_nadaraya_watson(tmp_path):
      "unknown config key 'nope'"),
     ("rnn_vs_transformer/run.py", ["--tasks=dates", "--extra=nope=1"], "unknown config key 'nope'"),
     ("long_range/run.py", ["--runlocal", "--mechanisms=full,nope"], "unknown mechanism(s) nope"),
+    ("induction_heads/run.py", ["--config_arg=nope=1"], "unknown config key 'nope'"),
 ])
 def test_bad_input_is_one_line_before_any_run(script, args, needle, tmp_path):
   # A mistyped key or name: one line and status 2, nothing trained (no traceback, no study left
@@ -140,6 +141,53 @@ def test_rnn_vs_transformer(tmp_path):
   assert [r[1] for r in rows] == ["rnn (seed 0)", "transformer (seed 0)", "rnn_none (seed 0)"]
   assert all(r[3] == "20" and int(r[2].replace(",", "")) > 0 for r in rows)  # steps, parameters
   _pngs(tmp_path / "reverse_by_length.png")
+
+
+def test_induction_heads(tmp_path, shared_data):
+  args = (f"--workdir={tmp_path}", "--steps=20", "--every=10", "--seeds=2",
+          "--config_arg=data.num_train=200", "--shakespeare_steps=5", f"--data_dir={shared_data}")
+  _run("induction_heads/run.py", *args)
+  summary = json.loads((tmp_path / "results.json").read_text())
+  arms = summary["arms"]
+  assert set(arms) == {"layers2", "layers1"}
+  for name, arm in arms.items():
+    layers = int(name[-1])
+    assert arm["seeds"] == [0, 1] and sorted(arm["rows"], key=int) == ["10", "20"]
+    for rows in arm["rows"].values():
+      assert len(rows) == 2
+      for row in rows:
+        # The trainer's evaluation (metrics.jsonl, per seed) and the script's own forward pass
+        # on the same validation sequences give one copy loss.
+        assert row["copy_loss"] == pytest.approx(row["copy_loss_here"], rel=1e-4)
+        assert np.asarray(row["induction"]).shape == (layers, 4)
+        assert ("k_composition" in row) == (layers == 2)
+    for c in arm["controls"]:
+      assert np.asarray(c["copy_loss_ablated"]).shape == (layers, 4)
+      assert np.asarray(c["copy_loss_patched"]).shape == (layers, 4)
+      # Near-untrained heads: zeroing one moves the copy loss little; all values are losses.
+      assert np.all(np.abs(np.asarray(c["copy_loss_ablated"]) - c["copy_loss_clean"]) < 0.1)
+  # The composition baseline: ||A B||_F / (||A||_F ||B||_F) for A = V O^T, B = Q K^T of i.i.d.
+  # Gaussian [64, 16] factors, estimated here by its own draws.
+  rng = np.random.default_rng(0)
+  draws = []
+  for _ in range(100):
+    v, o, q, k = rng.standard_normal((4, 64, 16))
+    a, b = v @ o.T, q @ k.T
+    draws.append(np.linalg.norm(a @ b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+  assert summary["composition_baseline"] == pytest.approx(np.mean(draws), rel=0.05)
+  # The nano GPT on Shakespeare: per-head scores on random and on text ids, each head ablated.
+  nano = summary["shakespeare"]
+  assert nano["steps"] == 5 and math.isfinite(nano["val_loss"])
+  for key in ("induction", "previous_token", "text_induction", "repeat_loss_second_half_ablated"):
+    assert np.asarray(nano[key]).shape == (4, 4), key
+  assert len(_rows((tmp_path / "results.md").read_text())) == 2 * 3 + 5 + 5 + 9 + 5 + 5
+  _pngs(tmp_path / "induction_heads.png", tmp_path / "controls.png")
+  # Run again: both arms are finished, so nothing trains (the checkpoints stay as they were).
+  before = sorted(p.name for p in (tmp_path / "layers2").rglob("*"))
+  again = _run("induction_heads/run.py", *args)
+  assert "layers2: done" in again and "layers1: done" in again
+  assert "shakespeare: training" not in again
+  assert sorted(p.name for p in (tmp_path / "layers2").rglob("*")) == before
 
 
 def test_analysis(tmp_path, shared_data):

@@ -272,3 +272,21 @@ def test_induction_task_batches_and_copy_loss():
   np.testing.assert_allclose(count, mask.sum())
   np.testing.assert_allclose(total / count, (nll * mask).sum() / mask.sum(), rtol=1e-5)
   assert abs(total / count - nll.mean()) > 1e-4  # not the plain loss
+
+
+def test_induction_training_order_is_a_permutation_per_epoch_drawn_from_the_seed():
+  # Each epoch walks the training sequences in the permutation of (seed, epoch), so the
+  # replicas of a num_seeds run (seeds 0, 1, ...) see the same sequences in different orders.
+  arg = (f"{REPO / 'configs' / 'gpt.py'}:dataset=induction,runlocal=True,model.mlp_ratio=0,"
+         "data.vocab_size=20,data.max_span=6,data.num_train=10,data.seed=3,batch_size=4")
+  orders = {}
+  for seed in (0, 1):
+    task = tasks.build_task(config_utils.load_config_file(f"{arg},seed={seed}"))
+    rows = np.asarray([ex["ids"][:-1] for ex in task.induction_train])  # [10, block]
+    it = iter(task.train_iterator())
+    got = np.concatenate([next(it)["inputs"] for _ in range(5)])  # 20 rows: two epochs
+    expected = np.concatenate([np.random.default_rng([seed, epoch]).permutation(10)
+                               for epoch in (0, 1)])
+    np.testing.assert_array_equal(got, rows[expected])
+    orders[seed] = expected
+  assert not np.array_equal(orders[0], orders[1])

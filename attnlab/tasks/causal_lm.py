@@ -27,8 +27,9 @@ Datasets (config.data.name):
 - `induction`: the synthetic task of attnlab.data (`get_dataset("induction")`): block_size + 1
   random ids in [0, data.vocab_size) per sequence, in which a segment of data.min_span ..
   data.max_span ids is copied to a random later offset, drawn from data.seed (-1: the run's
-  seed); data.num_train training sequences (batch i holds sequences i * batch_size ... modulo
-  data.num_train, so a resumed run sees the same batches), data.num_eval validation ones.
+  seed); data.num_train training sequences (each epoch walks a fresh permutation of them drawn
+  from (seed, epoch): a resumed run sees the same batches, the replicas of a num_seeds run
+  different orders of the same sequences), data.num_eval validation ones.
   Evaluation adds `copy_loss` and `copy_accuracy`: the loss and argmax accuracy on the copied
   ids an induction head can predict (the copy's second to last ids: its first is random given
   what precedes it).
@@ -335,9 +336,12 @@ class CausalLMTask(Task):
   def train_iterator(self) -> IndexedBatches:
     size, seed, block = self.config.batch_size, self.config.seed, self.block_size
     if self.config.data.name == "induction":
+      # Every epoch walks a fresh permutation of the sequences drawn from (seed, epoch), so the
+      # replicas of a num_seeds run (each its own config.seed) see different orders.
       examples = self.induction_train
       return IndexedBatches(lambda index: _induction_arrays(
-          [examples[(index * size + r) % len(examples)] for r in range(size)], with_mask=False))
+          [examples[int(r)] for r in pipeline.permuted_rows(index, size, len(examples), seed)],
+          with_mask=False))
     self._text_ids()
     if self.seq_len == 0:
       ids = self.train_ids
