@@ -1,9 +1,10 @@
 """The attention-sink study (issue #52): does the first-token sink emerge in the nano GPT, and do
 other normalisers remove it at equal validation loss?
 
-  python experiments/attention_sinks/run.py                          # runs/attention_sinks
-  python experiments/attention_sinks/run.py --arms=softmax,sparsemax --steps=500
-  python experiments/attention_sinks/run.py --runlocal --workdir=/tmp/sinks   # seconds per arm
+  PYTHONPATH=$PWD python experiments/attention_sinks/run.py     # runs/attention_sinks, 400 steps
+  PYTHONPATH=$PWD python experiments/attention_sinks/run.py --arms=softmax --steps=1000 \
+      --workdir=runs/attention_sinks_long
+  PYTHONPATH=$PWD python experiments/attention_sinks/run.py --runlocal --workdir=/tmp/sinks
 
 One arm per normaliser (`model.attention.normalizer`: softmax, softmax_sink, sigmoid, sparsemax),
 each one run of configs/gpt.py (nano: 4 layers, 4 heads, 128 dims, block 64, rotary, Tiny
@@ -225,10 +226,10 @@ def markdown(results: dict) -> str:
   arms = results["arms"]
   seeds = results["num_seeds"]
   lines = [f"Spec (per arm, `model.attention.normalizer=ARM`): `{results['spec']}`; {seeds} "
-           f"seeds, mean ± std over them. Validation loss: the trainer's evaluation after the last "
-           f"step. Metrics on {results['settings']['windows']} text windows / random rows. Uniform causal attention would give a mean first-token "
-           f"weight of {results['uniform_first_token']:.3f} over {results['block_size']} "
-           f"tokens.", ""]
+           f"seeds, mean ± std over them. Validation loss: the trainer's evaluation after the "
+           f"last step. Metrics on {results['settings']['windows']} text windows / random rows. "
+           f"Uniform causal attention would give a mean first-token weight of "
+           f"{results['uniform_first_token']:.3f} over {results['block_size']} tokens.", ""]
   for view, what in (("text", "validation text"), ("random", "random tokens")):
     lines += [f"### Final step, {what}", "",
               "| arm | steps | validation loss | sink rate (> 0.3) | mean first-token weight | "
@@ -286,6 +287,8 @@ def plot(results: dict, path: pathlib.Path) -> None:
     if key in ("first_token_mean", "first_token_max"):
       ax.axhline(results["uniform_first_token"], color="gray", lw=0.8, ls="--")
       ax.axhline(0.3, color="k", lw=0.5, ls="-.")  # Gu et al.'s threshold
+    if key == "rate":
+      ax.set_ylim(-0.03, 1.03)
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
@@ -315,7 +318,7 @@ def main(argv=None) -> int:
   parser.add_argument("--workdir", default=str(REPO / "runs" / "attention_sinks"))
   parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated normalisers")
   parser.add_argument("--steps", type=int, default=0,
-                      help="training steps per arm (0: 500; 20 with --runlocal)")
+                      help="training steps per arm (0: 400; 20 with --runlocal)")
   parser.add_argument("--checkpoints", type=int, default=5,
                       help="checkpoints (and evaluations) per run, every steps/checkpoints steps")
   parser.add_argument("--seeds", type=int, default=3, help="vmapped seeds per arm (num_seeds)")
@@ -336,7 +339,7 @@ def main(argv=None) -> int:
   from attnlab.cli import tool  # pylint: disable=g-import-not-at-top
   from attnlab.errors import UserError  # pylint: disable=g-import-not-at-top
   tool.setup_logging()
-  args.steps = args.steps or (20 if args.runlocal else 500)
+  args.steps = args.steps or (20 if args.runlocal else 400)
   args.eval_windows = args.eval_windows or (64 if args.runlocal else 512)
   args.eval_windows = max(args.eval_windows, 0)  # -1: data.eval_windows=0, all of them
   if args.steps < 1 or args.checkpoints < 1 or args.seeds < 1 or args.windows < 1:
