@@ -1,5 +1,6 @@
 """Shared pytest set-up."""
 
+import logging
 import os
 import pathlib
 
@@ -62,3 +63,11 @@ def numbered_corpus():
       documents.append(doc)
     return documents, owner
   return make
+
+
+@pytest.fixture(autouse=True)
+def _attnlab_logs_reach_caplog(monkeypatch):
+  """Each test starts with the "attnlab" logger propagating to the root logger, where caplog
+  listens: attnlab.cli.tool.setup_logging (run in this process by an earlier test of a command or
+  a study script) turns propagation off so that a command prints each line once."""
+  monkeypatch.setattr(logging.getLogger("attnlab"), "propagate", True)

@@ -23,14 +23,13 @@ import copy
 import dataclasses
 from typing import Any
 
-import flax.linen as nn
 from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from attnlab.analysis import alignment as alignment_lib
-from attnlab.analysis import capture as capture_lib
+from attnlab.layers import hooks as layer_hooks
 from attnlab.layers import sown
 
 __all__ = ["AblationResult", "MODES", "head_ablation", "plot_head_ablation"]
@@ -58,7 +57,7 @@ class AblationResult:
 
 class _MaskedModel:
   """Stands in for task.model inside task.loss_fn: adds the "head_mask" collection to every
-  apply, and (record) runs with the attention extras sown, keeping the intermediates."""
+  apply, and (record) keeps each attention layer's per-head context from its hook site."""
 
   def __init__(self, model, head_mask, record: list | None = None):
     self._model, self._head_mask, self._record = model, head_mask, record
@@ -69,9 +68,11 @@ class _MaskedModel:
       variables["head_mask"] = self._head_mask
     if self._record is None:
       return self._model.apply(variables, *args, **kwargs)
-    with nn.intercept_methods(capture_lib._attention_extras):  # pylint: disable=protected-access
-      out, state = self._model.apply(variables, *args, mutable=["intermediates"], **kwargs)
-    self._record.append(state["intermediates"])
+    # Each attention layer's per-head context, its hook site "z" [batch, len, heads, head_dim]
+    # (the real activation of this pass), recorded as {layer path: [batch, heads, len, hd]}.
+    out, state = self._model.apply(variables, *args, mutable=[layer_hooks.HOOKS], **kwargs)
+    self._record.append({path: jnp.swapaxes(values[-1], 1, 2) for path, values in
+                         sown.sown_values(state.get(layer_hooks.HOOKS, {}), "z").items()})
     return out
 
   def __getattr__(self, name):
@@ -100,8 +101,7 @@ def _heads(run, batch) -> dict[str, tuple[int, int]]:
   """{MultiHeadAttention path: (heads, head_dim)} found by one abstract pass of loss_fn."""
   record: list[Any] = []
   jax.eval_shape(_loss_fn(run, record=record), run.params, batch, None)
-  contexts = sown.sown_values(record[0], "context")  # [batch, heads, q_len, head_dim] per call
-  return {p: (v[-1].shape[1], v[-1].shape[3]) for p, v in contexts.items()}
+  return {p: (v.shape[1], v.shape[3]) for p, v in record[0].items()}  # v: [b, heads, q, hd]
 
 
 def _mean_contexts(run, batches, paths) -> dict[str, np.ndarray]:
@@ -109,8 +109,7 @@ def _mean_contexts(run, batches, paths) -> dict[str, np.ndarray]:
   def fn(params, batch):
     record: list[Any] = []
     _loss_fn(run, record=record)(params, batch, None)
-    contexts = sown.sown_values(record[0], "context")
-    return {p: jnp.mean(contexts[p][-1], axis=(0, 2)) for p in paths}  # [heads, head_dim]
+    return {p: jnp.mean(record[0][p], axis=(0, 2)) for p in paths}  # [heads, head_dim]
 
   jitted = jax.jit(fn)
   sums = None
