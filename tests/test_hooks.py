@@ -243,19 +243,30 @@ def test_position_sweep_at_the_last_layer_gives_the_clean_metric_at_the_last_pos
   np.testing.assert_allclose(grid[:, :2], corrupted, atol=1e-5)
 
 
-@pytest.mark.parametrize("site,over", [("resid_pre", "position"), ("attn.z", "head"),
-                                       ("attn.z", "position_head")])
-def test_vmapped_sweep_equals_a_loop_of_single_patches(run, tokens, clean_cache, site, over):
+@pytest.mark.parametrize("site,over,batch_size,chunk_tokens", [
+    ("resid_pre", "position", None, None),  # each layer's 8 cells in one vmap
+    ("resid_pre", "position", None, 48),  # CPU chunks of 48 // 16 tokens -> 2 cells (lax.map)
+    ("attn.z", "head", None, None),
+    ("attn.z", "position_head", 8, None)])
+def test_vmapped_sweep_equals_a_loop_of_single_patches(run, tokens, clean_cache, site, over,
+                                                       batch_size, chunk_tokens, monkeypatch):
   model, _ = run
+  if chunk_tokens is not None:
+    monkeypatch.setattr(hooks, "CPU_CHUNK_TOKENS", chunk_tokens)
   traces = []
 
   def metric(logits):
-    traces.append(1)  # counts traces: one for the whole sweep
+    traces.append(1)  # counts traces: one per layer, all in one compiled program
     return _metric(logits)
 
   grid = hooks.patch_sweep(run, tokens[0], tokens[1], metric, site=site, over=over,
-                           batch_size=8 if over == "position_head" else None)
-  assert len(traces) == 1  # (a batch_size that does not divide the cells traces a remainder)
+                           batch_size=batch_size)
+  # (a batch_size that does not divide a layer's cells would trace a remainder too)
+  assert len(traces) == TINY["num_layers"]
+  again = hooks.patch_sweep(run, tokens[0], tokens[1], metric, site=site, over=over,
+                            batch_size=batch_size)
+  assert len(traces) == TINY["num_layers"]  # compiled once
+  np.testing.assert_array_equal(again, grid)
   _, cache = clean_cache
   looped = np.zeros_like(grid)
   for index in np.ndindex(*grid.shape):
@@ -269,6 +280,16 @@ def test_vmapped_sweep_equals_a_loop_of_single_patches(run, tokens, clean_cache,
     looped[index] = float(_metric(hooks.run_with_hooks(run, tokens[1], [iv])))
   np.testing.assert_allclose(grid, looped, rtol=1e-5, atol=1e-5)
   assert np.ptp(grid) > 1e-3  # the cells differ
+
+
+def test_cpu_chunks_of_a_sweep_divide_a_layers_cells():
+  # cells per chunk = the largest divisor of the cells with at most CPU_CHUNK_TOKENS tokens
+  assert hooks.CPU_CHUNK_TOKENS == 2048
+  assert hooks._chunk(64, 12 * 64) == 2  # 2048 // 768 = 2
+  assert hooks._chunk(12, 4 * 64) == 6  # at most 8 cells: 6 divides 12
+  assert hooks._chunk(7, 12 * 64) == 1
+  assert hooks._chunk(16, 2 * 8) == 16  # all in one vmap
+  assert hooks._chunk(3, 12 * 1024) == 1  # at least one cell
 
 
 # ------------------------------------------------------------------------------ detectors
