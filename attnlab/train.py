@@ -308,6 +308,8 @@ class _Phases:
   def __init__(self):
     self.start = time.perf_counter()
     self.seconds: dict[str, float] = {}
+    # Work done on another thread beside the phases (the plots): not part of their sum.
+    self.background: dict[str, float] = {}
 
   @contextlib.contextmanager
   def __call__(self, name: str):
@@ -318,10 +320,71 @@ class _Phases:
       self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
   def report(self) -> str:
+    """The line: each phase's seconds on the run's own thread (they add up to the total), then
+    the seconds of work done on another thread beside them (`background`: the plots)."""
     total = time.perf_counter() - self.start
     parts = [f"{name} {secs:.1f} s" for name, secs in self.seconds.items()]
     other = total - sum(self.seconds.values())
-    return f"run phases: {', '.join(parts)}, other {other:.1f} s; total {total:.1f} s"
+    line = f"run phases: {', '.join(parts)}, other {other:.1f} s; total {total:.1f} s"
+    for name, secs in self.background.items():
+      line += f"; {name} {secs:.1f} s in the background"
+    return line
+
+
+class _Plots:
+  """The end-of-run figures (`task.write_plots`: GPT's sample.txt and attention.png, ...) drawn
+  on a thread of their own, started once the last step's state is final, while the run's own
+  thread evaluates it on the whole validation split (XLA runs that evaluation outside Python's
+  lock); `finish` waits for them, so they are in the run directory when the run returns. The
+  drawing uses matplotlib's object API only (attnlab/plotting.py), never pyplot's global state,
+  and the run's thread draws nothing meanwhile. A failure while drawing is raised by `finish`."""
+
+  def __init__(self, task: tasks.Task, workdir: pathlib.Path, num_seeds: int):
+    self._task, self._workdir, self._num_seeds = task, workdir, num_seeds
+    self._thread: threading.Thread | None = None
+    self._error: BaseException | None = None
+    self.seconds = 0.0  # the drawing's own time (on its thread)
+
+  @property
+  def started(self) -> bool:
+    return self._thread is not None
+
+  def _draw(self, params: Any) -> None:
+    t0 = time.perf_counter()
+    try:
+      with _writing(self._workdir):
+        self._task.write_plots(params, self._workdir)
+    except BaseException as e:  # pylint: disable=broad-except  (raised again by finish)
+      self._error = e
+    finally:
+      self.seconds = time.perf_counter() - t0
+
+  def _params(self, state: TrainState) -> Any:
+    return state_lib.first_replica(parallel.to_local(state.params), self._num_seeds)
+
+  def start(self, state: TrainState) -> None:
+    """Starts drawing the figures of `state` (final: no step follows to donate its buffers)."""
+    self._thread = threading.Thread(target=self._draw, args=(self._params(state),),
+                                    name="attnlab-plots", daemon=True)
+    self._thread.start()
+
+  def draw(self, state: TrainState) -> None:
+    """Draws the figures of `state` on the calling thread."""
+    self._draw(self._params(state))
+    self._raise()
+
+  def finish(self, quiet: bool = False) -> None:
+    """Waits for the figures started by `start`; raises their error (`quiet`: while another
+    error propagates, only waits)."""
+    if self._thread is not None:
+      self._thread.join()
+      if not quiet:
+        self._raise()
+
+  def _raise(self) -> None:
+    if self._error is not None:
+      error, self._error = self._error, None
+      raise error
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> TrainState:
@@ -508,6 +571,7 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
   parts = state_lib.training(task, config, mesh)
   tx, seeds, train_iter, shardings = parts.tx, parts.seeds, parts.batches, parts.shardings
   num_seeds = len(seeds)
+  plots = _Plots(task, workdir, num_seeds) if config.write_plots and is_main else None
   if is_main:
     _record_start(workdir, task, own_assets)
 
@@ -539,16 +603,24 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
     train_step = make_train_step(task, tx, parts.schedule, num_seeds=num_seeds, mesh=mesh,
                                  state_shardings=shardings)
     phases.seconds["setup"] = time.perf_counter() - phases.start
-    state = _train_loop(config, workdir, task, state, train_iter, ckpt, train_step,
-                        parts.train_rng, seeds, phases, stopper)
+    try:
+      state = _train_loop(config, workdir, task, state, train_iter, ckpt, train_step,
+                          parts.train_rng, seeds, phases, stopper, plots)
+    except BaseException:
+      if plots is not None:
+        plots.finish(quiet=True)  # the files it writes are whole; the loop's error goes on
+      raise
     if stopper is not None and stopper.stopped:  # the run's result: its best evaluation
       state = _best_state(ckpt, stopper, state, parts.abstract)
   finally:
     ckpt.close()
-  if config.write_plots and is_main:
-    params = state_lib.first_replica(parallel.to_local(state.params), num_seeds)
-    with _writing(workdir), phases("plots"):
-      task.write_plots(params, workdir)
+  if plots is not None:
+    with phases("plots"):
+      if plots.started:  # drawn beside the final evaluation: wait for the rest
+        plots.finish()
+        phases.background["plots"] = plots.seconds
+      else:  # early stopping's result, the best evaluation's checkpoint: drawn now
+        plots.draw(state)
   return state
 
 
@@ -637,9 +709,12 @@ def _stops_early(stopper: EarlyStopping, step: int, eval_metrics: dict[str, floa
 
 def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, train_rng,
                 seeds, phases: _Phases | None = None,
-                stopper: EarlyStopping | None = None) -> TrainState:
+                stopper: EarlyStopping | None = None, plots: _Plots | None = None) -> TrainState:
   """Trains from the state's step to config.num_train_steps, or until `stopper` (early
-  stopping) says stop (then `stopper.stopped`); returns the state at the last step trained."""
+  stopping) says stop (then `stopper.stopped`); returns the state at the last step trained.
+  `plots`: started on the last step's state, once it is saved, beside the final evaluation (a
+  run that early stopping ends returns before its last step: its result, the best evaluation's
+  checkpoint, is drawn afterwards)."""
   phases = phases or _Phases()
   num_steps, start, num_seeds = config.num_train_steps, state_lib.step_of(state), len(seeds)
   pending: list[tuple[int, dict]] = []  # per-step metrics (on device) since the last log
@@ -684,6 +759,8 @@ def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, trai
       if do_ckpt:
         with phases("checkpoints"):
           ckpt.save(step, state, train_iter.get_state())
+      if last and plots is not None:  # the run's result (early stopping returns before it)
+        plots.start(state)
       if do_eval:
         # A fixed subset before the last step (config.eval_batches), the whole split at the end.
         subset = 0 if last else config.get("eval_batches", 0)

@@ -272,10 +272,12 @@ class CausalLMTask(Task):
       train_text, val_text = self._texts()
     except data_lib.DataError as e:
       raise ConfigError(f"causal_lm data ({self.config.data.name}): {e}") from e
-    if isinstance(self.tokenizer, tok_lib.Vocab) and self.tokenizer.kind == "char":
-      self._check_characters(train_text, val_text)
-    self.train_ids = np.asarray(self.tokenizer.encode(train_text), np.int32)
-    self.val_ids = np.asarray(self.tokenizer.encode(val_text), np.int32)
+    train_ids = np.asarray(self.tokenizer.encode(train_text), np.int32)
+    val_ids = np.asarray(self.tokenizer.encode(val_text), np.int32)
+    if isinstance(self.tokenizer, tok_lib.Vocab) and self.tokenizer.kind == "char" and (
+        np.any(train_ids == tok_lib.UNK_ID) or np.any(val_ids == tok_lib.UNK_ID)):
+      self._check_characters(train_text, val_text)  # names the characters (one encoding pass)
+    self.train_ids, self.val_ids = train_ids, val_ids
 
   def _check_characters(self, train_text: str, val_text: str) -> None:
     """ConfigError naming the characters of the text the character vocabulary lacks."""
