@@ -384,6 +384,22 @@ def trace_initial_state(task: tasks.Task, tx: optax.GradientTransformation,
   return traced
 
 
+def compile_evaluation(task: tasks.Task, abstract_params: Any, num_seeds: int = 1) -> bool:
+  """Compiles the program that `evaluate` runs for parameters like `abstract_params` (the
+  state's, with shardings), without running it: the trainer's warm-up of its evaluations. Only
+  for tasks whose evaluation is the default loop (`Task.mean_metrics`) in one process; False
+  when nothing was compiled."""
+  if type(task).evaluate is not tasks.Task.evaluate:
+    return False
+  params = parallel.local_abstract(abstract_params)
+  if params is None:
+    return False
+  if num_seeds > 1:  # one replica's, as `evaluate` slices them
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype,
+                                                         sharding=x.sharding), params)
+  return task.compile_mean_metrics(params)
+
+
 def initial_state(task: tasks.Task, tx: optax.GradientTransformation, init_rng: jax.Array,
                    num_seeds: int, mesh: jax.sharding.Mesh | None, shardings: Any) -> TrainState:
   """Step 0 of every replica, created directly in its sharding on a mesh (one program, from the
@@ -392,8 +408,8 @@ def initial_state(task: tasks.Task, tx: optax.GradientTransformation, init_rng: 
   run = jax.extend.core.jaxpr_as_fun(traced.jaxpr)
   create = lambda data: jax.tree.unflatten(traced.out_tree, run(data))
   key_data = jax.random.key_data(init_rng)
-  if mesh is None:
-    return jax.jit(create)(key_data)
+  if mesh is None:  # committed to the device, as a restored state and the restore target are
+    return jax.jit(create)(jax.device_put(key_data, jax.devices()[0]))
   key_data = parallel.put_replicated(key_data, mesh)
   return jax.jit(create, out_shardings=shardings)(key_data)
 
