@@ -17,6 +17,8 @@ on all of them alike. The table gives medians over rounds and the load average a
   python experiments/benchmarks/startup.py                                 # this tree, 3 rounds
   python experiments/benchmarks/startup.py --trees=/tmp/before,. --rounds=3
   python experiments/benchmarks/startup.py --arg=runlocal=True --rounds=5
+  python experiments/benchmarks/startup.py --trees=/tmp/before,. --arg=num_train_steps=2000 \
+      --kinds=cold --rounds=2                                  # whole default runs, first runs
 
 `timed_train` and `parse_phases` are also gpt_vs_nanogpt.py's whole-run measurement.
 """
@@ -110,8 +112,9 @@ def main(argv=None) -> int:
                       help="the config arg of configs/gpt.py (default: a 2-step default run)")
   parser.add_argument("--data_dir", default=str(SHARED / "data"),
                       help="folder with tinyshakespeare/input.txt (data.manual_dir)")
-  parser.add_argument("--warm_only", action="store_true",
-                      help="skip the cold runs (the user's own cache warms first, untimed)")
+  parser.add_argument("--kinds", default="cold,warm",
+                      help="which runs: cold (an empty cache), warm (the cold run's cache; "
+                      "without cold, an untimed run fills it first)")
   args = parser.parse_args(argv)
   trees = [pathlib.Path(t).resolve() for t in args.trees.split(",") if t]
   arg = f"{args.arg},data.manual_dir={args.data_dir}" if args.data_dir else args.arg
@@ -126,8 +129,9 @@ def main(argv=None) -> int:
       order = trees[r % len(trees):] + trees[:r % len(trees)]
       for tree in order:
         cache = str(scratch / f"cache_{r}_{tree.name}")
-        for kind in (("warm",) if args.warm_only else ("cold", "warm")):
-          if args.warm_only and not os.path.exists(cache):  # fill it, untimed
+        kinds = [k for k in ("cold", "warm") if k in args.kinds.split(",")]
+        for kind in kinds:
+          if kinds == ["warm"]:  # fill it, untimed
             timed_train(tree, arg, scratch / f"fill_{r}_{tree.name}", cache)
           times = timed_train(tree, arg, scratch / f"run_{r}_{tree.name}_{kind}", cache)
           load = os.getloadavg()[0]
