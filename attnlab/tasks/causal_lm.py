@@ -521,7 +521,6 @@ class CausalLMTask(Task):
 
   def write_plots(self, params, workdir: pathlib.Path) -> None:
     """sample.txt (a generated continuation) and attention.png (every layer and head)."""
-    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
     from attnlab import plotting  # pylint: disable=g-import-not-at-top  (matplotlib)
     workdir = pathlib.Path(workdir)
     g = self.config.generate
@@ -534,7 +533,6 @@ class CausalLMTask(Task):
         params, jnp.asarray(ids)[None])["intermediates"]
     weights = sown.stack_layers(sown.sown_values(inter))  # [layers, heads, len, len]
     labels = [repr(self.tokenizer.id_to_token(int(i)))[1:-1] for i in ids]
-    plt.close(plotting.attention_grid(weights, x_labels=labels, y_labels=labels,
-                                      title=("GPT self-attention "
-                                             f"({models_lib.score_name(self.config.model)})"),
-                                      path=workdir / "attention.png"))
+    plotting.attention_grid(weights, x_labels=labels, y_labels=labels,
+                            title=f"GPT self-attention ({models_lib.score_name(self.config.model)})",
+                            path=workdir / "attention.png")
