@@ -128,7 +128,9 @@ def test_a_failed_plot_is_raised_and_the_run_is_saved_first(tmp_path, monkeypatc
   def broken(self, params, workdir):
     raise RuntimeError("the plot broke")
   monkeypatch.setattr(regression.RegressionTask, "write_plots", broken)
-  config = config_utils.load_config_file(f"{NW}:runlocal=True")
+  # 6 steps: not test_train.py's program (an identical one, compiled in this process, would
+  # make that file's first step take no time)
+  config = config_utils.load_config_file(f"{NW}:runlocal=True,num_train_steps=6")
   with pytest.raises(RuntimeError, match="the plot broke"):
     train.train_and_evaluate(config, tmp_path / "run")
   records = rundir.read_metrics(tmp_path / "run")
