@@ -138,6 +138,21 @@ def enable_compilation_cache(environ: dict[str, str] | None = None) -> str | Non
   return choice
 
 
+def local_abstract(tree: Any) -> Any | None:
+  """The jax.ShapeDtypeStructs (with shardings) of what `to_local` makes of arrays like those of
+  `tree` (ShapeDtypeStructs with shardings, or arrays); None with several processes (there it
+  gathers to the host)."""
+  if jax.process_count() > 1:
+    return None
+  leaves = jax.tree.leaves(tree)
+  devices = {d for x in leaves for d in x.sharding.device_set}
+  single = None
+  if len(devices) > 1 and all(d.platform == "cpu" for d in devices):
+    single = jax.sharding.SingleDeviceSharding(min(devices, key=lambda d: d.id))
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                     sharding=single or x.sharding), tree)
+
+
 def is_main_process() -> bool:
   """Whether this process writes logs, metrics and plots (process 0)."""
   return jax.process_index() == 0
@@ -329,5 +344,10 @@ def to_local(tree: Any) -> Any:
   devices = {d for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)
              for d in x.sharding.device_set}
   if len(devices) > 1 and all(d.platform == "cpu" for d in devices):
-    return jax.device_put(tree, min(devices, key=lambda d: d.id))
+    # Through host memory (on a CPU device a copy either way): a device_put of the mesh arrays
+    # would keep the mesh in their abstract type, and the evaluation program compiled ahead
+    # for plain one-device parameters (`local_abstract`, the trainer's warm-up) would not match.
+    first = min(devices, key=lambda d: d.id)
+    return jax.tree.map(lambda x: jax.device_put(np.asarray(x), first)
+                        if isinstance(x, jax.Array) else x, tree)
   return tree

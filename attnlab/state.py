@@ -24,6 +24,7 @@ import itertools
 import logging
 import os
 import pathlib
+import weakref
 from typing import Any, Callable
 
 import flax
@@ -163,10 +164,7 @@ def abstract_train_state(task: tasks.Task, tx: optax.GradientTransformation, rng
   With `task.config.num_seeds = N > 1` the leaves have a leading [N] axis. Without a mesh the
   arrays are placed on the first device; with one they follow `parallel.state_shardings`.
   """
-  num_seeds = num_seeds_of(task.config)
-  keys = rng if num_seeds == 1 else jax.random.split(rng, num_seeds)  # only their shape matters
-  create = create_train_state if num_seeds == 1 else create_replicas
-  abstract = jax.eval_shape(functools.partial(create, task, tx), keys)
+  abstract = trace_initial_state(task, tx, rng).out_info
   if mesh is None:
     first_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree.map(lambda _: first_device, abstract)
@@ -361,15 +359,59 @@ def evaluate(task: tasks.Task, params: Any, num_seeds: int = 1, max_batches: int
   return {key: float(np.mean(vals)) for key, vals in per_seed.items()}, per_seed
 
 
+# The traced initial state of each (task, optimizer): `trace_initial_state`.
+_INIT_TRACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def trace_initial_state(task: tasks.Task, tx: optax.GradientTransformation,
+                        rng: jax.Array) -> jax.stages.Traced:
+  """`create_train_state` (`create_replicas` with `task.config.num_seeds` = N > 1) traced once
+  from raw key data of `rng`'s kind: its `out_info` is the abstract state (the restore target)
+  and `initial_state` runs its jaxpr, so that the model's init is traced once per run, not once
+  for the shapes and again for the values (0.4-0.8 s of the nano GPT's start-up)."""
+  num_seeds = num_seeds_of(task.config)
+  per_task = _INIT_TRACES.setdefault(task, {})
+  found = per_task.get(id(tx))
+  if found is not None and found[0] is tx:
+    return found[1]
+  create = functools.partial(create_train_state if num_seeds == 1 else create_replicas, task, tx)
+  data = jax.eval_shape(jax.random.key_data, rng)  # one key's raw data
+  impl = jax.random.key_impl(rng)
+  if num_seeds > 1:
+    data = jax.ShapeDtypeStruct((num_seeds, *data.shape), data.dtype)
+  traced = jax.jit(lambda d: create(jax.random.wrap_key_data(d, impl=impl))).trace(data)
+  per_task[id(tx)] = (tx, traced)
+  return traced
+
+
+def compile_evaluation(task: tasks.Task, abstract_params: Any, num_seeds: int = 1) -> bool:
+  """Compiles the program that `evaluate` runs for parameters like `abstract_params` (the
+  state's, with shardings), without running it: the trainer's warm-up of its evaluations. Only
+  for tasks whose evaluation is the default loop (`Task.mean_metrics`) in one process; False
+  when nothing was compiled."""
+  if type(task).evaluate is not tasks.Task.evaluate:
+    return False
+  params = parallel.local_abstract(abstract_params)
+  if params is None:
+    return False
+  if num_seeds > 1:  # one replica's, as `evaluate` slices them
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype,
+                                                         sharding=x.sharding), params)
+  return task.compile_mean_metrics(params)
+
+
 def initial_state(task: tasks.Task, tx: optax.GradientTransformation, init_rng: jax.Array,
                    num_seeds: int, mesh: jax.sharding.Mesh | None, shardings: Any) -> TrainState:
-  """Step 0 of every replica, created directly in its sharding on a mesh."""
-  create = functools.partial(create_train_state if num_seeds == 1 else create_replicas, task, tx)
-  if mesh is None:
-    return create(init_rng)
-  key_data = parallel.put_replicated(jax.random.key_data(init_rng), mesh)
-  return jax.jit(lambda data: create(jax.random.wrap_key_data(data)),
-                 out_shardings=shardings)(key_data)
+  """Step 0 of every replica, created directly in its sharding on a mesh (one program, from the
+  trace `trace_initial_state` made for the abstract state)."""
+  traced = trace_initial_state(task, tx, init_rng if num_seeds == 1 else init_rng[0])
+  run = jax.extend.core.jaxpr_as_fun(traced.jaxpr)
+  create = lambda data: jax.tree.unflatten(traced.out_tree, run(data))
+  key_data = jax.random.key_data(init_rng)
+  if mesh is None:  # committed to the device, as a restored state and the restore target are
+    return jax.jit(create)(jax.device_put(key_data, jax.devices()[0]))
+  key_data = parallel.put_replicated(key_data, mesh)
+  return jax.jit(create, out_shardings=shardings)(key_data)
 
 
 def check_init_from(config: ml_collections.ConfigDict) -> None:

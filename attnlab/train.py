@@ -43,7 +43,7 @@ import shutil
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import ml_collections
@@ -308,6 +308,8 @@ class _Phases:
   def __init__(self):
     self.start = time.perf_counter()
     self.seconds: dict[str, float] = {}
+    # Work done on another thread beside the phases (the plots): not part of their sum.
+    self.background: dict[str, float] = {}
 
   @contextlib.contextmanager
   def __call__(self, name: str):
@@ -318,10 +320,92 @@ class _Phases:
       self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
   def report(self) -> str:
+    """The line: each phase's seconds on the run's own thread (they add up to the total), then
+    the seconds of work done on another thread beside them (`background`: the plots)."""
     total = time.perf_counter() - self.start
     parts = [f"{name} {secs:.1f} s" for name, secs in self.seconds.items()]
     other = total - sum(self.seconds.values())
-    return f"run phases: {', '.join(parts)}, other {other:.1f} s; total {total:.1f} s"
+    line = f"run phases: {', '.join(parts)}, other {other:.1f} s; total {total:.1f} s"
+    for name, secs in self.background.items():
+      line += f"; {name} {secs:.1f} s in the background"
+    return line
+
+
+class _Background:
+  """A piece of the run's work done on a thread of its own (`start`), beside the run's own
+  thread; `finish` waits for it and raises its error. JAX traces, compiles and runs programs
+  from several threads; XLA's compiler and its programs run outside Python's lock."""
+
+  def __init__(self, name: str, work: Callable[..., Any]):
+    self._name, self._work = name, work
+    self._thread: threading.Thread | None = None
+    self._error: BaseException | None = None
+    self.seconds = 0.0  # the work's own time, on its thread
+
+  @property
+  def started(self) -> bool:
+    return self._thread is not None
+
+  def _run(self, *args: Any) -> None:
+    t0 = time.perf_counter()
+    try:
+      self._work(*args)
+    except BaseException as e:  # pylint: disable=broad-except  (raised again by finish)
+      self._error = e
+    finally:
+      self.seconds = time.perf_counter() - t0
+
+  def start(self, *args: Any) -> None:
+    self._thread = threading.Thread(target=self._run, args=args, name=f"attnlab-{self._name}",
+                                    daemon=True)
+    self._thread.start()
+
+  def run_here(self, *args: Any) -> None:
+    """Does the work on the calling thread."""
+    self._run(*args)
+    self._raise()
+
+  def finish(self, quiet: bool = False) -> None:
+    """Waits for the work started by `start` (if any); raises its error (`quiet`: while another
+    error propagates, only waits)."""
+    if self._thread is not None:
+      self._thread.join()
+      if not quiet:
+        self._raise()
+
+  def _raise(self) -> None:
+    if self._error is not None:
+      error, self._error = self._error, None
+      raise error
+
+
+def _plots(task: tasks.Task, workdir: pathlib.Path, num_seeds: int) -> _Background:
+  """The end-of-run figures (`task.write_plots`: GPT's sample.txt and attention.png, ...) of a
+  state, `start`ed once the last step's state is saved: drawn beside the final evaluation on the
+  whole validation split, and waited for (`finish`) before the run returns, so that they are in
+  the run directory when `attnlab train` exits. The drawing uses matplotlib's object API only
+  (attnlab/plotting.py), never pyplot's global state, and the run's thread draws nothing
+  meanwhile. Takes the state's parameters (the last step donates no buffers after them)."""
+  def draw(params: Any) -> None:
+    with _writing(workdir):
+      task.write_plots(params, workdir)
+  plots = _Background("plots", draw)
+  first = lambda state: state_lib.first_replica(parallel.to_local(state.params), num_seeds)
+  plots.start_with = lambda state: plots.start(first(state))
+  plots.draw_now = lambda state: plots.run_here(first(state))
+  return plots
+
+
+def _warm_evaluation(task: tasks.Task, abstract: TrainState, num_seeds: int) -> _Background:
+  """Compiles the evaluation program (`state.compile_evaluation`) on a thread of its own while
+  the run's thread compiles the train step, so that neither the first periodic evaluation nor
+  the final one compiles; its failure is only logged (the evaluation itself then raises it)."""
+  def work() -> None:
+    try:
+      state_lib.compile_evaluation(task, abstract.params, num_seeds)
+    except Exception as e:  # pylint: disable=broad-except
+      _LOG.debug("compiling the evaluation ahead failed: %s", e)
+  return _Background("evaluation-compile", work)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> TrainState:
@@ -508,6 +592,7 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
   parts = state_lib.training(task, config, mesh)
   tx, seeds, train_iter, shardings = parts.tx, parts.seeds, parts.batches, parts.shardings
   num_seeds = len(seeds)
+  plots = _plots(task, workdir, num_seeds) if config.write_plots and is_main else None
   if is_main:
     _record_start(workdir, task, own_assets)
 
@@ -539,16 +624,29 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
     train_step = make_train_step(task, tx, parts.schedule, num_seeds=num_seeds, mesh=mesh,
                                  state_shardings=shardings)
     phases.seconds["setup"] = time.perf_counter() - phases.start
-    state = _train_loop(config, workdir, task, state, train_iter, ckpt, train_step,
-                        parts.train_rng, seeds, phases, stopper)
+    warmup = _warm_evaluation(task, parts.abstract, num_seeds)
+    warmup.start()
+    try:
+      state = _train_loop(config, workdir, task, state, train_iter, ckpt, train_step,
+                          parts.train_rng, seeds, phases, stopper, plots, warmup)
+    except BaseException:
+      for work in (warmup, plots):
+        if work is not None:  # the files the plots write are whole; the loop's error goes on
+          work.finish(quiet=True)
+      raise
+    warmup.finish()
+    phases.background["evaluation compile"] = warmup.seconds
     if stopper is not None and stopper.stopped:  # the run's result: its best evaluation
       state = _best_state(ckpt, stopper, state, parts.abstract)
   finally:
     ckpt.close()
-  if config.write_plots and is_main:
-    params = state_lib.first_replica(parallel.to_local(state.params), num_seeds)
-    with _writing(workdir), phases("plots"):
-      task.write_plots(params, workdir)
+  if plots is not None:
+    with phases("plots"):
+      if plots.started:  # drawn beside the final evaluation: wait for the rest
+        plots.finish()
+        phases.background["plots"] = plots.seconds
+      else:  # early stopping's result, the best evaluation's checkpoint: drawn now
+        plots.draw_now(state)
   return state
 
 
@@ -637,9 +735,14 @@ def _stops_early(stopper: EarlyStopping, step: int, eval_metrics: dict[str, floa
 
 def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, train_rng,
                 seeds, phases: _Phases | None = None,
-                stopper: EarlyStopping | None = None) -> TrainState:
+                stopper: EarlyStopping | None = None, plots: _Background | None = None,
+                warmup: _Background | None = None) -> TrainState:
   """Trains from the state's step to config.num_train_steps, or until `stopper` (early
-  stopping) says stop (then `stopper.stopped`); returns the state at the last step trained."""
+  stopping) says stop (then `stopper.stopped`); returns the state at the last step trained.
+  `plots`: started on the last step's state, once it is saved, beside the final evaluation (a
+  run that early stopping ends returns before its last step: its result, the best evaluation's
+  checkpoint, is drawn afterwards). `warmup`: the evaluation's compile, waited for before the
+  first evaluation."""
   phases = phases or _Phases()
   num_steps, start, num_seeds = config.num_train_steps, state_lib.step_of(state), len(seeds)
   pending: list[tuple[int, dict]] = []  # per-step metrics (on device) since the last log
@@ -684,10 +787,14 @@ def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, trai
       if do_ckpt:
         with phases("checkpoints"):
           ckpt.save(step, state, train_iter.get_state())
+      if last and plots is not None:  # the run's result (early stopping returns before it)
+        plots.start_with(state)
       if do_eval:
         # A fixed subset before the last step (config.eval_batches), the whole split at the end.
         subset = 0 if last else config.get("eval_batches", 0)
         with phases("final evaluation" if last else "evaluations"):
+          if warmup is not None:
+            warmup.finish()
           eval_metrics, per_seed = state_lib.evaluate(task, state.params, num_seeds, subset)
         logger.write(step, "eval", eval_metrics, per_seed,
                      **({"eval_batches": subset} if subset else {}))

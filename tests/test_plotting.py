@@ -55,7 +55,6 @@ def test_devanagari_labels_draw_with_the_packaged_font(tmp_path):
   assert not [w for w in caught if "missing from font" in str(w.message)], \
       [str(w.message) for w in caught]
   assert (tmp_path / "marathi.png").stat().st_size > 0
-  plotting.plt.close(fig)
 
 
 def _np_sinusoidal(length, dim):

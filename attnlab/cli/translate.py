@@ -70,7 +70,6 @@ def translate(workdir: str, sentences: Sequence[str], *, step: str = "latest",
   """
   from attnlab import analysis  # pylint: disable=g-import-not-at-top  (imports JAX)
   from attnlab.data import tokenizers  # pylint: disable=g-import-not-at-top
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   run = analysis.load_run(workdir, step)
   if not hasattr(run.task, "translate"):
     raise UserError(f"{workdir} is a {run.config.task!r} run; translate needs a translation run "
@@ -91,7 +90,7 @@ def translate(workdir: str, sentences: Sequence[str], *, step: str = "latest",
     raise UserError(str(e)) from e
   lines = []
   for t, path in zip(results, output_paths(workdir, output, len(results))):
-    plt.close(run.task.plot_alignment(t, path))
+    run.task.plot_alignment(t, path)  # its own figure (attnlab.plotting): nothing to close
     lines.append(t.text)
     print(f"alignment of {t.source!r} saved to {path}", file=sys.stderr)
   return lines

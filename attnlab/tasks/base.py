@@ -193,21 +193,37 @@ class Task(abc.ABC):
     """The evaluation metrics from the ratios of `metric_sums` (add derived ones here)."""
     return metrics
 
+  def _metric_program(self):
+    if self._jit_metric_sums is None:
+      self._jit_metric_sums = jax.jit(lambda p, b: self.metric_sums(p, b))
+    return self._jit_metric_sums
+
   def mean_metrics(self, params: Params, batches: Iterable[Batch]) -> dict[str, float]:
     """sum / max(denominator, 1) of `metric_sums` over `batches` (a short last batch is padded
     with zero rows to the first one's size), under one jit-compiled step."""
-    if self._jit_metric_sums is None:
-      self._jit_metric_sums = jax.jit(lambda p, b: self.metric_sums(p, b))
+    program = self._metric_program()
     totals: dict[str, list[float]] = {}
     size = None
     for batch in batches:
       size = size or _num_rows(batch)
-      sums = jax.device_get(self._jit_metric_sums(params, pad_rows(batch, size)))
+      sums = jax.device_get(program(params, pad_rows(batch, size)))
       for name, (value, denominator) in sums.items():
         total = totals.setdefault(name, [0.0, 0.0])
         total[0] += float(value)
         total[1] += float(denominator)
     return {name: value / max(denominator, 1.0) for name, (value, denominator) in totals.items()}
+
+  def compile_mean_metrics(self, params: Params) -> bool:
+    """Compiles the program `mean_metrics` runs, for parameters of the shapes and placement of
+    `params` (jax.ShapeDtypeStructs will do) and the batches of `eval_batches()`, without
+    running it; False when there is no evaluation batch. The trainer calls it on a thread of
+    its own while the train step compiles, so that the first evaluation does not stop training
+    to compile."""
+    batch = next(iter(self.eval_batches()), None)
+    if batch is None:
+      return False
+    self._metric_program().lower(params, batch).compile()
+    return True
 
   def evaluate(self, params: Params) -> dict[str, float]:
     """Metrics on held-out data: `finish_metrics(mean_metrics(params, eval_batches()))`."""

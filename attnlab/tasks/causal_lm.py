@@ -277,10 +277,12 @@ class CausalLMTask(Task):
       train_text, val_text = self._texts()
     except data_lib.DataError as e:
       raise ConfigError(f"causal_lm data ({self.config.data.name}): {e}") from e
-    if isinstance(self.tokenizer, tok_lib.Vocab) and self.tokenizer.kind == "char":
-      self._check_characters(train_text, val_text)
-    self.train_ids = np.asarray(self.tokenizer.encode(train_text), np.int32)
-    self.val_ids = np.asarray(self.tokenizer.encode(val_text), np.int32)
+    train_ids = np.asarray(self.tokenizer.encode(train_text), np.int32)
+    val_ids = np.asarray(self.tokenizer.encode(val_text), np.int32)
+    if isinstance(self.tokenizer, tok_lib.Vocab) and self.tokenizer.kind == "char" and (
+        np.any(train_ids == tok_lib.UNK_ID) or np.any(val_ids == tok_lib.UNK_ID)):
+      self._check_characters(train_text, val_text)  # names the characters (one encoding pass)
+    self.train_ids, self.val_ids = train_ids, val_ids
 
   def _check_characters(self, train_text: str, val_text: str) -> None:
     """ConfigError naming the characters of the text the character vocabulary lacks."""
@@ -527,7 +529,6 @@ class CausalLMTask(Task):
 
   def write_plots(self, params, workdir: pathlib.Path) -> None:
     """sample.txt (a generated continuation) and attention.png (every layer and head)."""
-    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
     from attnlab import plotting  # pylint: disable=g-import-not-at-top  (matplotlib)
     workdir = pathlib.Path(workdir)
     g = self.config.generate
@@ -540,7 +541,6 @@ class CausalLMTask(Task):
         params, jnp.asarray(ids)[None])["intermediates"]
     weights = sown.stack_layers(sown.sown_values(inter))  # [layers, heads, len, len]
     labels = [repr(self.tokenizer.id_to_token(int(i)))[1:-1] for i in ids]
-    plt.close(plotting.attention_grid(weights, x_labels=labels, y_labels=labels,
-                                      title=("GPT self-attention "
-                                             f"({models_lib.score_name(self.config.model)})"),
-                                      path=workdir / "attention.png"))
+    plotting.attention_grid(weights, x_labels=labels, y_labels=labels,
+                            title=f"GPT self-attention ({models_lib.score_name(self.config.model)})",
+                            path=workdir / "attention.png")

@@ -219,7 +219,6 @@ def plot_head_views(task: Task, params: Any, workdir: pathlib.Path,
   """Head view (every layer and head) and [CLS] attention of a BERT task's model for
   `data.plot_sentence`, saved as PNGs; returns {"head_view": path, "cls_attention": path}."""
   from attnlab import plotting  # pylint: disable=g-import-not-at-top  (matplotlib import is slow)
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   sentence = task.config.data.plot_sentence
   ids, labels = encode_sentence(task.tokenizer, sentence, task.config.data.max_len)
   _, state = task.model.apply({"params": params}, jnp.asarray(ids), mutable=["intermediates"])
@@ -227,13 +226,13 @@ def plot_head_views(task: Task, params: Any, workdir: pathlib.Path,
   layers, heads = weights.shape[:2]
   workdir = pathlib.Path(workdir)
   paths = {"head_view": workdir / "head_view.png", "cls_attention": workdir / "cls_attention.png"}
-  plt.close(plotting.attention_grid(weights, x_labels=labels, y_labels=labels,
-                                    title=f"{title}: {sentence}", path=paths["head_view"]))
+  plotting.attention_grid(weights, x_labels=labels, y_labels=labels,
+                          title=f"{title}: {sentence}", path=paths["head_view"])
   cls_rows = weights[:, :, 0, :].reshape(layers * heads, -1)  # [layers * heads, n]
   row_names = [f"L{l} H{h}" for l in range(layers) for h in range(heads)]
-  plt.close(plotting.attention_heatmap(cls_rows, x_labels=labels, y_labels=row_names,
-                                       title=f"{title}: attention of [CLS]", ylabel="layer, head",
-                                       path=paths["cls_attention"]))
+  plotting.attention_heatmap(cls_rows, x_labels=labels, y_labels=row_names,
+                             title=f"{title}: attention of [CLS]", ylabel="layer, head",
+                             path=paths["cls_attention"])
   return paths
 
 

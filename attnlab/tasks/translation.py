@@ -565,7 +565,6 @@ class TranslationTask(Task):
     """attention_<i>.png: heatmaps of the first few evaluation examples."""
     if self.config.model.get("attention") == "none":
       return
-    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
     split = self.config.data.eval_split
     arrays = self._eval_arrays(split)
     examples = self.examples(split)[:NUM_PLOTS]
@@ -575,7 +574,7 @@ class TranslationTask(Task):
     for i, example in enumerate(examples):
       src_ids = [int(j) for j in arrays["source"][i, :arrays["source_length"][i]]]
       t = self._translation(example["source"], src_ids, tokens[i], weights[i])
-      plt.close(self.plot_alignment(t, pathlib.Path(workdir) / f"attention_{i}.png"))
+      self.plot_alignment(t, pathlib.Path(workdir) / f"attention_{i}.png")
 
 
 def _build_model(model_config, src_vocab_size: int, tgt_vocab_size: int, max_src_len: int):

@@ -33,7 +33,8 @@ start of the process to its exit: nanoGPT's command above with --max_iters=2000 
 last step; checkpoints every 500 steps), each attnlab run with an empty JAX compilation cache of
 its own (a user's first run; --warm_cache: the user's cache, a second run). The final validation
 loss of each is printed beside its time (nanoGPT estimates it on 20 batches, attnlab on the whole
-validation text).
+validation text), and for attnlab the seconds from its start to its first log line and to its
+first train step, and the phases its log ends with (startup.py's `timed_train`).
 
   python experiments/benchmarks/gpt_vs_nanogpt.py                          # 3 rounds x 300 iters + wall
   python experiments/benchmarks/gpt_vs_nanogpt.py --rounds=5 --iters=400 --wall_steps=0
@@ -60,6 +61,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/machine.py
 import machine  # pylint: disable=g-bad-import-order,wrong-import-position
+import startup  # pylint: disable=g-bad-import-order,wrong-import-position
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
@@ -202,18 +204,12 @@ def run_attnlab_worker(contender: str, args) -> list[float]:
 
 
 def run_attnlab_training(contender: str, args, workdir: pathlib.Path):
-  """`attnlab train` for wall_steps steps: (wall s, final validation loss)."""
+  """`attnlab train` for wall_steps steps: (wall s, final validation loss, startup.timed_train's
+  times: first log line, first train step, exit and the run's phases)."""
   arg = attnlab_arg(contender, args.implementation, pathlib.Path(args.data_dir), args.wall_steps)
-  cmd = [sys.executable, "-m", "attnlab.cli", "train", f"--config=configs/gpt.py:{arg}",
-         f"--workdir={workdir}"]
-  env = dict(os.environ, TQDM_DISABLE="1")
-  if not args.warm_cache:  # a user's first run: nothing compiled before
-    env["ATTNLAB_COMPILATION_CACHE"] = str(workdir.parent / f"jax_cache_{workdir.name}")
-  start = time.perf_counter()
-  proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
-  wall = time.perf_counter() - start
-  if proc.returncode:
-    raise RuntimeError(f"attnlab train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+  # args.warm_cache: the user's cache; otherwise a user's first run, nothing compiled before
+  cache = None if args.warm_cache else str(workdir.parent / f"jax_cache_{workdir.name}")
+  times = startup.timed_train(REPO, arg, workdir, cache)
   val = None
   metrics = workdir / "metrics.jsonl"
   if metrics.exists():
@@ -221,7 +217,7 @@ def run_attnlab_training(contender: str, args, workdir: pathlib.Path):
       rec = json.loads(line)
       if rec.get("split") == "eval" and "loss" in rec:
         val = float(rec["loss"])
-  return wall, val
+  return times["exit"], val, times
 
 
 # ----------------------------------------------------------------------------- main
@@ -339,16 +335,23 @@ def main(argv=None) -> int:
 
   if args.wall_steps:
     print(f"\nwall time of one {args.wall_steps}-step training run (process start to exit):")
-    print("| contender | wall s | final val loss |")
-    print("|---|---|---|")
+    print("| contender | wall s | first log line s | first train step s | final val loss |")
+    print("|---|---|---|---|---|")
+    phases = {}
     for c in [c for c in (args.wall_contenders or args.contenders).split(",") if c]:
+      first_line = first_step = "-"
       if c.startswith("nanogpt"):
         _, wall, val = run_nanogpt(work, args.wall_steps, 250, scratch / "out_wall",
                                    passive=c == "nanogpt_passive")
       else:
-        wall, val = run_attnlab_training(c, args, scratch / f"attnlab_{c}_{time.time_ns()}")
+        wall, val, times = run_attnlab_training(c, args, scratch / f"attnlab_{c}_{time.time_ns()}")
+        first_line, first_step = f"{times['first line']:.1f}", f"{times['first step']:.1f}"
+        phases[c] = {k: v for k, v in times.items() if k not in (
+            "first line", "first step", "exit", "val loss")}
       val_s = f"{val:.4f}" if isinstance(val, float) else str(val)
-      print(f"| {label[c]} | {wall:.1f} | {val_s} |", flush=True)
+      print(f"| {label[c]} | {wall:.1f} | {first_line} | {first_step} | {val_s} |", flush=True)
+    for c, seconds in phases.items():
+      print(f"{c} phases: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()))
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
   return 0
 
