@@ -310,7 +310,9 @@ def test_gpt_vs_nanogpt_benchmark(shared_data, tmp_path):
   assert "ms per iteration" not in out
   rows = list(_table(out, "contender").values())
   assert [r[0].split()[0] for r in rows] == ["nanoGPT", "attnlab"]
-  assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)  # wall s, val loss
+  # wall s and final val loss; attnlab's first log line and first step (nanoGPT logs neither: -)
+  assert all(float(r[1]) > 0 and float(r[4]) > 0 for r in rows)
+  assert rows[0][2:4] == ["-", "-"] and 0 < float(rows[1][2]) < float(rows[1][3]) < float(rows[1][1])
 
 
 def test_gpu_benchmark_smoke(tmp_path):
