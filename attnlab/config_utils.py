@@ -251,6 +251,19 @@ def set_value(config: ConfigDict, key: str, value: Any,
   node[leaf] = value  # a locked ConfigDict still accepts values for existing keys
 
 
+def put_fields(config: ConfigDict, fields: Mapping[str, Any]) -> None:
+  """Sets each dotted key of `fields` (values read from a stored run: typed already), creating
+  the groups and fields that `config` lacks (e.g. those an imported run has)."""
+  for key, value in fields.items():
+    *groups, leaf = key.split(".")
+    node = config
+    for group in groups:
+      if group not in node:
+        node[group] = ConfigDict()
+      node = node[group]
+    node[leaf] = value
+
+
 def _type_ok(value: Any, default: Any) -> bool:
   if isinstance(default, bool) or isinstance(value, bool):
     return isinstance(value, bool) and isinstance(default, bool)

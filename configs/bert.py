@@ -99,14 +99,7 @@ def _set_pretrained(config, workdir: str) -> None:
   if config.task != MODES["finetune"]:
     raise ConfigError("pretrained=DIR goes with mode=finetune")
   config.init_from = workdir
-  for key, value in _pretrained_fields(workdir).items():
-    *groups, field = key.split(".")
-    node = config
-    for group in groups:
-      if group not in node:
-        node[group] = config_utils.ConfigDict()
-      node = node[group]
-    node[field] = value  # adds the fields an imported run has
+  config_utils.put_fields(config, _pretrained_fields(workdir))  # an imported run's too
   config.data.max_len = min(config.data.max_len, config.model.max_len)
 
 

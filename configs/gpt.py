@@ -103,14 +103,7 @@ def _pretrained_fields(workdir: str) -> dict:
 def _set_pretrained(config, workdir: str) -> None:
   """pretrained=DIR: init_from=DIR and DIR's architecture and tokenizer (PRETRAINED_FIELDS)."""
   config.init_from = workdir
-  for key, value in _pretrained_fields(workdir).items():
-    *groups, field = key.split(".")
-    node = config
-    for group in groups:
-      if group not in node:
-        node[group] = config_utils.ConfigDict()
-      node = node[group]
-    node[field] = value  # adds the fields an imported run has (model.vocab_size, ...)
+  config_utils.put_fields(config, _pretrained_fields(workdir))  # an imported run's too
 
 
 # The optimizer defaults of a fine-tuning run (pretrained=DIR or init_from=DIR in the arg): a tenth

@@ -1,5 +1,6 @@
 """Shared pytest set-up."""
 
+import contextlib
 import logging
 import os
 import pathlib
@@ -71,3 +72,23 @@ def _attnlab_logs_reach_caplog(monkeypatch):
   listens: attnlab.cli.tool.setup_logging (run in this process by an earlier test of a command or
   a study script) turns propagation off so that a command prints each line once."""
   monkeypatch.setattr(logging.getLogger("attnlab"), "propagate", True)
+
+
+@pytest.fixture(scope="session")
+def recording_pretrained_load():
+  """A context manager: inside it, the causal LM's `load_pretrained` records each step-0
+  parameter tree it returns (a host copy) in the list it yields."""
+  @contextlib.contextmanager
+  def recording():
+    import jax  # pylint: disable=g-import-not-at-top
+    from attnlab.tasks import causal_lm  # pylint: disable=g-import-not-at-top
+    load, step0 = causal_lm.CausalLMTask.load_pretrained, []
+
+    def recorded(self, params, pretrained_config, pretrained_params):
+      out = load(self, params, pretrained_config, pretrained_params)
+      step0.append(jax.device_get(out))
+      return out
+    with pytest.MonkeyPatch.context() as mp:
+      mp.setattr(causal_lm.CausalLMTask, "load_pretrained", recorded)
+      yield step0
+  return recording

@@ -10,7 +10,6 @@ import-hf) -> `tuned` (configs/gpt.py:pretrained=IMPORTED,dataset=text,data.path
 import json
 import pathlib
 
-import jax
 import numpy as np
 import pytest
 
@@ -19,7 +18,6 @@ from attnlab import config_utils
 from attnlab import train
 from attnlab.cli import generate as generate_cli
 from attnlab.cli import import_hf
-from attnlab.tasks import causal_lm
 
 torch = pytest.importorskip("torch", reason="needs torch and transformers: pip install "
                             "torch==2.13.0 && pip install -e \".[test,hf]\"")
@@ -78,18 +76,10 @@ def _tuned_config(imported, corpus):
 
 
 @pytest.fixture(scope="module")
-def tuned(imported, corpus, tmp_path_factory):
+def tuned(imported, corpus, tmp_path_factory, recording_pretrained_load):
   """(workdir, step-0 parameters) of the fine-tuning run."""
   workdir = tmp_path_factory.mktemp("tuned") / "run"
-  step0 = []
-  load = causal_lm.CausalLMTask.load_pretrained
-
-  def recording(self, params, pretrained_config, pretrained_params):
-    out = load(self, params, pretrained_config, pretrained_params)
-    step0.append(jax.device_get(out))
-    return out
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(causal_lm.CausalLMTask, "load_pretrained", recording)
+  with recording_pretrained_load() as step0:
     train.train_and_evaluate(_tuned_config(imported, corpus), workdir)
   return workdir, step0[0]
 

@@ -14,7 +14,6 @@ from attnlab import train
 from attnlab.cli import generate as generate_cli
 from attnlab.config_utils import ConfigError
 from attnlab.data import tokenizers as tok_lib
-from attnlab.tasks import causal_lm
 
 # A few lines in Shakespeare's characters (the pretrained vocabulary covers them).
 LINES = ["First Citizen:", "Before we proceed any further, hear me speak.", "", "All:",
@@ -55,16 +54,9 @@ def _corpus(tmp_path, repeats=30):
   return path
 
 
-def test_finetune_from_a_pretrained_run(tmp_path, pretrained_run, monkeypatch, capsys):
+def test_finetune_from_a_pretrained_run(tmp_path, pretrained_run, recording_pretrained_load,
+                                       capsys):
   corpus = _corpus(tmp_path)
-  step0 = []
-  load = causal_lm.CausalLMTask.load_pretrained
-
-  def recording(self, params, pretrained_config, pretrained_params):
-    out = load(self, params, pretrained_config, pretrained_params)
-    step0.append(jax.device_get(out))
-    return out
-  monkeypatch.setattr(causal_lm.CausalLMTask, "load_pretrained", recording)
 
   arg = (f"runlocal=True,pretrained={pretrained_run},dataset=text,data.path={corpus},"
          f"num_train_steps=3,eval_every=3,checkpoint_every=3,write_plots=False,"
@@ -72,7 +64,8 @@ def test_finetune_from_a_pretrained_run(tmp_path, pretrained_run, monkeypatch, c
   config = _load_config(arg)
   assert config.init_from == str(pretrained_run)
   ft = tmp_path / "ft"
-  train.train_and_evaluate(config, ft)
+  with recording_pretrained_load() as step0:
+    train.train_and_evaluate(config, ft)
 
   # Step 0 is the pretrained run's final parameters, every array equal.
   pre = analysis.load_run(pretrained_run)

@@ -22,7 +22,6 @@ from attnlab import config_utils
 from attnlab import state as state_lib
 from attnlab import train
 from attnlab.cli import import_hf
-from attnlab.tasks import causal_lm
 
 CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "gpt.py"
 PATIENCE = 2
@@ -91,23 +90,15 @@ def _tuned_config(base_run, corpus):
 
 
 @pytest.fixture(scope="module")
-def tuned_run(tmp_path_factory, base_run, corpus):
+def tuned_run(tmp_path_factory, base_run, corpus, recording_pretrained_load):
   """(workdir, step-0 parameters, log lines) of the fine-tuning run."""
   workdir = tmp_path_factory.mktemp("tuned") / "run"
-  step0 = []
-  load = causal_lm.CausalLMTask.load_pretrained
-
-  def recording(self, params, pretrained_config, pretrained_params):
-    out = load(self, params, pretrained_config, pretrained_params)
-    step0.append(jax.device_get(out))
-    return out
   handler = _Lines()
   logging.getLogger("attnlab").addHandler(handler)
   previous = logging.getLogger("attnlab").level
   logging.getLogger("attnlab").setLevel(logging.INFO)
   try:
-    with pytest.MonkeyPatch.context() as mp:
-      mp.setattr(causal_lm.CausalLMTask, "load_pretrained", recording)
+    with recording_pretrained_load() as step0:
       train.train_and_evaluate(_tuned_config(base_run, corpus), workdir)
   finally:
     logging.getLogger("attnlab").removeHandler(handler)
