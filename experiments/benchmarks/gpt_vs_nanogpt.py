@@ -29,7 +29,7 @@ Wall time (--wall_steps, default 2000): one full training run of each, as a user
 start of the process to its exit: nanoGPT's command above with --max_iters=2000 (evaluation every
 250 iterations on 20 train and 20 validation batches, as its README's command), and
 `attnlab train --config=configs/gpt.py:...` (its defaults: evaluation every 250 steps on the first
-4 batches of validation windows, `eval_batches=4`, and on the whole validation text after the
+512 validation windows, `eval_batches=16` of `data.eval_batch_size=32`, and on the whole validation text after the
 last step; checkpoints every 500 steps), each attnlab run with an empty JAX compilation cache of
 its own (a user's first run; --warm_cache: the user's cache, a second run). The final validation
 loss of each is printed beside its time (nanoGPT estimates it on 20 batches, attnlab on the whole
