@@ -153,6 +153,8 @@ def test_antecedent_scores_on_hand_made_patterns():
   got = roles.antecedent_scores(weights, spans, sentences)
   assert got["all"][0].tolist() == [1.0, 0.5, 0.0]
   assert got["candidates"][0].tolist() == [1.0, 0.5, 1.0]
+  assert got["hits_all"][:, 0].tolist() == [[True, False, False], [True, True, False]]
+  assert got["hits_candidates"].shape == (2, 1, 3)
   # The mean weight from the pronoun to the antecedent, by NumPy on the same rows.
   expected = np.mean([w[0, :, s.pronoun + 1, s.antecedent + 1] for w, s in
                       zip(weights, sentences)], axis=0)

@@ -275,7 +275,8 @@ def antecedent_scores(weights: Sequence[Any], spans: Sequence[Sequence[Sequence[
                       sentences: Sequence[MarkedSentence]) -> dict[str, np.ndarray]:
   """Per head, over the sentences: {"all", "candidates": share whose pronoun's most-attended
   word (among those words) is the antecedent `[layers, heads]`, "weight": the mean word-level
-  attention from the pronoun to the antecedent `[layers, heads]`}.
+  attention from the pronoun to the antecedent `[layers, heads]`, "hits_all", "hits_candidates":
+  whether each sentence's choice is the antecedent, bool `[sentences, layers, heads]`}.
 
   weights: per sentence the token weights `[layers, heads, n, n]` of `[CLS] words [SEP]`; spans:
   per sentence the token positions of those units, [CLS] first (so word k is unit k + 1).
@@ -283,7 +284,7 @@ def antecedent_scores(weights: Sequence[Any], spans: Sequence[Sequence[Sequence[
   if not (len(weights) == len(spans) == len(sentences)) or not sentences:
     raise ValueError(f"{len(weights)} weights, {len(spans)} span lists and {len(sentences)} "
                      f"sentences: one of each per sentence, at least one")
-  hits = {"all": 0.0, "candidates": 0.0}
+  hits: dict[str, list[np.ndarray]] = {"all": [], "candidates": []}
   weight = 0.0
   for w, sp, s in zip(weights, spans, sentences):
     if len(sp) != len(s.words) + 2:
@@ -293,9 +294,11 @@ def antecedent_scores(weights: Sequence[Any], spans: Sequence[Sequence[Sequence[
     for among in hits:
       choices = _choices(s, among)
       best = np.asarray(choices)[np.argmax(row[..., choices], axis=-1)]  # [layers, heads]
-      hits[among] = hits[among] + (best == s.antecedent)
+      hits[among].append(best == s.antecedent)
   n = len(sentences)
-  return {"all": hits["all"] / n, "candidates": hits["candidates"] / n, "weight": weight / n}
+  out = {among: np.mean(hit, axis=0) for among, hit in hits.items()}
+  return {**out, "weight": weight / n, "hits_all": np.stack(hits["all"]),
+          "hits_candidates": np.stack(hits["candidates"])}
 
 
 def antecedent_baselines(sentences: Sequence[MarkedSentence]) -> dict[str, float]:

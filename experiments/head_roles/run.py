@@ -213,7 +213,16 @@ def measure(run, sentences: list[list[str]], count: int, marked) -> dict:
       raise DataError(f"pronoun sentence {number}: {e}") from None
   p_weights = capture_rows(run, [e[0] for e in encoded])
   scores = roles.antecedent_scores(p_weights, [e[2] for e in encoded], marked)
-  out["pronoun"] = {k: v.tolist() for k, v in scores.items()}
+  out["pronoun"] = {k: v.tolist() for k, v in scores.items() if not k.startswith("hits_")}
+  # Candidates accuracy on the sentences whose antecedent is the nearest candidate before the
+  # pronoun, and on the others: a head that picks by position alone scores 1 on one and 0 on the
+  # other, one that follows the sentence's meaning scores on both.
+  nearest = np.array([s.nearest_candidate() == s.antecedent for s in marked])
+  hits = scores["hits_candidates"]  # [sentences, layers, heads]
+  out["pronoun"]["candidates_nearest"] = hits[nearest].mean(0).tolist()
+  out["pronoun"]["candidates_not_nearest"] = hits[~nearest].mean(0).tolist()
+  out["pronoun"]["hits_candidates"] = hits.astype(int).tolist()
+  out["pronoun_split"] = {"nearest": int(nearest.sum()), "not_nearest": int((~nearest).sum())}
   out["pronoun_baselines"] = roles.antecedent_baselines(marked)
   out["pronoun_sentences"] = len(marked)
   # The seed's sentence (the first one): the word-level row of its pronoun, every head.
@@ -239,6 +248,7 @@ def tables(result: dict) -> str:
   layers = len(m["word"]["previous"])
   heads = len(m["word"]["previous"][0])
   base = m["pronoun_baselines"]
+  split = m["pronoun_split"]
   lines = [f"Pretraining: {result['config_summary']}; held-out MLM accuracy "
            f"{100 * pre['mlm_accuracy']:.1f}%, NSP {100 * pre['nsp_accuracy']:.1f}% at step "
            f"{pre['step']}.", "",
@@ -246,17 +256,24 @@ def tables(result: dict) -> str:
            f"({m['words']} words, {m['tokens']} tokens with [CLS] and [SEP]), word level. "
            f"Pronoun: share of the {m['pronoun_sentences']} marked sentences whose pronoun's "
            "most-attended word is its antecedent (among all words / among the candidate nouns).",
+           f"The candidates' accuracy is also split: the {split['nearest']} sentences whose "
+           f"antecedent is the nearest candidate before the pronoun, and the "
+           f"{split['not_nearest']} others.",
            "", "| layer | head | previous | next | [CLS] | [SEP] | punctuation | antecedent, all "
-           "words | antecedent, candidates | weight on antecedent |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "words | antecedent, candidates | candidates: nearest / others | weight on "
+           "antecedent |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
   chance = m["word_chance"]
   lines.append("| chance | (uniform) | " + " | ".join(f"{chance[c]:.3f}" for c in CATEGORY_NAMES)
                + f" | {base['all']:.3f} | {base['candidates']:.3f} (nearest candidate: "
-               f"{base['nearest_candidate']:.3f}) | - |")
+               f"{base['nearest_candidate']:.3f}) | nearest-candidate rule: 1 / 0 | - |")
   for l in range(layers):
     for h in range(heads):
       cells = [f"{m['word'][c][l][h]:.3f}" for c in CATEGORY_NAMES]
-      cells += [f"{m['pronoun'][k][l][h]:.3f}" for k in ("all", "candidates", "weight")]
+      cells += [f"{m['pronoun'][k][l][h]:.3f}" for k in ("all", "candidates")]
+      cells.append(f"{m['pronoun']['candidates_nearest'][l][h]:.2f} / "
+                   f"{m['pronoun']['candidates_not_nearest'][l][h]:.2f}")
+      cells.append(f"{m['pronoun']['weight'][l][h]:.3f}")
       lines.append(f"| {l} | {h} | " + " | ".join(cells) + " |")
   lines += ["", "Token level (word pieces; attention to each piece, from each piece):", "",
             "| layer | head | " + " | ".join(CATEGORY_NAMES) + " |",
@@ -272,7 +289,7 @@ def tables(result: dict) -> str:
   target, pronoun_unit = seed["antecedent_unit"], seed["pronoun_unit"]
   lines += ["", f"Seed sentence \"{seed['sentence']}\": attention from "
             f"\"{seed['pronoun']}\" (word level), per head:", "",
-            f"| layer | head | weight on \"{seed['antecedent']}\" | most-attended word (weight) |",
+            f"| layer | head | weight on \"{seed['antecedent']}\" | most-attended unit, itself excluded (weight) |",
             "|---|---|---|---|"]
   for l in range(layers):
     for h in range(heads):
