@@ -327,6 +327,7 @@ def plot_head_roles(scores: Mapping[str, Any], chance: Mapping[str, float] | Non
   cols = min(3, len(names))
   rows = -(-len(names) // cols)
   fig = plotting._figure((cols * (1.6 + 0.7 * heads), rows * (1.2 + 0.5 * layers)))  # pylint: disable=protected-access
+  fig.set_layout_engine("constrained")  # room for every panel's title and axis labels
   axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
   image = None
   for ax, name in zip(axes, names):
