@@ -32,7 +32,7 @@ line, words split by spaces, in the run's writing: lower case, SST-2's tokenisat
 Outputs in WORKDIR: results.json (every number, per layer and head), results.md (the tables),
 head_roles.png (one heatmap per category, layers x heads, word level) and it_attention.png
 (the seed sentence: where "it" looks, every head); with `--publish_dir` they are copied there.
-The measurement takes a few minutes and is simply repeated by a re-run.
+The measurement takes under a minute and is simply repeated by a re-run.
 """
 
 from __future__ import annotations
