@@ -20,6 +20,7 @@
   comp = analysis.composition_scores(w, "k")        # [layers, heads, layers, heads] K-composition
   grid = analysis.path_patch(run, clean, corrupted, metric, receivers=[(1, 0)], receiver_input="q")
   sinks = analysis.sink_metrics(run)                # first-token weight, sink rate, sink mass
+  scores = analysis.head_roles(weights, units, spans)   # Clark et al.: previous, next, [CLS], ...
 
 Modules: runs (load_run, attention_maps), capture (Capture, capture, capture_text,
 capture_batch), metrics (entropy, offsets, special-token mass, rollout, head_table), alignment
@@ -28,7 +29,9 @@ plot_head_ablation), hooks (the hook-site table, run_with_cache, run_with_hooks,
 patch_sweep), detectors (previous-token, duplicate-token and induction scores), lens (logit
 lens, direct logit attribution, attribution patching), circuits (QK/OV matrices, Q/K/V
 composition scores and their random baseline), paths (path patching), sinks (attention-sink
-metrics), head_report (the per-head table of `attnlab inspect --heads` and the viewer).
+metrics), roles (head roles after Clark et al. 2019: attention to the previous/next word,
+[CLS], [SEP], punctuation against uniform attention, and from a pronoun to its antecedent, on
+word-level weights), head_report (the per-head table of `attnlab inspect --heads` and the viewer).
 """
 
 from attnlab.analysis.ablation import AblationResult, head_ablation, plot_head_ablation
@@ -45,6 +48,7 @@ from attnlab.analysis.lens import (LogitAttribution, attribution_patch, logit_at
                                    logit_lens)
 from attnlab.analysis.metrics import (attention_rollout, entropy, head_table, mean_abs_offset,
                                       mean_offset, normalized_entropy, special_token_mass)
+from attnlab.analysis.roles import antecedent_scores, head_roles, uniform_roles, word_attention
 from attnlab.analysis.sinks import SinkMetrics, first_token_score, sink_metrics, sink_rate
 from attnlab.analysis.paths import path_patch
 from attnlab.analysis.runs import Run, attention_maps, few_steps_warning, load_run, read_metrics
@@ -57,4 +61,5 @@ __all__ = ["AblationResult", "Capture", "HeadWeights", "Intervention", "LogitAtt
            "gold_alignment", "head_ablation", "head_table", "induction_score", "load_run", "logit_attribution", "logit_lens",
            "mean_abs_offset", "mean_offset", "normalized_entropy", "patch_sweep",
            "plot_head_ablation", "previous_token_score", "read_metrics", "repeated_random_tokens",
-           "run_with_cache", "run_with_hooks", "special_token_mass"]
+           "run_with_cache", "run_with_hooks", "special_token_mass",
+           "antecedent_scores", "head_roles", "uniform_roles", "word_attention"]
