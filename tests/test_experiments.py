@@ -121,7 +121,7 @@ def test_marathi_arms(tmp_path, shared_data):
   import sacrebleu  # pylint: disable=g-import-not-at-top
   arms, seeds = ("bahdanau", "none"), ("0", "1")
   args = (f"--workdir={tmp_path}", f"--arms={','.join(arms)}", f"--seeds={','.join(seeds)}",
-          "--arg=runlocal=True", "--beam_size=2", "--beam_rows=6")
+          "--arg=runlocal=True", "--beam_size=2", "--beam_rows=6", "--vmap")
   _run("marathi/run.py", *args, data_dir=shared_data)
   results = json.loads((tmp_path / "results.json").read_text())["arms"]
   assert list(results) == list(arms)
@@ -160,6 +160,11 @@ def test_marathi_arms(tmp_path, shared_data):
   out = _run("marathi/run.py", *args, data_dir=shared_data)
   assert "decoding the test split" not in out
   assert before == {p: p.stat().st_mtime_ns for p in tmp_path.rglob("decoded_seed=*.json")}
+  # --report_only rewrites the same table from the cache alone.
+  table = (tmp_path / "results.md").read_text()
+  (tmp_path / "results.md").unlink()
+  _run("marathi/run.py", *args, "--report_only", data_dir=shared_data)
+  assert (tmp_path / "results.md").read_text() == table
 
 
 def test_bottleneck(tmp_path):

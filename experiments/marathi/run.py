@@ -3,7 +3,7 @@
   ATTNLAB_DATA_DIR=../shared/data python experiments/marathi/run.py [--workdir=runs/marathi] \
       [--seeds=0] [--beam_size=4] [--arg=num_train_steps=4000] [--parallel=1]
   ATTNLAB_DATA_DIR=../shared/data python experiments/marathi/run.py --arms=all \
-      [--workdir=runs/marathi_arms] [--seeds=0,1,2] [--steps=4000] [--beam_rows=0] [--no-vmap]
+      [--workdir=runs/marathi_arms] [--seeds=0,1,2] [--steps=4000] [--beam_rows=0] [--vmap]
 
 Without --arms (the seed's study):
 1. Trains configs/seq2seq.py:task=marathi (word tokens, pairs of <= 12 words, bidirectional GRU
@@ -15,10 +15,10 @@ Without --arms (the seed's study):
    handful of test sentences and "Rahul is a good boy" to WORKDIR/figures/.
 
 With --arms=NAME,... (or all; ARMS below, each one change from the baseline `bahdanau`):
-1. Trains each arm for the seeds (default 0,1,2) in WORKDIR/<arm>/, by default as one vmapped
-   program of `num_seeds` replicas (WORKDIR/<arm>/seed=0/, seeds 0, 1, 2), with --no-vmap as one
-   run per seed (WORKDIR/<arm>/seed=N/); `--steps` sets num_train_steps (the cosine schedule
-   decays over them).
+1. Trains each arm for the seeds (default 0,1,2) in WORKDIR/<arm>/, one run per seed
+   (WORKDIR/<arm>/seed=N/), or with --vmap as one program of `num_seeds` replicas
+   (WORKDIR/<arm>/seed=0/ holds seeds 0, 1, 2); `--steps` sets num_train_steps (the cosine
+   schedule decays over them).
 2. Decodes the test split per seed, greedy over all of it and with beam search (--beam_size) over
    all of it or over a fixed sample of --beam_rows sentences (seeded, the same for every arm and
    seed; greedy is then scored on that sample too, beside the whole split).
@@ -26,7 +26,10 @@ With --arms=NAME,... (or all; ARMS below, each one change from the baseline `bah
    WORKDIR/<arm>/decoded_seed=N.json, so that a re-invocation trains and decodes only what is
    missing (a finished member is skipped by the sweep runner, a decoded seed by the cache).
 4. Writes WORKDIR/results.md (per arm mean ± std over seeds, then per seed), WORKDIR/results.json
-   and WORKDIR/arms.png (test BLEU per arm, each seed a point, greedy and beam).
+   and WORKDIR/arms.png (test BLEU per arm, each seed a point, greedy and beam) after every arm;
+   --report_only rewrites them from the cache without training or decoding anything.
+Every arm runs on one JAX device (ARMS_BASE). --vmap stalled at the initial state at this model's
+sizes on the study's machine (README), so one run per seed is the default.
 """
 
 from __future__ import annotations
@@ -365,8 +368,8 @@ def tables(results: dict[str, dict], args: argparse.Namespace, seeds: list[int])
           f"| {arm} | {seed} | {p['step']} | {p['test_ce']:.3f} | {p['bleu_greedy']:.2f} | "
           f"{p['bleu_beam']:.2f} | {p['exact_greedy']:.3f} | {p['exact_beam']:.3f} | {curve} |")
   return "\n".join([
-      f"Arms of `configs/seq2seq.py:task=marathi{',' + args.arg if args.arg else ''}`, each one "
-      f"change from `{BASELINE}`; seeds {','.join(map(str, seeds))} ({how}); test split of "
+      f"Arms of `{arm_spec(BASELINE, args.steps, args.arg).split(':', 1)[1]}`, each one change "
+      f"from `{BASELINE}`; seeds {','.join(map(str, seeds))} ({how}); test split of "
       f"anki_mar_eng. Mean ± sample std (ddof=1) over the seeds.",
       "",
       "| " + " | ".join(columns) + " |",
@@ -390,7 +393,7 @@ def plot(results: dict[str, dict], seeds: list[int], path: pathlib.Path, beam_la
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   arms = [a for a, r in results.items() if r.get("per_seed")]
-  fig, ax = plt.subplots(figsize=(1.6 * max(len(arms), 2) + 2, 4))
+  fig, ax = plt.subplots(figsize=(1.3 * max(len(arms), 4) + 1.5, 4))
   width = 0.38
   for k, (key, label, color) in enumerate((("bleu_greedy", "greedy", "tab:blue"),
                                            ("bleu_beam", beam_label, "tab:orange"))):
@@ -405,7 +408,8 @@ def plot(results: dict[str, dict], seeds: list[int], path: pathlib.Path, beam_la
       ax.scatter(x + np.asarray(jitter), values, color=color, s=16, zorder=3)
   ax.set_xticks(range(len(arms)), arms)
   ax.set_ylabel("test BLEU")
-  ax.set_title("English -> Marathi: test BLEU per arm (bars: mean ± std; points: seeds)")
+  ax.set_title("English -> Marathi, test BLEU per arm\n(bars: mean ± std over seeds; points: "
+               "seeds)", fontsize=10)
   ax.legend(loc="lower right")
   ax.grid(axis="y", alpha=0.3)
   fig.tight_layout()
@@ -441,6 +445,18 @@ def arms(args: argparse.Namespace) -> int:
   for arm in names:  # every arm's config checked before anything trains
     config_utils.load_config_file(arm_spec(arm, args.steps, args.arg))
   workdir = pathlib.Path(args.workdir or REPO / "runs" / "marathi_arms").absolute()
+  if args.report_only:  # the table and figure of what is cached, nothing trained or decoded
+    results = {}
+    for arm in names:
+      saved = workdir / arm / RESULT_FILE
+      result = json.loads(saved.read_text()) if saved.is_file() else {"status": "pending"}
+      spec = arm_spec(arm, args.steps, args.arg).split(":", 1)[1]
+      if result.get("setting", {}).get("spec", spec) != spec:
+        result = {"status": "pending (cached runs have another config)"}
+      results[arm] = result
+    report(results, args, seeds, workdir)
+    print((workdir / "results.md").read_text())
+    return 0
   workdir.mkdir(parents=True, exist_ok=True)
   tool.setup_logging()
   log_uptime(workdir, "before")
@@ -477,8 +493,10 @@ def main(argv=None) -> int:
                       help="--arms: num_train_steps of every arm (0: the config's 4000)")
   parser.add_argument("--beam_rows", type=int, default=0,
                       help="--arms: beam-decode a fixed sample of this many test pairs (0: all)")
-  parser.add_argument("--vmap", action=argparse.BooleanOptionalAction, default=True,
+  parser.add_argument("--vmap", action=argparse.BooleanOptionalAction, default=False,
                       help="--arms: train an arm's seeds as one vmapped run (num_seeds)")
+  parser.add_argument("--report_only", action="store_true",
+                      help="--arms: rewrite the table and figure from the cached results only")
   args = parser.parse_args(argv)
   return arms(args) if args.arms else single(args)
 
