@@ -280,9 +280,28 @@ def training(task: tasks.Task, config: ml_collections.ConfigDict,
                   train_batches(task, seeds, mesh), abstract, shardings)
 
 
+def pad_to_common_shape(trees: list[Any]) -> list[Any]:
+  """Host pytrees of one structure with every leaf zero-padded at the end of each axis to the
+  largest shape of that leaf among them (bool leaves with False): the replicas' batches of a
+  bucketed task (data.buckets), whose padded lengths differ from one replica to the next, made
+  stackable. The pipeline pads with zeros and marks real tokens in its masks, so the padding
+  added here is more of what a wider bucket would have given the same rows."""
+  leaves = [jax.tree.leaves(tree) for tree in trees]
+  treedef = jax.tree.structure(trees[0])
+  padded = [[] for _ in trees]
+  for column in zip(*leaves):
+    arrays = [np.asarray(x) for x in column]
+    shape = np.max([a.shape for a in arrays], axis=0) if arrays[0].ndim else ()
+    for out, a in zip(padded, arrays):
+      pad = [(0, int(n) - k) for n, k in zip(shape, a.shape)]
+      out.append(np.pad(a, pad) if any(p for _, p in pad) else a)  # [*shape]
+  return [jax.tree.unflatten(treedef, out) for out in padded]
+
+
 class ReplicaBatches:
-  """Stacks the batches of N replica iterators (every leaf gets a leading [N] axis); its state
-  is that of every replica's iterator."""
+  """Stacks the batches of N replica iterators (every leaf gets a leading [N] axis; leaves whose
+  lengths differ, as bucketed batches do, are zero-padded to the longest: `pad_to_common_shape`);
+  its state is that of every replica's iterator."""
 
   def __init__(self, iterators: list[tasks.BatchIterator]):
     self._iterators = iterators
@@ -291,7 +310,7 @@ class ReplicaBatches:
     return self
 
   def __next__(self) -> Any:
-    return stack_replicas([next(it) for it in self._iterators])
+    return stack_replicas(pad_to_common_shape([next(it) for it in self._iterators]))
 
   def get_state(self) -> dict[str, Any]:
     return {"replicas": [it.get_state() for it in self._iterators]}

@@ -69,6 +69,8 @@ def test_nadaraya_watson(tmp_path):
     ("rnn_vs_transformer/run.py", ["--tasks=dates", "--extra=nope=1"], "unknown config key 'nope'"),
     ("long_range/run.py", ["--runlocal", "--mechanisms=full,nope"], "unknown mechanism(s) nope"),
     ("induction_heads/run.py", ["--config_arg=nope=1"], "unknown config key 'nope'"),
+    ("marathi/run.py", ["--arms=bahdanau,nope"], "unknown arm(s) nope; valid arms: bahdanau"),
+    ("marathi/run.py", ["--arms=all", "--arg=nope=1"], "unknown config key 'nope'"),
 ])
 def test_bad_input_is_one_line_before_any_run(script, args, needle, tmp_path):
   # A mistyped key or name: one line and status 2, nothing trained (no traceback, no study left
@@ -113,6 +115,56 @@ def test_marathi(tmp_path, shared_data):
   assert len(samples) >= 2 and all(r[2] for r in samples)
   assert samples[-1][:2] == ["Rahul is a good boy.", ""]
   _pngs(*(tmp_path / "figures" / f"marathi_{i}.png" for i in range(6)))  # 5 test + Rahul
+
+
+def test_marathi_arms(tmp_path, shared_data):
+  import sacrebleu  # pylint: disable=g-import-not-at-top
+  arms, seeds = ("bahdanau", "none"), ("0", "1")
+  args = (f"--workdir={tmp_path}", f"--arms={','.join(arms)}", f"--seeds={','.join(seeds)}",
+          "--arg=runlocal=True", "--beam_size=2", "--beam_rows=6", "--vmap")
+  _run("marathi/run.py", *args, data_dir=shared_data)
+  results = json.loads((tmp_path / "results.json").read_text())["arms"]
+  assert list(results) == list(arms)
+  table = {r[0]: r for r in _rows((tmp_path / "results.md").read_text()) if len(r) == 12}
+  for arm in arms:
+    per_seed = results[arm]["per_seed"]
+    assert sorted(per_seed) == list(seeds) and results[arm]["status"] == "done"
+    # Two seeds trained as one vmapped run (bucketed batches of different widths stacked).
+    assert (tmp_path / arm / "seed=0" / "checkpoints").is_dir()
+    assert not (tmp_path / arm / "seed=1").exists()
+    for seed in seeds:
+      # Each BLEU is sacrebleu's corpus BLEU of the decoded outputs saved beside it.
+      decoded = json.loads((tmp_path / arm / f"decoded_seed={seed}.json").read_text())
+      bleu = lambda hyp, ref: sacrebleu.corpus_bleu(hyp, [ref], tokenize="none", force=True).score
+      greedy, beam = decoded["greedy"], decoded["beam"]
+      assert len(greedy["hyp"]) == per_seed[seed]["test_pairs"] > 6 == len(beam["hyp"])
+      assert bleu(greedy["hyp"], greedy["ref"]) == pytest.approx(per_seed[seed]["bleu_greedy"])
+      assert bleu(beam["hyp"], beam["ref"]) == pytest.approx(per_seed[seed]["bleu_beam"])
+      # Beam decoded the sampled rows of the split; greedy is scored on the same sample too.
+      rows = beam["rows"]
+      assert beam["ref"] == [greedy["ref"][i] for i in rows]
+      assert bleu([greedy["hyp"][i] for i in rows], beam["ref"]) == pytest.approx(
+          per_seed[seed]["bleu_greedy_sample"])
+    # The table's cells: mean ± sample std over the seeds, from the per-seed values.
+    for column, key, digits in ((3, "test_ce", 3), (4, "bleu_greedy", 2), (5, "bleu_beam", 2)):
+      values = [per_seed[s][key] for s in seeds]
+      assert table[arm][column] == (f"{np.mean(values):.{digits}f} ± "
+                                    f"{np.std(values, ddof=1):.{digits}f}"), (arm, key)
+    assert table[arm][1] == "2" and table[arm][2] == "20"  # seeds, steps (runlocal)
+  assert results["bahdanau"]["setting"]["spec"] == "task=marathi,mesh.cpu_devices=1,runlocal=True"
+  assert results["none"]["setting"]["spec"] == ("task=marathi,mesh.cpu_devices=1,attention=none,"
+                                                "runlocal=True")
+  _pngs(tmp_path / "arms.png")
+  # A second call finds everything done: nothing is trained or decoded again.
+  before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("decoded_seed=*.json")}
+  out = _run("marathi/run.py", *args, data_dir=shared_data)
+  assert "decoding the test split" not in out
+  assert before == {p: p.stat().st_mtime_ns for p in tmp_path.rglob("decoded_seed=*.json")}
+  # --report_only rewrites the same table from the cache alone.
+  table = (tmp_path / "results.md").read_text()
+  (tmp_path / "results.md").unlink()
+  _run("marathi/run.py", *args, "--report_only", data_dir=shared_data)
+  assert (tmp_path / "results.md").read_text() == table
 
 
 def test_bottleneck(tmp_path):

@@ -116,3 +116,30 @@ def test_bad_num_seeds_is_a_clear_error(tmp_path):
   config = config_utils.load_config_file(f"{NW}:{ARGS},num_seeds=0")
   with pytest.raises(config_utils.ConfigError, match="num_seeds must be an int >= 1"):
     train.train_and_evaluate(config, tmp_path)
+
+
+def test_bucketed_replica_batches_are_padded_to_the_longest():
+  """Replicas of a bucketed task draw batches of different padded lengths in one step: stacked,
+  each replica's rows are its own batch with zeros (False in the masks) appended."""
+  from attnlab import state as state_lib  # pylint: disable=g-import-not-at-top
+  from attnlab.data import pipeline  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  ids = lambda n: [int(i) for i in rng.integers(1, 9, size=n)]
+  examples = [{"source": ids(n), "target": ids(m)}
+              for n, m in zip(rng.integers(1, 12, size=40), rng.integers(1, 12, size=40))]
+  make = lambda seed: pipeline.Batcher(examples, 4, seed=seed, buckets=(3, 6, 12))
+  stacked = state_lib.ReplicaBatches([make(s) for s in (0, 1, 2)])
+  own = [make(s) for s in (0, 1, 2)]
+  widths = set()
+  for _ in range(10):
+    batch = next(stacked)
+    for i, it in enumerate(own):
+      mine = next(it)
+      for name, value in mine.items():
+        width = batch[name].shape[2:]
+        expected = np.zeros(batch[name].shape[1:], value.dtype)
+        expected[tuple(slice(0, k) for k in value.shape)] = value
+        np.testing.assert_array_equal(batch[name][i], expected, err_msg=name)
+        widths.add((i, name, value.shape[1:], width))
+  # The replicas did draw different widths in some step (else nothing was padded).
+  assert any(own_w != w for _, _, own_w, w in widths)

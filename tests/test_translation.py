@@ -129,6 +129,29 @@ def test_decoded_metrics_against_the_references(dates_task, monkeypatch):
   assert np.isfinite(metrics["loss"])
 
 
+def test_evaluate_split_on_rows_is_those_rows_of_the_whole_split(dates_task):
+  """`rows`: the records of those examples, as the whole split's evaluation gives them (greedy
+  decoding reads each row alone), and metrics over them only (CE from NumPy per row)."""
+  task, params = dates_task
+  whole, records = task.evaluate_split(params, beam_size=1)
+  rows = [5, 1, 6]
+  part, picked = task.evaluate_split(params, beam_size=1, rows=rows)
+  assert [r["output"] for r in picked] == [records[i]["output"] for i in rows]
+  assert [r["reference"] for r in picked] == [records[i]["reference"] for i in rows]
+  assert part["exact_match"] == pytest.approx(np.mean([records[i]["exact"] for i in rows]))
+  # Teacher-forced CE over the rows' target tokens (one batch: a token mean), from the logits.
+  arrays = task._eval_arrays("validation")
+  src, src_len, tgt = (arrays[k][rows] for k in ("source", "source_length", "target"))
+  logits, _ = task.model.apply({"params": params}, src, src_len, tgt[:, :-1])
+  logp = _np_log_softmax(np.asarray(logits, np.float64))
+  nll = -np.take_along_axis(logp, tgt[:, 1:, None], -1)[..., 0]  # [3, t]
+  valid = arrays["target_mask"][rows, 1:]
+  assert part["ce"] == pytest.approx((nll * valid).sum() / valid.sum(), rel=1e-4)
+  assert part["ce"] != pytest.approx(whole["ce"], rel=1e-4)  # not the whole split's
+  with pytest.raises(ValueError, match="rows must be"):
+    task.evaluate_split(params, rows=[len(records)])
+
+
 # ------------------------------------------------------------------------------ end to end
 
 

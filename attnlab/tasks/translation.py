@@ -495,12 +495,24 @@ class TranslationTask(Task):
     # force: the texts may be tokenized on purpose (tokenize="none" scores the tokens as given).
     return float(sacrebleu.corpus_bleu(hyps, [refs], tokenize=tokenize, force=True).score)
 
-  def evaluate_split(self, params, split: str | None = None,
-                     beam_size: int | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Metrics of one split and one record per example (source, reference, output, correct)."""
+  def evaluate_split(self, params, split: str | None = None, beam_size: int | None = None,
+                     rows: Sequence[int] | None = None
+                     ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Metrics of one split and one record per example (source, reference, output, correct).
+
+    `rows`: indices into the split; only those examples are scored and decoded (in that order),
+    e.g. a fixed sample for an expensive beam search. ValueError for an index outside the split.
+    """
     split = split or self.config.data.eval_split
     arrays = self._eval_arrays(split)  # every batch padded to eval_batch_size rows
     examples = self.examples(split)
+    if rows is not None:
+      index = np.asarray(rows, dtype=np.int64).reshape(-1)  # [num_rows]
+      if index.size == 0 or index.min() < 0 or index.max() >= len(examples):
+        raise ValueError(f"rows must be one or more indices in 0..{len(examples) - 1} (the "
+                         f"examples of split {split!r}); got {index.tolist()[:5]}...")
+      arrays = {name: value[index] for name, value in arrays.items()}
+      examples = [examples[int(i)] for i in index]
     result = self.mean_metrics(
         params, pipeline.ordered_batches(arrays, self.config.data.eval_batch_size))
     n = len(examples)
