@@ -39,6 +39,7 @@ Resumable: an arm whose measurements (WORKDIR/<arm>/measure.json) reach the last
 otherwise the trainer resumes its workdir. After every arm, WORKDIR/results.json, results.md
 (the tables) and mechanisms.png (copy loss, previous-token and induction score against the step,
 mean over seeds, one line per arm) are rewritten from every finished arm of these settings.
+`--report_only` rewrites them without training (e.g. while another invocation trains).
 """
 
 from __future__ import annotations
@@ -222,11 +223,12 @@ def plot(results: dict, path: pathlib.Path) -> None:
   fig = Figure(figsize=(10.0, 9.0))
   FigureCanvasAgg(fig)
   axes = fig.subplots(3, 1, sharex=True)
-  palette = colormaps["tab20"]
+  palette = colormaps["tab10"]
   for k, (name, arm) in enumerate(results["arms"].items()):
     steps, rows = _curves(arm)
+    # the baseline black; the others 10 colours, then the same colours dashed, then dotted
     style = ({"color": "black", "lw": 2.2} if name == "full" else
-             {"color": palette(k % 20), "lw": 1.2, "ls": ["-", "--", ":", "-."][k % 4]})
+             {"color": palette(k % 10), "lw": 1.3, "ls": ["-", "--", ":"][(k // 10) % 3]})
     mean = lambda f, rows=rows: [np.mean([f(r) for r in seeds]) for seeds in rows]
     axes[0].plot(steps, mean(lambda r: r["copy_loss_here"]), label=name, **style)
     axes[1].plot(steps, mean(lambda r: max(r["previous_token"][0])), label=name, **style)
@@ -270,6 +272,8 @@ def main(argv=None) -> int:
   parser.add_argument("--threshold", type=float, default=THRESHOLD,
                       help="copy loss (nats) that marks the phase change")
   parser.add_argument("--config_arg", default="", help="extra configs/gpt.py args, key=value,...")
+  parser.add_argument("--report_only", action="store_true",
+                      help="train nothing: rewrite the tables and figure from the finished arms")
   args = parser.parse_args(argv)
   if args.steps < 1 or not 1 <= args.every <= args.steps or args.seeds < 1:
     parser.error("need --steps >= 1, 1 <= --every <= --steps and --seeds >= 1")
@@ -310,7 +314,7 @@ def main(argv=None) -> int:
         out[name] = arm
     return out
 
-  for name in wanted:
+  for name in [] if args.report_only else wanted:
     config, arg = configs[name]
     arm_dir = workdir / name
     saved = arm_dir / induction.MEASURE_FILE
