@@ -71,6 +71,8 @@ def test_nadaraya_watson(tmp_path):
     ("induction_heads/run.py", ["--config_arg=nope=1"], "unknown config key 'nope'"),
     ("marathi/run.py", ["--arms=bahdanau,nope"], "unknown arm(s) nope; valid arms: bahdanau"),
     ("marathi/run.py", ["--arms=all", "--arg=nope=1"], "unknown config key 'nope'"),
+    ("induction_heads/mechanisms.py", ["--arms=full,nope"], "unknown arm(s) nope"),
+    ("induction_heads/mechanisms.py", ["--config_arg=nope=1"], "unknown config key 'nope'"),
 ])
 def test_bad_input_is_one_line_before_any_run(script, args, needle, tmp_path):
   # A mistyped key or name: one line and status 2, nothing trained (no traceback, no study left
@@ -80,7 +82,8 @@ def test_bad_input_is_one_line_before_any_run(script, args, needle, tmp_path):
                         text=True, timeout=120)
   last = proc.stderr.strip().splitlines()[-1]
   assert proc.returncode == 2, proc.stderr[-3000:]
-  assert last.startswith("run.py: error: ") and needle in last, proc.stderr[-3000:]
+  prog = pathlib.Path(script).name
+  assert last.startswith(f"{prog}: error: ") and needle in last, proc.stderr[-3000:]
   assert "Traceback" not in proc.stderr
   assert not list((tmp_path / "out").rglob("checkpoints"))
 
@@ -240,6 +243,65 @@ def test_induction_heads(tmp_path, shared_data):
   assert "layers2: done" in again and "layers1: done" in again
   assert "shakespeare: training" not in again
   assert sorted(p.name for p in (tmp_path / "layers2").rglob("*")) == before
+
+
+def test_induction_mechanisms(tmp_path):
+  # Two arms of experiments/mechanisms on the induction study's model, 20 steps, 2 seeds. The
+  # table's cells are recomputed from the saved per-seed rows; linear attention's induction
+  # scores, read from the matrix it forms only when asked, are recomputed in NumPy from its
+  # queries and keys. ln 64 = 4.1589: 20 steps leave the copy loss about there, so this threshold
+  # may or may not be crossed, and the recomputation covers either case.
+  threshold = 4.159
+  args = (f"--workdir={tmp_path}", "--arms=full,linear", "--steps=20", "--every=10", "--seeds=2",
+          "--config_arg=data.num_train=200", f"--threshold={threshold}")
+  _run("induction_heads/mechanisms.py", *args)
+  results = json.loads((tmp_path / "results.json").read_text())
+  assert list(results["arms"]) == ["full", "linear"]
+  table = {r[0]: r for r in _rows((tmp_path / "results.md").read_text()) if len(r) == 10}
+  fmt = lambda xs: f"{np.mean(xs):.2f} ± {np.std(xs):.2f}"
+  for name, arm in results["arms"].items():
+    steps = sorted(arm["rows"], key=int)
+    assert steps == ["10", "20"] and arm["seeds"] == [0, 1]
+    final = arm["rows"]["20"]
+    copy = np.array([[r["copy_loss_here"] for r in arm["rows"][s]] for s in steps])  # [steps, 2]
+    below = copy < threshold
+    when = " / ".join(steps[int(np.argmax(below[:, i]))] if below[:, i].any() else "none"
+                      for i in range(2))
+    row = table[name]
+    assert row[2] == ("none by 20" if not below.any() else when)
+    assert row[3] == fmt(copy[-1])
+    assert row[4] == fmt([np.max(r["previous_token"][0]) for r in final])
+    assert row[5] == fmt([np.max(r["induction"][1]) for r in final])
+    assert row[6] == fmt([np.max(r["induction_near"][1]) for r in final])
+    rise = [np.max(np.asarray(a["copy_loss_ablated"][1]) - a["copy_loss_clean"])
+            for a in arm["ablation"]]
+    assert row[8].startswith(fmt(rise) + " (")
+    for a, r in zip(arm["ablation"], final):
+      # The ablation's clean forward pass and measure()'s give one copy loss.
+      assert a["copy_loss_clean"] == pytest.approx(r["copy_loss_here"], rel=1e-4)
+      assert np.asarray(a["copy_loss_ablated"]).shape == (2, 4)
+  assert results["arms"]["full"]["ablation"][0]["pattern_note"] is None
+  assert "'linear'" in results["arms"]["linear"]["ablation"][0]["pattern_note"]
+  # Linear attention's implicit matrix, A_qk = phi(q)·phi(k) / sum over k' <= q, phi = elu + 1,
+  # on the detectors' input (32 random ids in [1, 64) repeated twice, 16 rows, seed 0); the
+  # induction score is the mean of A[q, q - 31] over the second half's queries.
+  from attnlab import analysis  # pylint: disable=g-import-not-at-top
+  run = analysis.load_run(tmp_path / "linear", 20, replica=0)
+  half = np.random.default_rng(0).integers(1, 64, (16, 32), dtype=np.int32)
+  tokens = np.concatenate([half, half], axis=1)
+  _, cache = analysis.run_with_cache(run, tokens, ["blocks.1.attn.q", "blocks.1.attn.k"])
+  phi = lambda x: np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
+  q, k = (phi(np.asarray(cache[f"blocks.1.attn.{s}"], np.float64)) for s in "qk")
+  a = np.einsum("bhqd,bhkd->bhqk", q, k) * np.tril(np.ones((64, 64)))
+  a /= a.sum(-1, keepdims=True)
+  queries = np.arange(32, 64)
+  expected = a[:, :, queries, queries - 31].mean(axis=(0, 2))  # [heads]
+  assert np.allclose(results["arms"]["linear"]["rows"]["20"][0]["induction"][1], expected,
+                     atol=2e-4)
+  _pngs(tmp_path / "mechanisms.png")
+  # Run again: both arms are finished, so nothing trains.
+  again = _run("induction_heads/mechanisms.py", *args)
+  assert "full: done" in again and "linear: done" in again
 
 
 def test_analysis(tmp_path, shared_data):

@@ -127,8 +127,10 @@ def validation(task) -> dict:
           "corrupted": corrupted[:, :-1]}
 
 
-def measure(workdir: pathlib.Path, num_seeds: int, done: dict) -> dict:
-  """{step: [one row per seed]} for every checkpoint of the run in `workdir` not in `done`."""
+def measure(workdir: pathlib.Path, num_seeds: int, done: dict, near: int = 0) -> dict:
+  """{step: [one row per seed]} for every checkpoint of the run in `workdir` not in `done`; with
+  `near` > 0 also `induction_near`, the induction scores on `near` random ids repeated twice
+  (the induction key then lies near - 1 positions back: within reach of a sliding window)."""
   # pylint: disable=g-import-not-at-top
   import numpy as np
   from attnlab import analysis, checkpoint, rundir
@@ -155,6 +157,9 @@ def measure(workdir: pathlib.Path, num_seeds: int, done: dict) -> dict:
              "icl_score": icl_score(nll),
              "repeat_loss_gap": float(rep[:, :SEQ_LEN - 1].mean() - rep[:, SEQ_LEN:].mean()),
              **{k: np.round(v, 4).tolist() for k, v in scores.items()}}
+      if near:
+        row["induction_near"] = np.round(analysis.detect_heads(
+            model, seq_len=near, batch=16)["induction"], 4).tolist()
       if run.model.num_layers > 1:
         row["k_composition"] = np.round(analysis.composition_scores(model, "k")[0, :, 1], 4).tolist()
       rows.append(row)
