@@ -1,6 +1,7 @@
 """Shared pytest set-up."""
 
 import contextlib
+import importlib.util
 import logging
 import os
 import pathlib
@@ -92,3 +93,17 @@ def recording_pretrained_load():
       mp.setattr(causal_lm.CausalLMTask, "load_pretrained", recorded)
       yield step0
   return recording
+
+
+def load_script(path: pathlib.Path, name: str):
+  """A study script (experiments/*/run.py, not a package) imported as module `name`."""
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.fixture(scope="session")
+def script_loader():
+  """`load_script` for tests: `study = script_loader(SCRIPT, "name")`."""
+  return load_script

@@ -2,7 +2,6 @@
 (tiny GPT, 4 steps, 2 vmapped seeds), its numbers against NumPy references written here from the
 formulas, and its resume."""
 
-import importlib.util
 import json
 import math
 import os
@@ -26,11 +25,8 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def module():
-  spec = importlib.util.spec_from_file_location("attention_sinks_run", SCRIPT)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+def module(script_loader):
+  return script_loader(SCRIPT, "attention_sinks_run")
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,8 @@ SCRIPT = REPO / "experiments" / "bert_sst2" / "run.py"
 
 
 @pytest.fixture(scope="module")
-def study():
-  spec = importlib.util.spec_from_file_location("bert_sst2_run", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+def study(script_loader):
+  return script_loader(SCRIPT, "bert_sst2_run")
 
 
 def test_results_table_mean_std_and_per_seed_differences(study):

@@ -1,6 +1,5 @@
 """The byte tokenizer (data.tokenizer=byte) and experiments/gpt_finetune/run.py end to end."""
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -58,11 +57,8 @@ def test_gpt_with_byte_tokenizer_reads_shakespeare_as_bytes(shared_data, tmp_pat
 
 
 @pytest.fixture(scope="module")
-def study():
-  spec = importlib.util.spec_from_file_location("gpt_finetune_run", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+def study(script_loader):
+  return script_loader(SCRIPT, "gpt_finetune_run")
 
 
 def test_crossing_step_interpolates(study):

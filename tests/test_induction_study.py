@@ -3,7 +3,6 @@
 The end-to-end study in its seconds-long setting is tests/test_experiments.py::test_induction_heads.
 """
 
-import importlib.util
 import pathlib
 
 import numpy as np
@@ -16,11 +15,8 @@ SCRIPT = REPO / "experiments" / "induction_heads" / "run.py"
 
 
 @pytest.fixture(scope="module")
-def study():
-  spec = importlib.util.spec_from_file_location("induction_heads_run", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+def study(script_loader):
+  return script_loader(SCRIPT, "induction_heads_run")
 
 
 def test_corrupted_sources_leave_the_copy_with_nothing_to_match(study):
