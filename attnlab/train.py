@@ -189,19 +189,23 @@ def _writing(path: str | os.PathLike):
 
 
 def _import_tensorboardx():
-  """tensorboardX, imported without torch where torch is installed but not imported yet: its
-  writer imports torch only to accept torch tensors (attnlab logs floats), which was 3.5 s of
-  its 3.8 s import (torch 2.13 CPU). Imported only when training."""
+  """tensorboardX, imported without torch and boto3 where they are installed but not imported
+  yet: its writer imports torch only to accept torch tensors (attnlab logs floats), which was
+  3.5 s of its 3.8 s import (torch 2.13 CPU), and boto3 only to write to s3:// paths (a run
+  directory is a local folder), 0.47 of its remaining 0.6 s. Imported only when training."""
   import sys  # pylint: disable=g-import-not-at-top
-  if "torch" in sys.modules:
-    import tensorboardX  # pylint: disable=g-import-not-at-top
-    return tensorboardX
-  sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX handles
+  if "tensorboardX" in sys.modules:
+    return sys.modules["tensorboardX"]
+  # `import torch` (boto3) then raises ImportError, which tensorboardX handles.
+  blocked = [name for name in ("torch", "boto3") if name not in sys.modules]
+  for name in blocked:
+    sys.modules[name] = None
   try:
     import tensorboardX  # pylint: disable=g-import-not-at-top
   finally:
-    if sys.modules.get("torch", 0) is None:
-      del sys.modules["torch"]
+    for name in blocked:
+      if name in sys.modules and sys.modules[name] is None:
+        del sys.modules[name]
   return tensorboardX
 
 
@@ -341,6 +345,7 @@ class _Background:
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
     self.seconds = 0.0  # the work's own time, on its thread
+    self.result: Any = None  # what the work returned
 
   @property
   def started(self) -> bool:
@@ -349,7 +354,7 @@ class _Background:
   def _run(self, *args: Any) -> None:
     t0 = time.perf_counter()
     try:
-      self._work(*args)
+      self.result = self._work(*args)
     except BaseException as e:  # pylint: disable=broad-except  (raised again by finish)
       self._error = e
     finally:
@@ -381,8 +386,9 @@ class _Background:
 
 def _plots(task: tasks.Task, workdir: pathlib.Path, num_seeds: int) -> _Background:
   """The end-of-run figures (`task.write_plots`: GPT's sample.txt and attention.png, ...) of a
-  state, `start`ed once the last step's state is saved: drawn beside the final evaluation on the
-  whole validation split, and waited for (`finish`) before the run returns, so that they are in
+  state, `start`ed on the last step's state: drawn beside its checkpoint's save and the final
+  evaluation on the whole validation split (an error of theirs is raised once both are done),
+  and waited for (`finish`) before the run returns, so that they are in
   the run directory when `attnlab train` exits. The drawing uses matplotlib's object API only
   (attnlab/plotting.py), never pyplot's global state, and the run's thread draws nothing
   meanwhile. Takes the state's parameters (the last step donates no buffers after them)."""
@@ -406,6 +412,32 @@ def _warm_evaluation(task: tasks.Task, abstract: TrainState, num_seeds: int) -> 
     except Exception as e:  # pylint: disable=broad-except
       _LOG.debug("compiling the evaluation ahead failed: %s", e)
   return _Background("evaluation-compile", work)
+
+
+def _start_fresh(task: tasks.Task, parts: state_lib.Training, train_step: Callable[..., Any],
+                 mesh: jax.sharding.Mesh | None, phases: _Phases) -> tuple[TrainState, Any]:
+  """(step 0, the first batch) of a run that starts afresh, the train step compiled for them:
+  the initial state is created on a thread of its own (`state.initial_state`, whose program
+  took 1.5-1.8 s to compile for the nano GPT on 2 CPU cores) while this thread compiles the
+  train step ahead of its first call, from the state's shapes and the first batch (which the
+  first step then takes). With several processes, one after the other (no batch taken)."""
+  num_seeds = len(parts.seeds)
+  create = lambda: state_lib.initial_state(task, parts.tx, parts.init_rng, num_seeds, mesh,
+                                           parts.shardings)
+  if jax.process_count() > 1:
+    return create(), None
+  init = _Background("initial-state", create)
+  init.start()
+  _compiling_line()
+  try:
+    with phases("first step (compile)"):
+      batch = next(parts.batches)
+      train_step.lower(parts.abstract, batch, parts.train_rng).compile()
+  except BaseException:
+    init.finish(quiet=True)
+    raise
+  init.finish()
+  return init.result, batch
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> TrainState:
@@ -601,10 +633,16 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
   patience = int(config.get("early_stop_patience", 0))
   ckpt = checkpoint.Checkpointer(workdir / checkpoint.CHECKPOINT_DIR,
                                  max_to_keep=None if patience else config.keep_checkpoints)
+  train_step = make_train_step(task, tx, parts.schedule, num_seeds=num_seeds, mesh=mesh,
+                               state_shardings=shardings)
+  first_batch = None  # taken from train_iter ahead of the first step (`_start_fresh`)
+  warmup = _warm_evaluation(task, parts.abstract, num_seeds)
   try:
     restored = state_lib.restore_latest(ckpt, parts.abstract, num_seeds, quarantine=is_main)
     if restored is None:
-      state = state_lib.initial_state(task, tx, parts.init_rng, num_seeds, mesh, shardings)
+      phases.seconds["setup"] = time.perf_counter() - phases.start
+      warmup.start()
+      state, first_batch = _start_fresh(task, parts, train_step, mesh, phases)
       state = state_lib.with_pretrained(task, tx, state, num_seeds, mesh, shardings)
     else:
       state, data_state = restored
@@ -621,14 +659,12 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
     if stopper is not None and stopper.stopped:
       _finish_stopped_run(workdir, stopper, start, seeds)
       return _best_state(ckpt, stopper, state, parts.abstract)
-    train_step = make_train_step(task, tx, parts.schedule, num_seeds=num_seeds, mesh=mesh,
-                                 state_shardings=shardings)
-    phases.seconds["setup"] = time.perf_counter() - phases.start
-    warmup = _warm_evaluation(task, parts.abstract, num_seeds)
-    warmup.start()
+    if not warmup.started:
+      phases.seconds["setup"] = time.perf_counter() - phases.start
+      warmup.start()
     try:
       state = _train_loop(config, workdir, task, state, train_iter, ckpt, train_step,
-                          parts.train_rng, seeds, phases, stopper, plots, warmup)
+                          parts.train_rng, seeds, phases, stopper, plots, warmup, first_batch)
     except BaseException:
       for work in (warmup, plots):
         if work is not None:  # the files the plots write are whole; the loop's error goes on
@@ -639,6 +675,7 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
     if stopper is not None and stopper.stopped:  # the run's result: its best evaluation
       state = _best_state(ckpt, stopper, state, parts.abstract)
   finally:
+    warmup.finish(quiet=True)  # a run that returned or failed before its loop
     ckpt.close()
   if plots is not None:
     with phases("plots"):
@@ -707,10 +744,8 @@ def _check_finite(pending: list[tuple[int, dict]], ckpt: checkpoint.Checkpointer
           f"optimizer.grad_clip, and pass --config.allow_config_change=True to resume from it")
 
 
-def _first_step_done(metrics: dict, since: float) -> None:
-  """Waits for the first step and logs how long it took (mostly its compilation)."""
-  jax.block_until_ready(metrics["loss"])
-  _LOG.info("first train step done in %.1f s (compiling it included)", time.time() - since)
+def _compiling_line() -> None:
+  _LOG.info("compiling the train step (the first step takes longer) ...")
 
 
 def _stops_early(stopper: EarlyStopping, step: int, eval_metrics: dict[str, float],
@@ -736,13 +771,13 @@ def _stops_early(stopper: EarlyStopping, step: int, eval_metrics: dict[str, floa
 def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, train_rng,
                 seeds, phases: _Phases | None = None,
                 stopper: EarlyStopping | None = None, plots: _Background | None = None,
-                warmup: _Background | None = None) -> TrainState:
+                warmup: _Background | None = None, first_batch: Any = None) -> TrainState:
   """Trains from the state's step to config.num_train_steps, or until `stopper` (early
   stopping) says stop (then `stopper.stopped`); returns the state at the last step trained.
-  `plots`: started on the last step's state, once it is saved, beside the final evaluation (a
+  `plots`: started on the last step's state, beside its save and the final evaluation (a
   run that early stopping ends returns before its last step: its result, the best evaluation's
   checkpoint, is drawn afterwards). `warmup`: the evaluation's compile, waited for before the
-  first evaluation."""
+  first evaluation. `first_batch`: the first step's batch, already taken from `train_iter`."""
   phases = phases or _Phases()
   num_steps, start, num_seeds = config.num_train_steps, state_lib.step_of(state), len(seeds)
   pending: list[tuple[int, dict]] = []  # per-step metrics (on device) since the last log
@@ -754,13 +789,18 @@ def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, trai
     if not bar.disable:
       from tqdm.contrib.logging import logging_redirect_tqdm  # pylint: disable=g-import-not-at-top
       stack.enter_context(logging_redirect_tqdm([logging.getLogger("attnlab")]))
-    _LOG.info("compiling the train step (the first step takes longer) ...")
+    if first_batch is None:  # else compiled ahead (`_start_fresh`)
+      _compiling_line()
     for step in range(start + 1, num_steps + 1):
-      with phases("first step (compile)" if step == start + 1 else "training steps"):
-        batch = next(train_iter)
+      first = step == start + 1
+      with phases("first step (compile)" if first else "training steps"):
+        batch = next(train_iter) if first_batch is None or not first else first_batch
         state, metrics = train_step(state, batch, train_rng)
-        if step == start + 1:
-          _first_step_done(metrics, last_log_time)
+        if first:
+          jax.block_until_ready(metrics["loss"])
+      if first:
+        _LOG.info("first train step done in %.1f s (compiling it included)",
+                  phases.seconds["first step (compile)"])
       pending.append((step, metrics))
       bar.update()
       last, stopping = step == num_steps, stop.signum is not None
@@ -784,11 +824,11 @@ def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, trai
           _LOG.info("step %d: loss %.4g, %.1f steps/s", step, summary["loss"], steps_per_sec)
         pending, checked = [], 0
         last_log_step, last_log_time = step, now
+      if last and plots is not None:  # the run's result (early stopping returns before it)
+        plots.start_with(state)
       if do_ckpt:
         with phases("checkpoints"):
           ckpt.save(step, state, train_iter.get_state())
-      if last and plots is not None:  # the run's result (early stopping returns before it)
-        plots.start_with(state)
       if do_eval:
         # A fixed subset before the last step (config.eval_batches), the whole split at the end.
         subset = 0 if last else config.get("eval_batches", 0)

@@ -77,6 +77,17 @@ class LinearProbeMeanTask(LinearProbeTask):
     return total / count, {}
 
 
+@tasks.register_task("linear_probe_shape")
+class LinearProbeShapeTask(LinearProbeTask):
+  """The squared errors' weighted sum over a count every device holds alike, its slice's shape
+  (rows x outputs): `losses.ratio` counts each device's slice once per device, without a
+  collective of its own."""
+
+  def loss_fn(self, params, batch, rng):
+    total, _ = self.weighted_sums(params, batch)
+    return losses.ratio(total, batch["x"].shape[0] * D_OUT), {}
+
+
 def probe_config(**overrides) -> config_utils.ConfigDict:
   config = config_utils.base_config()
   config.task = "linear_probe"
@@ -116,6 +127,7 @@ def worker(out: str) -> None:
   run("one", checkpoint_every=0, **{"mesh.data": 1})
   run("dp4", checkpoint_every=0)
   run("dp4_mean", checkpoint_every=0, task="linear_probe_mean")
+  run("dp4_shape", checkpoint_every=0, task="linear_probe_shape")
   run("fsdp_momentum", checkpoint_every=0, **{"mesh.data": 2, "mesh.fsdp": 2,
                                               "mesh.fsdp_min_size": 16, "optimizer.momentum": 0.9})
   run("fsdp4", **{"mesh.data": 1, "mesh.fsdp": 4, "mesh.fsdp_min_size": 16})
@@ -156,17 +168,17 @@ def _in_fresh_process(worker_name: str, out: pathlib.Path, **env_vars: str) -> d
   return json.loads(out.read_text())
 
 
-def _numpy_sgd(kernel: np.ndarray, seed: int = 0,
-               momentum: float = 0.0) -> tuple[np.ndarray, list[float]]:
+def _numpy_sgd(kernel: np.ndarray, seed: int = 0, momentum: float = 0.0,
+               shape_count: bool = False) -> tuple[np.ndarray, list[float]]:
   """SGD (heavy-ball momentum) on the probe's weighted mean squared error in NumPy: (final kernel,
-  losses)."""
+  losses). `shape_count`: the weighted sum over rows x outputs (LinearProbeShapeTask)."""
   w, b, curve = kernel.astype(np.float64), np.zeros(D_OUT), []
   mw, mb = np.zeros_like(w), np.zeros_like(b)
   for index in range(STEPS):
     batch = _batch(seed, index)
     weight = batch["weight"][:, None]  # [batch, 1]
     residual = batch["x"] @ w + b - batch["y"]  # [batch, d_out]
-    count = weight.sum() * D_OUT
+    count = (len(weight) if shape_count else weight.sum()) * D_OUT
     curve.append(float(np.sum(weight * residual ** 2) / count))
     mw = 2.0 / count * batch["x"].T @ (weight * residual) + momentum * mw  # [d_in, d_out]
     mb = 2.0 / count * (weight * residual).sum(0) + momentum * mb  # [d_out]
@@ -188,6 +200,10 @@ def test_data_parallel_and_fsdp_match_numpy_sgd(four_devices):
     np.testing.assert_allclose(runs[name]["losses"], expected_losses, rtol=1e-5, err_msg=name)
     np.testing.assert_allclose(runs[name]["kernel"], expected_kernel, rtol=1e-4, atol=1e-6,
                                err_msg=name)
+  kernel, losses = _numpy_sgd(np.asarray(result["init_kernels"][0]), shape_count=True)
+  assert runs["dp4_shape"]["per_device"] is True
+  np.testing.assert_allclose(runs["dp4_shape"]["losses"], losses, rtol=1e-5)
+  np.testing.assert_allclose(runs["dp4_shape"]["kernel"], kernel, rtol=1e-4, atol=1e-6)
   kernel, losses = _numpy_sgd(np.asarray(result["init_kernels"][0]), momentum=0.9)
   np.testing.assert_allclose(runs["fsdp_momentum"]["losses"], losses, rtol=1e-5)
   np.testing.assert_allclose(runs["fsdp_momentum"]["kernel"], kernel, rtol=1e-4, atol=1e-6)

@@ -203,10 +203,11 @@ class Task(abc.ABC):
     with zero rows to the first one's size), under one jit-compiled step."""
     program = self._metric_program()
     totals: dict[str, list[float]] = {}
-    size = None
-    for batch in batches:
+    size, pending = None, []
+    for batch in batches:  # every batch dispatched before any result is read
       size = size or _num_rows(batch)
-      sums = jax.device_get(program(params, pad_rows(batch, size)))
+      pending.append(program(params, pad_rows(batch, size)))
+    for sums in jax.device_get(pending):
       for name, (value, denominator) in sums.items():
         total = totals.setdefault(name, [0.0, 0.0])
         total[0] += float(value)
