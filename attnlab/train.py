@@ -386,9 +386,8 @@ class _Background:
 
 def _plots(task: tasks.Task, workdir: pathlib.Path, num_seeds: int) -> _Background:
   """The end-of-run figures (`task.write_plots`: GPT's sample.txt and attention.png, ...) of a
-  state, `start`ed on the last step's state: drawn beside its checkpoint's save and the final
-  evaluation on the whole validation split (an error of theirs is raised once both are done),
-  and waited for (`finish`) before the run returns, so that they are in
+  state, `start`ed once the last step's state is saved: drawn beside the final evaluation on the
+  whole validation split, and waited for (`finish`) before the run returns, so that they are in
   the run directory when `attnlab train` exits. The drawing uses matplotlib's object API only
   (attnlab/plotting.py), never pyplot's global state, and the run's thread draws nothing
   meanwhile. Takes the state's parameters (the last step donates no buffers after them)."""
@@ -774,7 +773,7 @@ def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, trai
                 warmup: _Background | None = None, first_batch: Any = None) -> TrainState:
   """Trains from the state's step to config.num_train_steps, or until `stopper` (early
   stopping) says stop (then `stopper.stopped`); returns the state at the last step trained.
-  `plots`: started on the last step's state, beside its save and the final evaluation (a
+  `plots`: started on the last step's state, once it is saved, beside the final evaluation (a
   run that early stopping ends returns before its last step: its result, the best evaluation's
   checkpoint, is drawn afterwards). `warmup`: the evaluation's compile, waited for before the
   first evaluation. `first_batch`: the first step's batch, already taken from `train_iter`."""
@@ -824,11 +823,11 @@ def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, trai
           _LOG.info("step %d: loss %.4g, %.1f steps/s", step, summary["loss"], steps_per_sec)
         pending, checked = [], 0
         last_log_step, last_log_time = step, now
-      if last and plots is not None:  # the run's result (early stopping returns before it)
-        plots.start_with(state)
       if do_ckpt:
         with phases("checkpoints"):
           ckpt.save(step, state, train_iter.get_state())
+      if last and plots is not None:  # the run's result (early stopping returns before it)
+        plots.start_with(state)
       if do_eval:
         # A fixed subset before the last step (config.eval_batches), the whole split at the end.
         subset = 0 if last else config.get("eval_batches", 0)
