@@ -32,6 +32,7 @@ mesh from `config.mesh` and every batch is split over it; with one device nothin
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import json
@@ -767,6 +768,15 @@ def _stops_early(stopper: EarlyStopping, step: int, eval_metrics: dict[str, floa
   return True
 
 
+# Steps dispatched ahead of the last one known finished. Unbounded (the loop waits only when it
+# logs, every log_every = 50 steps), a nano GPT on two CPU devices stopped in XLA:CPU's
+# collective timeout in about half of a dozen runs of such a loop: one device's part of a step
+# waited at its all-reduce while the other's could not be launched (PjRt's launch blocked on a
+# semaphore held by steps queued behind). Eight ahead: none in six runs, the same step time
+# (experiments/benchmarks/README.md, issue #51's second pass).
+MAX_STEPS_AHEAD = 8
+
+
 def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, train_rng,
                 seeds, phases: _Phases | None = None,
                 stopper: EarlyStopping | None = None, plots: _Background | None = None,
@@ -780,6 +790,7 @@ def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, trai
   phases = phases or _Phases()
   num_steps, start, num_seeds = config.num_train_steps, state_lib.step_of(state), len(seeds)
   pending: list[tuple[int, dict]] = []  # per-step metrics (on device) since the last log
+  ahead: collections.deque = collections.deque()  # the losses of the steps in flight
   checked = 0  # pending[:checked] are known to have a finite loss
   with (_MetricLogger(workdir, start, seeds) as logger,
         contextlib.closing(_progress_bar(num_steps, start)) as bar,
@@ -795,8 +806,9 @@ def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, trai
       with phases("first step (compile)" if first else "training steps"):
         batch = next(train_iter) if first_batch is None or not first else first_batch
         state, metrics = train_step(state, batch, train_rng)
-        if first:
-          jax.block_until_ready(metrics["loss"])
+        ahead.append(metrics["loss"])
+        if first or len(ahead) > MAX_STEPS_AHEAD:
+          jax.block_until_ready(ahead.popleft())
       if first:
         _LOG.info("first train step done in %.1f s (compiling it included)",
                   phases.seconds["first step (compile)"])
