@@ -205,7 +205,7 @@ def _import_tensorboardx():
     import tensorboardX  # pylint: disable=g-import-not-at-top
   finally:
     for name in blocked:
-      if name in sys.modules and sys.modules[name] is None:
+      if sys.modules.get(name, 0) is None:
         del sys.modules[name]
   return tensorboardX
 
@@ -637,11 +637,15 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
                                state_shardings=shardings)
   first_batch = None  # taken from train_iter ahead of the first step (`_start_fresh`)
   warmup = _warm_evaluation(task, parts.abstract, num_seeds)
+
+  def end_setup() -> None:  # the evaluation then compiles beside what follows
+    if not warmup.started:
+      phases.seconds["setup"] = time.perf_counter() - phases.start
+      warmup.start()
   try:
     restored = state_lib.restore_latest(ckpt, parts.abstract, num_seeds, quarantine=is_main)
     if restored is None:
-      phases.seconds["setup"] = time.perf_counter() - phases.start
-      warmup.start()
+      end_setup()
       state, first_batch = _start_fresh(task, parts, train_step, mesh, phases)
       state = state_lib.with_pretrained(task, tx, state, num_seeds, mesh, shardings)
     else:
@@ -659,9 +663,7 @@ def _train_in_workdir(config: ml_collections.ConfigDict, workdir: pathlib.Path, 
     if stopper is not None and stopper.stopped:
       _finish_stopped_run(workdir, stopper, start, seeds)
       return _best_state(ckpt, stopper, state, parts.abstract)
-    if not warmup.started:
-      phases.seconds["setup"] = time.perf_counter() - phases.start
-      warmup.start()
+    end_setup()
     try:
       state = _train_loop(config, workdir, task, state, train_iter, ckpt, train_step,
                           parts.train_rng, seeds, phases, stopper, plots, warmup, first_batch)
@@ -804,7 +806,7 @@ def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, trai
     for step in range(start + 1, num_steps + 1):
       first = step == start + 1
       with phases("first step (compile)" if first else "training steps"):
-        batch = next(train_iter) if first_batch is None or not first else first_batch
+        batch = first_batch if first and first_batch is not None else next(train_iter)
         state, metrics = train_step(state, batch, train_rng)
         ahead.append(metrics["loss"])
         if first or len(ahead) > MAX_STEPS_AHEAD:

@@ -1,11 +1,13 @@
 """The machine a benchmark ran on, for its header: figures from different CPUs are not compared.
 
   cpu_line() -> "CPU: Intel(R) Xeon(R) Processor ... x 2; AVX-512: yes (bf16: no); AMX: no"
+  uptime()   -> `uptime`'s line (the load a figure was measured under)
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 
 
 def cpu_line(cpuinfo: str = "/proc/cpuinfo") -> str:
@@ -27,6 +29,14 @@ def cpu_line(cpuinfo: str = "/proc/cpuinfo") -> str:
   yes = lambda b: "yes" if b else "no"
   return (f"CPU: {model} x {os.cpu_count()}; AVX-512: {yes('avx512f' in flags)} "
           f"(bf16: {yes('avx512_bf16' in flags)}); AMX: {yes('amx_tile' in flags)}")
+
+
+def uptime() -> str:
+  """`uptime`'s line; the load averages alone where the command is missing."""
+  try:
+    return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+  except OSError:
+    return "load average: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":

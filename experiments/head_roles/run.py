@@ -38,12 +38,11 @@ The measurement takes under a minute and is simply repeated by a re-run.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import pathlib
-import platform
 import shutil
-import subprocess
 import sys
 import time
 
@@ -83,21 +82,16 @@ def pretrain_config(args):
   return config
 
 
-def _uptime() -> str:
-  try:
-    return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
-  except OSError:
-    return "load average: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+def _load_machine():
+  """experiments/benchmarks/machine.py (the CPU and the load a figure came from) as a module."""
+  spec = importlib.util.spec_from_file_location(
+      "benchmarks_machine", REPO / "experiments" / "benchmarks" / "machine.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
-def cpu_model() -> str:
-  try:
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith("model name"):
-        return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or "unknown"
+machine = _load_machine()
 
 
 # ------------------------------------------------------------------------------ text
@@ -352,7 +346,7 @@ def main(argv=None) -> int:
   workdir = pathlib.Path(args.workdir).absolute()
   workdir.mkdir(parents=True, exist_ok=True)
   pretrain_dir = workdir / "pretrain"
-  started, uptime_before = time.time(), _uptime()
+  started, uptime_before = time.time(), machine.uptime()
   print(f"uptime before: {uptime_before}", flush=True)
   timings_path = workdir / "timings.json"
   timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
@@ -378,8 +372,9 @@ def main(argv=None) -> int:
             "measure": measure(run, sentences, args.num_sentences, marked)}
   timings["measure_s"] = time.time() - start
   timings_path.write_text(json.dumps(timings, indent=1) + "\n")
-  result.update({"seconds": timings, "uptime_before": uptime_before, "uptime_after": _uptime(),
-                 "wall_s_this_invocation": time.time() - started, "cpu": cpu_model(),
+  result.update({"seconds": timings, "uptime_before": uptime_before,
+                 "uptime_after": machine.uptime(),
+                 "wall_s_this_invocation": time.time() - started, "cpu": machine.cpu_line(),
                  "cpus": os.cpu_count(), "pronouns_file": str(args.pronouns)})
   text = tables(result)
   (workdir / "results.json").write_text(json.dumps(result, indent=1) + "\n")

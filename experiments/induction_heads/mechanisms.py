@@ -297,7 +297,7 @@ def main(argv=None) -> int:
     configs[name] = induction.arm_config(LAYERS, args.steps, args.every, args.seeds, extra)
   workdir = pathlib.Path(args.workdir).absolute()
   workdir.mkdir(parents=True, exist_ok=True)
-  started, uptime_before = time.time(), induction._uptime()  # pylint: disable=protected-access
+  started, uptime_before = time.time(), machine.uptime()
   print(f"uptime before: {uptime_before}", flush=True)
   results = {"steps": args.steps, "every": args.every, "seeds": args.seeds,
              "threshold": args.threshold, "near": NEAR,
@@ -329,7 +329,7 @@ def main(argv=None) -> int:
     print(f"{name}: training to step {args.steps} ({args.seeds} seeds, vmapped): {arg}",
           flush=True)
     record = {"start_utc": time.strftime("%H:%M:%S", time.gmtime()),
-              "uptime_start": induction._uptime()}  # pylint: disable=protected-access
+              "uptime_start": machine.uptime()}
     start = time.time()
     train.train_and_evaluate(config, arm_dir)
     arm["train_s"] += time.time() - start
@@ -339,7 +339,7 @@ def main(argv=None) -> int:
     arm["ablation"] = ablation(arm_dir, args.seeds)
     arm["measure_s"] += time.time() - start
     record.update(end_utc=time.strftime("%H:%M:%S", time.gmtime()),
-                  uptime_end=induction._uptime())  # pylint: disable=protected-access
+                  uptime_end=machine.uptime())
     arm["invocations"].append(record)
     saved.write_text(json.dumps(arm) + "\n")
     results["arms"] = finished()
@@ -349,7 +349,7 @@ def main(argv=None) -> int:
           f"train {arm['train_s']:.0f} s, measure {arm['measure_s']:.0f} s", flush=True)
 
   results["arms"] = finished()
-  results.update(uptime_after=induction._uptime(),  # pylint: disable=protected-access
+  results.update(uptime_after=machine.uptime(),
                  wall_s_this_invocation=time.time() - started)
   if not results["arms"]:
     print("no arm finished with these settings yet")
