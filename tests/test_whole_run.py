@@ -153,3 +153,29 @@ def test_initial_state_is_traced_once(monkeypatch):
   eager = state_lib.create_train_state(task, parts.tx, parts.init_rng)
   for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(eager)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_the_attention_picture_is_the_unpadded_samples_attention(gpt_runs, shared_data,
+                                                                    monkeypatch, tmp_path):
+  """write_plots captures the attention on the sample padded to PLOT_TOKENS (one program,
+  compiled while the sample is generated) and shows its first rows and columns: they must be
+  the attention of the sample alone (here 16 tokens: "ROMEO:" and 10 sampled)."""
+  from attnlab import plotting  # pylint: disable=g-import-not-at-top
+  from attnlab.layers import sown  # pylint: disable=g-import-not-at-top
+  tmp, plotted, _, _, _, _, _ = gpt_runs
+  task = tasks.build_task(_gpt_config(shared_data, tmp))
+  drawn = {}
+  monkeypatch.setattr(plotting, "attention_grid",
+                      lambda weights, **kw: drawn.update(weights=weights, **kw))
+  task.write_plots(plotted.params, tmp_path)
+  ids = task.encode_prompt((tmp_path / "sample.txt").read_text()[:-1])[:causal_lm.PLOT_TOKENS]
+  assert len(ids) == 16 and drawn["x_labels"] == drawn["y_labels"]
+  assert len(drawn["x_labels"]) == 16
+  _, inter = task.model.apply({"params": plotted.params}, np.asarray(ids)[None],
+                              mutable=["intermediates"])
+  alone = np.asarray(sown.stack_layers(sown.sown_values(inter["intermediates"])))
+  weights = np.asarray(drawn["weights"])
+  assert weights.shape == alone.shape == (2, 2, 16, 16)  # runlocal: 2 layers of 2 heads
+  np.testing.assert_allclose(weights, alone, atol=1e-5)
+  np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-5)  # rows over the sample alone
+  assert np.all(np.triu(weights, 1) == 0.0)  # causal: nothing from later (or padded) tokens

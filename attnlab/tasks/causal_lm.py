@@ -57,6 +57,7 @@ accuracy, for addition exact_match, for induction copy_loss and copy_accuracy.
 
 from __future__ import annotations
 
+import concurrent.futures
 import pathlib
 from typing import Any
 
@@ -156,6 +157,10 @@ def pretraining_mismatch(pretrain, config) -> list[str]:
       diffs.append(f"data.{key}: {pretrain.data.get(key)!r} in the pretraining run, "
                    f"{config.data.get(key)!r} here")
   return diffs
+
+
+# Tokens of the end-of-run sample (prompt first) whose attention attention.png shows.
+PLOT_TOKENS = 32
 
 
 @register_task("causal_lm")
@@ -528,19 +533,36 @@ class CausalLMTask(Task):
     return tuple(sorted(banned))
 
   def write_plots(self, params, workdir: pathlib.Path) -> None:
-    """sample.txt (a generated continuation) and attention.png (every layer and head)."""
-    from attnlab import plotting  # pylint: disable=g-import-not-at-top  (matplotlib)
+    """sample.txt (a generated continuation) and attention.png (every layer and head on the
+    sample's first PLOT_TOKENS tokens). The attention capture is compiled, and matplotlib
+    imported, on a second thread while the sample is generated: drawn beside the trainer's final
+    evaluation, the plots' chain of work, not the cores, set when a run ends."""
     workdir = pathlib.Path(workdir)
-    g = self.config.generate
-    prompt = g.prompt or self.default_prompt
-    text = self.sample_text(params, prompt, num_tokens=g.num_tokens, temperature=g.temperature,
-                            top_k=g.top_k or None, seed=self.config.seed)
-    (workdir / "sample.txt").write_text(prompt + text + "\n", encoding="utf-8")
-    ids = self.encode_prompt(prompt + text)[:min(self.block_size, 32)]
-    inter = jax.jit(lambda p, x: self.model.apply({"params": p}, x, mutable=["intermediates"])[1])(
-        params, jnp.asarray(ids)[None])["intermediates"]
-    weights = sown.stack_layers(sown.sown_values(inter))  # [layers, heads, len, len]
+    length = min(self.block_size, PLOT_TOKENS)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="attnlab-capture") as pool:
+      capture = pool.submit(self._compile_capture, params, length)
+      g = self.config.generate
+      prompt = g.prompt or self.default_prompt
+      text = self.sample_text(params, prompt, num_tokens=g.num_tokens, temperature=g.temperature,
+                              top_k=g.top_k or None, seed=self.config.seed)
+      (workdir / "sample.txt").write_text(prompt + text + "\n", encoding="utf-8")
+      capture = capture.result()
+    from attnlab import plotting  # pylint: disable=g-import-not-at-top  (matplotlib)
+    ids = self.encode_prompt(prompt + text)[:length]
+    # Padded to the compiled length: causal attention's first rows do not see the padding.
+    padded = np.zeros((1, length), np.int32)
+    padded[0, :len(ids)] = ids
+    inter = capture(params, jnp.asarray(padded))["intermediates"]
+    weights = sown.stack_layers(sown.sown_values(inter))  # [layers, heads, length, length]
+    weights = np.asarray(weights)[:, :, :len(ids), :len(ids)]
     labels = [repr(self.tokenizer.id_to_token(int(i)))[1:-1] for i in ids]
     plotting.attention_grid(weights, x_labels=labels, y_labels=labels,
                             title=f"GPT self-attention ({models_lib.score_name(self.config.model)})",
                             path=workdir / "attention.png")
+
+  def _compile_capture(self, params, length: int):
+    """The compiled program giving the model's sown intermediates (the attention weights) for
+    `params` and ids `[1, length]`; imports matplotlib (attnlab.plotting) meanwhile."""
+    from attnlab import plotting  # pylint: disable=g-import-not-at-top,unused-import
+    capture = jax.jit(lambda p, x: self.model.apply({"params": p}, x, mutable=["intermediates"])[1])
+    return capture.lower(params, jax.ShapeDtypeStruct((1, length), jnp.int32)).compile()
