@@ -418,15 +418,22 @@ def test_gpt_vs_nanogpt_benchmark(shared_data, tmp_path):
   rows = list(_table(out, "contender").values())
   assert [r[0].split()[0] for r in rows] == ["nanoGPT", "attnlab"]
   assert rows[0][3] == "1.00x" and float(rows[1][3].strip("*x")) > 0
-  # Wall time alone (--rounds=0): each run's seconds and final validation loss, no timing table.
-  out = _run("benchmarks/gpt_vs_nanogpt.py", "--rounds=0", "--wall_steps=2",
+  # Wall time alone (--rounds=0): each run's seconds and final validation loss, no timing table;
+  # two rounds, the second in the reverse order, and the per-round ratios' median.
+  out = _run("benchmarks/gpt_vs_nanogpt.py", "--rounds=0", "--wall_steps=2", "--wall_rounds=2",
              "--contenders=nanogpt,learned", f"--data_dir={shared_data}", f"--scratch={tmp_path}")
   assert "ms per iteration" not in out
   rows = list(_table(out, "contender").values())
-  assert [r[0].split()[0] for r in rows] == ["nanoGPT", "attnlab"]
+  assert [(r[0].split()[0], r[0].split()[-1]) for r in rows] == [
+      ("nanoGPT", "1"), ("attnlab", "1"), ("attnlab", "2"), ("nanoGPT", "2")]
   # wall s and final val loss; attnlab's first log line and first step (nanoGPT logs neither: -)
   assert all(float(r[1]) > 0 and float(r[4]) > 0 for r in rows)
-  assert rows[0][2:4] == ["-", "-"] and 0 < float(rows[1][2]) < float(rows[1][3]) < float(rows[1][1])
+  for nano, ours in ((rows[0], rows[1]), (rows[3], rows[2])):
+    assert nano[2:4] == ["-", "-"] and 0 < float(ours[2]) < float(ours[3]) < float(ours[1])
+  ratios = [float(rows[0][1]) / float(rows[1][1]), float(rows[3][1]) / float(rows[2][1])]
+  line, = [l for l in out.splitlines() if l.startswith("whole-run ratio nanogpt s / learned s")]
+  # (the table's seconds are rounded to 0.1 s: ratios of ~10 s runs agree to about 0.01)
+  assert abs(float(line.rsplit("**", 2)[1].rstrip("x")) - np.median(ratios)) < 0.02, line
 
 
 def test_gpu_benchmark_smoke(tmp_path):

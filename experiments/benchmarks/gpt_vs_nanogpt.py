@@ -39,6 +39,8 @@ first train step, and the phases its log ends with (startup.py's `timed_train`).
   python experiments/benchmarks/gpt_vs_nanogpt.py                          # 3 rounds x 300 iters + wall
   python experiments/benchmarks/gpt_vs_nanogpt.py --rounds=5 --iters=400 --wall_steps=0
   python experiments/benchmarks/gpt_vs_nanogpt.py --rounds=0 --wall_steps=2000   # wall time only
+  python experiments/benchmarks/gpt_vs_nanogpt.py --rounds=0 --wall_contenders=nanogpt,rotary \
+      --wall_rounds=5                      # 5 alternating pairs, per-pair ratios and their median
   python experiments/benchmarks/gpt_vs_nanogpt.py --contenders=nanogpt,learned --rounds=3
 
 Needs torch and numpy for nanoGPT (`pip install -e '.[torch]'`, CPU build).
@@ -250,6 +252,19 @@ def print_timing_table(args, contenders, nanogpts, per_round, label) -> None:
   print(f"load average after timing rounds: {os.getloadavg()[0]:.2f}", flush=True)
 
 
+def print_wall_ratios(walls: dict[str, list[float]], label: dict[str, str]) -> None:
+  """Whole runs over rounds: each contender's median, and each attnlab contender's per-round
+  ratios to each nanoGPT contender of the same round (its wall s / attnlab's) and their median."""
+  for c, values in walls.items():
+    print(f"{label[c]}: median {statistics.median(values):.1f} s over {len(values)} rounds")
+  for n in [c for c in walls if c.startswith("nanogpt")]:
+    for c in [c for c in walls if not c.startswith("nanogpt")]:
+      ratios = [a / b for a, b in zip(walls[n], walls[c])]
+      print(f"whole-run ratio {n} s / {c} s per round: "
+            + ", ".join(f"{x:.2f}" for x in ratios)
+            + f"; median **{statistics.median(ratios):.2f}x**")
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds")
@@ -267,6 +282,9 @@ def main(argv=None) -> int:
                       "(mesh.cpu_devices=0 asked for explicitly)")
   parser.add_argument("--wall_steps", type=int, default=2000,
                       help="steps of the full-run wall-time comparison (0 skips it)")
+  parser.add_argument("--wall_rounds", type=int, default=1,
+                      help="rounds of the wall-time comparison, the contenders' order reversed "
+                      "every other round; with 2 or more, per-round ratios and their median")
   parser.add_argument("--wall_contenders", default="",
                       help="contenders of the wall-time runs ('' = --contenders)")
   parser.add_argument("--warm_cache", action="store_true",
@@ -286,6 +304,8 @@ def main(argv=None) -> int:
     return 0
   if args.rounds < 0 or args.wall_steps < 0 or (args.rounds and args.iters <= args.skip):
     parser.error("--rounds and --wall_steps must be >= 0 and --iters > --skip")
+  if args.wall_rounds < 1:
+    parser.error("--wall_rounds must be >= 1")
   if not args.rounds and not args.wall_steps:
     parser.error("--rounds=0 and --wall_steps=0 leave nothing to measure")
 
@@ -334,24 +354,35 @@ def main(argv=None) -> int:
     print_timing_table(args, contenders, nanogpts, per_round, label)
 
   if args.wall_steps:
-    print(f"\nwall time of one {args.wall_steps}-step training run (process start to exit):")
+    wall_contenders = [c for c in (args.wall_contenders or args.contenders).split(",") if c]
+    print(f"\nwall time of one {args.wall_steps}-step training run (process start to exit)"
+          + (f", {args.wall_rounds} rounds, the order reversed every other round:"
+             if args.wall_rounds > 1 else ":"))
     print("| contender | wall s | first log line s | first train step s | final val loss |")
     print("|---|---|---|---|---|")
-    phases = {}
-    for c in [c for c in (args.wall_contenders or args.contenders).split(",") if c]:
-      first_line = first_step = "-"
-      if c.startswith("nanogpt"):
-        _, wall, val = run_nanogpt(work, args.wall_steps, 250, scratch / "out_wall",
-                                   passive=c == "nanogpt_passive")
-      else:
-        wall, val, times = run_attnlab_training(c, args, scratch / f"attnlab_{c}_{time.time_ns()}")
-        first_line, first_step = f"{times['first line']:.1f}", f"{times['first step']:.1f}"
-        phases[c] = {k: v for k, v in times.items() if k not in (
-            "first line", "first step", "exit", "val loss")}
-      val_s = f"{val:.4f}" if isinstance(val, float) else str(val)
-      print(f"| {label[c]} | {wall:.1f} | {first_line} | {first_step} | {val_s} |", flush=True)
-    for c, seconds in phases.items():
-      print(f"{c} phases: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()))
+    phases, walls = {}, {c: [] for c in wall_contenders}
+    for r in range(args.wall_rounds):
+      for c in (wall_contenders[::-1] if r % 2 else wall_contenders):
+        first_line = first_step = "-"
+        if c.startswith("nanogpt"):
+          _, wall, val = run_nanogpt(work, args.wall_steps, 250, scratch / "out_wall",
+                                     passive=c == "nanogpt_passive")
+        else:
+          wall, val, times = run_attnlab_training(c, args,
+                                                  scratch / f"attnlab_{c}_{time.time_ns()}")
+          first_line, first_step = f"{times['first line']:.1f}", f"{times['first step']:.1f}"
+          phases.setdefault(c, []).append({k: v for k, v in times.items() if k not in (
+              "first line", "first step", "exit", "val loss")})
+        walls[c].append(wall)
+        val_s = f"{val:.4f}" if isinstance(val, float) else str(val)
+        name = label[c] + (f", round {r + 1}" if args.wall_rounds > 1 else "")
+        print(f"| {name} | {wall:.1f} | {first_line} | {first_step} | {val_s} |", flush=True)
+    for c, runs in phases.items():
+      for r, seconds in enumerate(runs):
+        print(f"{c} phases{f' (round {r + 1})' if len(runs) > 1 else ''}: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()))
+    if args.wall_rounds > 1:
+      print_wall_ratios(walls, label)
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
   return 0
 
