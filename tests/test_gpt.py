@@ -87,8 +87,14 @@ def test_decode_chunks_give_the_full_forward_logits(model_and_params, forward):
   np.testing.assert_allclose(jnp.concatenate([first] + rest, axis=1), full, rtol=1e-4, atol=1e-4)
 
 
-def test_kv_cache_greedy_equals_uncached_greedy(model_and_params, forward):
+@pytest.mark.parametrize("prefill_in_step", [True, False])
+def test_kv_cache_greedy_equals_uncached_greedy(model_and_params, forward, prefill_in_step,
+                                                 monkeypatch):
+  """Both ways of filling the prompt's cache: in the refill's pass at the first step (a small
+  model's) and in a pass of its own before the loop (a model whose keep tokens cost more)."""
   model, params = model_and_params
+  monkeypatch.setattr(gpt, "PREFILL_IN_STEP_FLOPS", float("inf") if prefill_in_step else 0.0)
+  assert gpt._prefill_in_step(params, 8, 3) == prefill_in_step  # keep = block_size 16 // 2
   prompt = np.random.default_rng(3).integers(0, VOCAB, (2, 4))
   steps = 12  # prompt + steps fit in block_size 16; 30 tokens go past it
   cached = gpt.generate(model, params, prompt, jax.random.key(0), num_tokens=30,

@@ -23,10 +23,12 @@ step function over one of two states:
   prefill); each step then feeds one token, so it costs one position, not the whole prefix. The
   learned position table has `block_size` rows, so when the cache is full the last
   `keep` tokens (default block_size // 2) are re-encoded into a fresh cache and generation goes
-  on: each new token then sees between `keep` and block_size - 1 earlier tokens. The prefill
-  and the refills are one forward pass of max(keep, prompt length - 1) tokens in the step's
-  program (run at the first step, and when a row's cache is full), so the program compiles one
-  chunk's pass, not two: 0.5 s less of a nano GPT's 3 s to its first sampled token.
+  on: each new token then sees between `keep` and block_size - 1 earlier tokens. For a small
+  model the prefill and the refills are one forward pass of max(keep, prompt length - 1) tokens
+  in the step's program (run at the first step, and when a row's cache is full), so the program
+  compiles one chunk's pass, not two: 0.5 s less of a nano GPT's 3 s to its first sampled
+  token. A model whose extra tokens would cost more (PREFILL_IN_STEP_FLOPS: GPT-2 small with a
+  short prompt) keeps the prefill before the loop.
 - No cache (use_cache=False): every step runs the full forward pass over the last block_size
   tokens (the sliding window of nanoGPT's sampler).
 
@@ -283,10 +285,24 @@ def _set_cache_lengths(cache: Any, lengths: Array) -> Any:
   return jax.tree_util.tree_map_with_path(set_leaf, cache)
 
 
+# A prompt's prefill runs in the refill's pass of max(keep, context) tokens (one chunk pass less
+# to compile: 0.5 s of a nano GPT's first sample on 2 CPU cores) when the tokens it adds to the
+# context cost at most this many FLOPs (2 per parameter and token: milliseconds on a CPU core).
+# A nano GPT's 27 extra tokens are 0.04 GFLOP; GPT-2 small's ~500 are 125 GFLOP (0.5 s a call on
+# 2 CPU cores), so it keeps a prefill of its own.
+PREFILL_IN_STEP_FLOPS = 2e9
+
+
+def _prefill_in_step(params: Any, keep: int, context: int) -> bool:
+  """Whether `generate` fills a context of `context` tokens in the refill's pass (see above)."""
+  extra = max(0, keep - context)
+  return 2 * sum(x.size for x in jax.tree.leaves(params)) * extra <= PREFILL_IN_STEP_FLOPS
+
+
 def _cached_step_fn(model: GPT, params: Any, keep: int, width: int, interventions: Any = None):
   """step_fn(state, token) for decoding.sample; state {cache, window, length, prefill}. One
-  forward pass of `width` (>= keep) tokens both fills a prompt's cache (the prefill, at the
-  first step) and refills a full one: the program compiles one chunk's pass, not two."""
+  forward pass of `width` (>= keep) tokens refills a full cache and, for the rows whose
+  `prefill` is set, fills the prompt's context at the first step."""
   block = model.block_size
 
   def rebuild(state):
@@ -337,21 +353,33 @@ def _uncached_step_fn(model: GPT, params: Any, interventions: Any = None):
 
 
 @functools.partial(jax.jit, static_argnames=("model", "num_tokens", "top_k", "top_p",
-                                             "use_cache", "keep", "end_id", "banned_ids"))
+                                             "use_cache", "keep", "end_id", "banned_ids",
+                                             "prefill_in_step"))
 def _generate(model: GPT, params: Any, prompt: Array, lengths: Array, rng: Array,
               temperature: Array, *, num_tokens: int, top_k: int | None, top_p: float | None,
               use_cache: bool, keep: int, end_id: int | None,
-              banned_ids: tuple[int, ...] = (), interventions: Any = None) -> decoding.Decoded:
-  """prompt `[batch, len]`: row b's tokens first, lengths[b] of them, then padding."""
+              banned_ids: tuple[int, ...] = (), interventions: Any = None,
+              prefill_in_step: bool = False) -> decoding.Decoded:
+  """prompt `[batch, len]`: row b's tokens first, lengths[b] of them, then padding.
+  prefill_in_step: the cache takes the prompt's context in the refill's pass
+  (`_prefill_in_step`)."""
   batch, length = prompt.shape
   # The last token of each prompt is its first input; the tokens before it are its context.
   start = jnp.take_along_axis(prompt, (lengths - 1)[:, None], axis=1)[:, 0]  # [batch]
   context = prompt[:, :-1]  # [batch, len - 1]: a shorter row's tail here is overwritten later
   window = jnp.zeros((batch, model.block_size), jnp.int32).at[:, :length - 1].set(context)
   state = {"window": window, "length": lengths - 1}
-  if use_cache:  # the context's cache is filled at the first step (`_cached_step_fn`)
-    state.update(cache=init_cache(model, batch), prefill=lengths > 1)
-    step_fn = _cached_step_fn(model, params, keep, max(keep, length - 1), interventions)
+  if use_cache:
+    cache = init_cache(model, batch)
+    # The context's cache filled at the first step, in the refill's pass (`_cached_step_fn`), or
+    # before the loop in a pass of its own (a model for which keep tokens cost more).
+    in_step = length > 1 and prefill_in_step
+    if length > 1 and not in_step:
+      _, cache = decode_chunk(model, params, cache, context, interventions)
+      cache = _set_cache_lengths(cache, lengths - 1)
+    state.update(cache=cache, prefill=(lengths > 1) & in_step)
+    width = max(keep, length - 1) if in_step else keep
+    step_fn = _cached_step_fn(model, params, keep, width, interventions)
   else:
     step_fn = _uncached_step_fn(model, params, interventions)
   return decoding.sample(step_fn, state, start, rng, num_steps=num_tokens,
@@ -401,7 +429,8 @@ def generate(model: GPT, params: Any, prompt: Any, rng: Array, *, num_tokens: in
   return _generate(model, params, prompt, lengths, rng, jnp.asarray(temperature, jnp.float32),
                    num_tokens=int(num_tokens), top_k=top_k, top_p=top_p, use_cache=use_cache,
                    keep=keep, end_id=end_id, banned_ids=tuple(sorted(int(i) for i in banned_ids)),
-                   interventions=interventions or None)
+                   interventions=interventions or None,
+                   prefill_in_step=_prefill_in_step(params, keep, prompt.shape[1] - 1))
 
 
 def _prompt_rows(prompt: Any, block_size: int) -> tuple[Array, Array]:

@@ -564,5 +564,6 @@ class CausalLMTask(Task):
     """The compiled program giving the model's sown intermediates (the attention weights) for
     `params` and ids `[1, length]`; imports matplotlib (attnlab.plotting) meanwhile."""
     from attnlab import plotting  # pylint: disable=g-import-not-at-top,unused-import
-    capture = jax.jit(lambda p, x: self.model.apply({"params": p}, x, mutable=["intermediates"])[1])
+    capture = jax.jit(
+        lambda p, x: self.model.apply({"params": p}, x, mutable=["intermediates"])[1])
     return capture.lower(params, jax.ShapeDtypeStruct((1, length), jnp.int32)).compile()
