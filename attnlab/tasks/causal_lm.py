@@ -535,8 +535,8 @@ class CausalLMTask(Task):
   def write_plots(self, params, workdir: pathlib.Path) -> None:
     """sample.txt (a generated continuation) and attention.png (every layer and head on the
     sample's first PLOT_TOKENS tokens). The attention capture is compiled, and matplotlib
-    imported, on a second thread while the sample is generated: drawn beside the trainer's final
-    evaluation, the plots' chain of work, not the cores, set when a run ends."""
+    imported, on a second thread while the sample is generated, so that the trainer's wait for
+    the plots, drawn beside its final evaluation, is not one thread's work end to end."""
     workdir = pathlib.Path(workdir)
     length = min(self.block_size, PLOT_TOKENS)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="attnlab-capture") as pool:
