@@ -168,7 +168,8 @@ def test_the_attention_picture_is_the_unpadded_samples_attention(gpt_runs, share
   monkeypatch.setattr(plotting, "attention_grid",
                       lambda weights, **kw: drawn.update(weights=weights, **kw))
   task.write_plots(plotted.params, tmp_path)
-  ids = task.encode_prompt((tmp_path / "sample.txt").read_text()[:-1])[:causal_lm.PLOT_TOKENS]
+  ids = task.encode_prompt(
+      (tmp_path / "sample.txt").read_text(encoding="utf-8")[:-1])[:causal_lm.PLOT_TOKENS]
   assert len(ids) == 16 and drawn["x_labels"] == drawn["y_labels"]
   assert len(drawn["x_labels"]) == 16
   _, inter = task.model.apply({"params": plotted.params}, np.asarray(ids)[None],
