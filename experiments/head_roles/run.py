@@ -38,7 +38,6 @@ The measurement takes under a minute and is simply repeated by a re-run.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import pathlib
@@ -49,6 +48,10 @@ import time
 import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+# experiments/benchmarks/machine.py: the CPU and the load a figure came from (as the benchmarks
+# import it)
+sys.path.append(str(REPO / "experiments" / "benchmarks"))
+import machine  # pylint: disable=g-bad-import-order,wrong-import-position
 CONFIG_FILE = REPO / "configs" / "bert.py"
 PRONOUNS_FILE = pathlib.Path(__file__).resolve().parent / "pronouns.txt"
 # The pretraining run (before --steps and --pretrain_args, which win): BERT-Tiny's width (128,
@@ -82,16 +85,6 @@ def pretrain_config(args):
   return config
 
 
-def _load_machine():
-  """experiments/benchmarks/machine.py (the CPU and the load a figure came from) as a module."""
-  spec = importlib.util.spec_from_file_location(
-      "benchmarks_machine", REPO / "experiments" / "benchmarks" / "machine.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-machine = _load_machine()
 
 
 # ------------------------------------------------------------------------------ text
