@@ -155,3 +155,66 @@ def test_enable_refuses_a_device_count_jax_does_not_run(monkeypatch):
   assert cpu.enable().cpu_devices is None
   with pytest.raises(ConfigError, match="mesh.cpu_devices=3 but JAX already started"):
     cpu.enable(config(3))
+
+
+def test_the_xla_flag_is_added_once_and_never_over_the_users():
+  """xla_flags.set_flags: adds the YNNPACK flag to XLA_FLAGS (after the user's other flags), once;
+  leaves XLA_FLAGS alone when the user names the flag, when ATTNLAB_XLA_TUNING=0, for a jaxlib
+  whose flags were not checked, and once JAX has started."""
+  flags = cpu.xla_flags
+  flag = f"--{flags.YNN_FLAG}={flags.YNN_FUSION}"
+  env = {"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}
+  assert flags.set_flags(env, (0, 10), started=False) == flag
+  assert env["XLA_FLAGS"] == f"--xla_cpu_enable_fast_math=false {flag}"
+  assert flags.set_flags(env, (0, 10), started=False) is None  # already there: once
+  assert env["XLA_FLAGS"] == f"--xla_cpu_enable_fast_math=false {flag}"
+  env = {}
+  assert flags.set_flags(env, (0, 11), started=False) == flag and env["XLA_FLAGS"] == flag
+  own = {"XLA_FLAGS": f"--{flags.YNN_FLAG}=dot"}
+  for kept, version, started in ((own, (0, 10), False), ({"ATTNLAB_XLA_TUNING": "0"}, (0, 10), False),
+                                 ({}, (0, 99), False), ({}, (), False), ({}, (0, 10), True)):
+    before = dict(kept)
+    assert flags.set_flags(kept, version, started=started) is None
+    assert kept == before
+
+
+_YNN_PROBE = r"""
+import json, os, re
+from attnlab.backends import cpu
+added = cpu.enable().xla_flag
+import jax, jax.numpy as jnp, numpy as np
+f = lambda x, w: (jnp.tanh(x @ w) @ w.T).sum(axis=-1)
+rng = np.random.default_rng(0)
+x, w = (rng.normal(size=s).astype(np.float32) for s in ((64, 128), (128, 128)))
+text = jax.jit(f).lower(x, w).compile().as_text()
+entry = text[text.index("ENTRY"):]
+print(json.dumps({"added": added, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                  "ynn": len(re.findall(r'"kind":"__ynn_fusion"', entry)),
+                  "loops": len(re.findall(r"kind=kLoop", entry)),
+                  "values": np.asarray(f(x, w)).tolist()}))
+"""
+
+
+def test_enable_gives_ynnpack_the_matmuls_alone():
+  """In a fresh process, cpu.enable() before JAX starts adds the flag (which this jaxlib knows:
+  XLA stops a process on an unknown one), and XLA:CPU then hands each of the two matmuls of
+  tanh(x @ w) @ wᵀ to YNNPACK on its own, the tanh and the sum in XLA's loops; the value is
+  the same as NumPy's."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "ATTNLAB_XLA_TUNING")}
+  run = lambda **extra: json.loads(subprocess.run(
+      [sys.executable, "-c", _YNN_PROBE], env={**env, **extra}, check=True, capture_output=True,
+      text=True).stdout.strip().splitlines()[-1])
+  if cpu.xla_flags.set_flags({}, started=False) is None:
+    pytest.skip("this jaxlib's flags were not checked (xla_flags.CHECKED_JAXLIB)")
+  tuned, untouched = run(), run(ATTNLAB_XLA_TUNING="0")
+  assert untouched["added"] is None and untouched["xla_flags"] == ""
+  if untouched["ynn"] == 0:
+    pytest.skip("XLA:CPU uses no YNNPACK here")
+  assert tuned["added"] and tuned["added"] in tuned["xla_flags"]
+  assert tuned["ynn"] == 2 and tuned["loops"] >= 1, tuned
+  rng = np.random.default_rng(0)
+  x, w = (rng.normal(size=s).astype(np.float64) for s in ((64, 128), (128, 128)))
+  expected = (np.tanh(x @ w) @ w.T).sum(axis=-1)  # [64], values of order 10-100
+  for probe in (tuned, untouched):
+    np.testing.assert_allclose(probe["values"], expected, rtol=1e-3, atol=1e-2)

@@ -501,7 +501,7 @@ def main(argv: list[str] | None = None) -> None:
   torch_info = (f"torch {torch.__version__} ({torch.get_num_threads()} threads)"
                 if torch is not None else "torch not installed")
   print(f"attention benchmark: B={b} H={h} D={d} float32, best of {args.reps}; "
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"{platform.processor() or platform.machine()}, {machine.cores()} CPUs, "
         f"jax {jax.__version__} ({jax.default_backend()}), {torch_info}")
   print(machine.cpu_line())
   if hasattr(os, "getloadavg"):

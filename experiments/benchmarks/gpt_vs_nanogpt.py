@@ -320,7 +320,7 @@ def main(argv=None) -> int:
   if not args.scratch:  # a temp folder of its own (nanoGPT's copy, the runs): gone at exit
     atexit.register(shutil.rmtree, scratch, True)
   import torch  # pylint: disable=g-import-not-at-top  (only its version and threads)
-  print(f"{os.cpu_count()} CPUs; torch {torch.__version__} ({torch.get_num_threads()} threads); "
+  print(f"{machine.cores()} CPUs; torch {torch.__version__} ({torch.get_num_threads()} threads); "
         f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at start; "
         f"scratch {scratch}")
   print(machine.cpu_line())

@@ -13,31 +13,15 @@
 #       fontpkg fontpkg-noto-sans-devanagari flax orbax-checkpoint optax
 #   pip wheel --no-deps -w .whl promise          # an sdist only
 # nanoGPT comes from ../shared/anchors/nanogpt, which does not travel: copy it into .whl/nanogpt.
-# There (device run, carry [".whl"]):
+# (device_setup.sh installs them there.) There (device run, carry [".whl"]):
 #   bash experiments/benchmarks/gpu_device.sh [TRAIN_S PROFILE_S ATTENTION_S TESTS_S]
 # Each step runs under its own deadline (timeout kills the step's whole process group) and
 # writes its output to $OUT/<step>.txt; a step that runs out of time keeps what it printed.
 # LOCAL_CHECK=1 skips the install and runs everything as --smoke (a CPU check of this script).
 set -uo pipefail
 train_s=${1:-220}; profile_s=${2:-60}; attention_s=${3:-190}; tests_s=${4:-80}
-OUT=${OUT:-/tmp/gpu_device_out}; mkdir -p "$OUT"
-smoke=""
-if [ -n "${LOCAL_CHECK:-}" ]; then
-  smoke="--smoke"; nanogpt=../shared/anchors/nanogpt
-else
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-  # The carried flax/optax/orbax are the versions tested here; where they do not import beside
-  # the device's jax, the device's own are used.
-  if ! python3 -c "import attnlab.tasks, attnlab.checkpoint" 2>"$OUT/import.txt"; then
-    tail -3 "$OUT/import.txt"; echo "carried flax/optax/orbax left out"
-    rm -rf /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile \
-        --no-cache-dir --target /tmp/site $(ls .whl/*.whl | grep -vE "/(flax|optax|orbax)") || exit 1
-  fi
-  nanogpt=$PWD/.whl/nanogpt
-fi
-export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/gpu_device_out}
+source experiments/benchmarks/device_setup.sh  # the wheels, PYTHONPATH, $nanogpt, $smoke, step
 {
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
@@ -46,13 +30,6 @@ export PYTHONUNBUFFERED=1
   lscpu | grep -E "Model name|^CPU\(s\)"
 } | tee "$OUT/device.txt"
 
-step() {  # step NAME SECONDS COMMAND... (SIGNAL=INT: pytest prints its summary on it)
-  local name=$1 secs=$2; shift 2
-  echo "== $name (deadline ${secs} s) $(date -u +%T)"
-  timeout -s "${SIGNAL:-TERM}" -k 10 "$secs" "$@" > "$OUT/$name.txt" 2>&1
-  echo "== $name exit $? $(date -u +%T)"
-  grep -v "^  round" "$OUT/$name.txt" | tail -40
-}
 step train "$train_s" python3 experiments/benchmarks/gpu.py --parts=train --rounds=2 \
     --iters=40 --skip=10 --nanogpt_dir="$nanogpt" $smoke
 step profile "$profile_s" python3 experiments/benchmarks/gpu.py --parts=profile $smoke

@@ -1,6 +1,7 @@
 """The machine a benchmark ran on, for its header: figures from different CPUs are not compared.
 
   cpu_line() -> "CPU: Intel(R) Xeon(R) Processor ... x 2; AVX-512: yes (bf16: no); AMX: no"
+               (x N: the cores this process may run on; "x 2 of 16" under `taskset -c 0,1`)
   uptime()   -> `uptime`'s line (the load a figure was measured under)
 """
 
@@ -10,15 +11,26 @@ import os
 import subprocess
 
 
+def cores() -> str:
+  """"N": the CPUs this process may run on; "N of M" where that is fewer than the machine has."""
+  total = os.cpu_count() or 1
+  try:
+    usable = len(os.sched_getaffinity(0))
+  except AttributeError:  # no affinity call on this platform
+    usable = total
+  return str(usable) if usable == total else f"{usable} of {total}"
+
+
 def cpu_line(cpuinfo: str = "/proc/cpuinfo") -> str:
-  """The CPU model (/proc/cpuinfo's model name), its count, and the AVX-512 (with AVX512_BF16)
-  and AMX flags; the platform's processor name where /proc/cpuinfo is absent."""
+  """The CPU model (/proc/cpuinfo's model name), the cores in use (`cores`), and the AVX-512
+  (with AVX512_BF16) and AMX flags; the platform's processor name where /proc/cpuinfo is
+  absent."""
   try:
     with open(cpuinfo, encoding="utf-8", errors="replace") as f:
       text = f.read()
   except OSError:
     import platform  # pylint: disable=g-import-not-at-top
-    return f"CPU: {platform.processor() or platform.machine()} x {os.cpu_count()}"
+    return f"CPU: {platform.processor() or platform.machine()} x {cores()}"
   model, flags = "unknown", set()
   for line in text.splitlines():
     key, _, value = line.partition(":")
@@ -27,7 +39,7 @@ def cpu_line(cpuinfo: str = "/proc/cpuinfo") -> str:
     elif key.strip() == "flags" and not flags:
       flags = set(value.split())
   yes = lambda b: "yes" if b else "no"
-  return (f"CPU: {model} x {os.cpu_count()}; AVX-512: {yes('avx512f' in flags)} "
+  return (f"CPU: {model} x {cores()}; AVX-512: {yes('avx512f' in flags)} "
           f"(bf16: {yes('avx512_bf16' in flags)}); AMX: {yes('amx_tile' in flags)}")
 
 

@@ -70,7 +70,9 @@ def timed_train(tree: pathlib.Path, arg: str, workdir: pathlib.Path, cache: str 
   step's line ("first step"), to its exit ("exit"), the run's phases (`parse_phases`) and the
   final validation loss ("val loss") when the run logged one. `cache`: the compilation cache
   folder (None: the user's)."""
-  env = dict(os.environ, TQDM_DISABLE="1", PYTHONPATH=str(tree))
+  # The tree first; the rest of PYTHONPATH stays (dependencies installed outside site-packages)
+  path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
+  env = dict(os.environ, TQDM_DISABLE="1", PYTHONPATH=path)
   if cache is not None:
     env["ATTNLAB_COMPILATION_CACHE"] = cache
   cmd = [sys.executable, "-m", "attnlab.cli", "train", f"--config={config}:{arg}",
@@ -119,7 +121,7 @@ def main(argv=None) -> int:
   trees = [pathlib.Path(t).resolve() for t in args.trees.split(",") if t]
   arg = f"{args.arg},data.manual_dir={args.data_dir}" if args.data_dir else args.arg
   print(machine.cpu_line())
-  print(f"{os.cpu_count()} CPUs; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
+  print(f"{machine.cores()} CPUs; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
         f"at start; {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; arg {args.arg}")
   scratch = pathlib.Path(tempfile.mkdtemp(prefix="attnlab_startup_"))
   results: dict[tuple[str, str], list[dict[str, float]]] = {}

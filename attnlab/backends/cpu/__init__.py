@@ -8,19 +8,24 @@
   fused_kernel.py  the fused softmax-attention C++ kernel (flash_attention.cc, AVX-512, float32)
                    through the jax FFI, compiled on first use (ATTNLAB_CPU_KERNEL=0 turns it off)
   matmul.py        `x @ w` with a backward pass laid out for XLA:CPU's matmul kernels (Dense's)
+  xla_flags.py     XLA:CPU's flags for the process: YNNPACK takes the matmuls alone, not the
+                   elementwise work around them (faster on Intel, the same on AMD; added to
+                   XLA_FLAGS before JAX starts, never over the user's value; ATTNLAB_XLA_TUNING=0
+                   leaves XLA_FLAGS alone)
 
-The first two change the whole process, so nothing applies them on import: `enable` does, and the
-trainer (`train.train_and_evaluate`), every `attnlab` command (`attnlab.cli.tool.launch`) and the benchmarks
-call it, so the default run is the fast one. A library user who wants the same calls it once,
-before anything touches a JAX device:
+The allocator, the devices and the XLA flags change the whole process, so nothing applies them
+on import: `enable` does, and the trainer (`train.train_and_evaluate`), every `attnlab` command
+(`attnlab.cli.tool.launch`) and the benchmarks call it, so the default run is the fast one. A
+library user who wants the same calls it once, before anything touches a JAX device:
 
   from attnlab.backends import cpu
-  cpu.enable(config)   # or cpu.enable() for the allocator alone, leaving the devices as they are
+  cpu.enable(config)   # or cpu.enable(): the allocator and the XLA flags, the devices left alone
 
-The last two are kernels (attnlab.backends): pure functions that change nothing outside the call,
-which attention/ and layers/ ask for by name. They are on by default wherever attnlab runs, and a
-kernel applies only where it can (the fused one: float32 math on an x86-64 CPU with AVX-512 and a
-C++ compiler, no mask or a key mask; elsewhere the portable JAX code runs).
+The fused kernel and the matmul are kernels (attnlab.backends): pure functions that change
+nothing outside the call, which attention/ and layers/ ask for by name. They are on by default
+wherever attnlab runs, and a kernel applies only where it can (the fused one: float32 math on an
+x86-64 CPU with AVX-512 and a C++ compiler, no mask or a key mask; elsewhere the portable JAX
+code runs).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import dataclasses
 from typing import Any
 
 from attnlab.backends.cpu import allocator
+from attnlab.backends.cpu import xla_flags
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,11 +44,14 @@ class Enabled:
   allocator: bool
   # CPU devices this call split the process into (devices.use_cpu_devices), or None: left alone
   cpu_devices: int | None
+  # the flag this call added to XLA_FLAGS (xla_flags.set_flags), or None: left alone
+  xla_flag: str | None = None
 
 
 def enable(config: Any = None) -> Enabled:
   """Applies the CPU tuning to this process; an entry point calls it before anything touches a
-  JAX device. Safe to call again (the allocator is set once per process).
+  JAX device. Safe to call again (the allocator is set once per process, the XLA flag once:
+  a second call finds it in XLA_FLAGS).
 
   Args:
     config: a run config (ml_collections.ConfigDict) or None. With a config, `mesh.cpu_devices`
@@ -54,6 +63,7 @@ def enable(config: Any = None) -> Enabled:
     ConfigError: an explicit `mesh.cpu_devices` that differs from the count JAX already runs.
   """
   applied = allocator.keep_freed_memory()
+  xla_flag = xla_flags.set_flags()
   cpu_devices = None
   if config is not None:
     from attnlab.backends.cpu import devices  # pylint: disable=g-import-not-at-top  (imports JAX)
@@ -61,4 +71,4 @@ def enable(config: Any = None) -> Enabled:
     count = devices.AUTO_CPU_DEVICES if mesh is None else mesh.get(
         "cpu_devices", devices.AUTO_CPU_DEVICES)
     cpu_devices = devices.use_cpu_devices(count, config.get("batch_size"), mesh)
-  return Enabled(allocator=applied, cpu_devices=cpu_devices)
+  return Enabled(allocator=applied, cpu_devices=cpu_devices, xla_flag=xla_flag)

@@ -1,0 +1,79 @@
+"""XLA:CPU compiler flags that attnlab sets for the process, before JAX starts.
+
+One today: which operations XLA:CPU hands to its YNNPACK library. By default (jaxlib 0.10-0.11)
+YNNPACK takes the matmuls and also fuses reductions and elementwise operations around them into
+its own graphs; `individual_dot` gives it the matmuls alone and leaves the rest to XLA's own
+loops. Measured on the nano GPT's training step (2 cores, experiments/benchmarks/README.md,
+"Issue #51, fourth pass"): on an Intel Xeon (model 207, AVX-512 with AMX) 44.9 ms against
+53.8-55.7 ms for the default; on an AMD EPYC (AVX-512) the same time as the default within the
+noise (36.5-38.3 against 35.8-39.7 ms), and the RNN encoder-decoder, Transformer and BERT
+configs' steps no slower.
+
+XLA reads its flags from the XLA_FLAGS environment variable once, when JAX starts its first
+backend, and stops the process on a flag name it does not know. So the flag is added only:
+  - before JAX has started (a later change would do nothing),
+  - when XLA_FLAGS does not already name it (the user's value wins),
+  - for the jaxlib versions where it was checked to exist (CHECKED_JAXLIB),
+  - unless ATTNLAB_XLA_TUNING=0.
+Like the allocator settings it changes the whole process, so only an entry point applies it,
+through `attnlab.backends.cpu.enable`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+
+ENV = "ATTNLAB_XLA_TUNING"
+YNN_FLAG = "xla_cpu_experimental_ynn_fusion_type"
+YNN_FUSION = "individual_dot"
+# (major, minor) versions of jaxlib whose XLA has YNN_FLAG and YNN_FUSION (checked by hand)
+CHECKED_JAXLIB = ((0, 10), (0, 11))
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+  """(major, minor) of the installed jaxlib, read from its metadata (nothing imported); ()
+  when unknown."""
+  try:
+    text = importlib.metadata.version("jaxlib")
+  except importlib.metadata.PackageNotFoundError:
+    return ()
+  parts = []
+  for piece in text.split(".")[:2]:
+    digits = "".join(c for c in piece if c.isdigit())
+    if not digits:
+      break
+    parts.append(int(digits))
+  return tuple(parts)
+
+
+def _backend_started() -> bool:
+  if "jax" not in sys.modules:  # JAX cannot have started
+    return False
+  try:
+    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+    return bool(xla_bridge.backends_are_initialized())
+  except (ImportError, AttributeError):  # other jax versions: assume started (change nothing)
+    return True
+
+
+def set_flags(environ: dict[str, str] | None = None, jaxlib_version: tuple[int, ...] | None = None,
+              started: bool | None = None) -> str | None:
+  """Adds `--YNN_FLAG=YNN_FUSION` to XLA_FLAGS under the conditions of the module docstring;
+  returns the flag added, or None when XLA_FLAGS was left as it was. `environ` (default
+  os.environ), `jaxlib_version` and `started` are for tests."""
+  env = os.environ if environ is None else environ
+  if env.get(ENV, "").strip().lower() in ("0", "off", "false", "no"):
+    return None
+  current = env.get("XLA_FLAGS", "")
+  if YNN_FLAG in current:
+    return None
+  version = _jaxlib_version() if jaxlib_version is None else jaxlib_version
+  if tuple(version[:2]) not in CHECKED_JAXLIB:
+    return None
+  if _backend_started() if started is None else started:
+    return None
+  flag = f"--{YNN_FLAG}={YNN_FUSION}"
+  env["XLA_FLAGS"] = f"{current} {flag}".strip()
+  return flag
