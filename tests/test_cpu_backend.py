@@ -158,24 +158,42 @@ def test_enable_refuses_a_device_count_jax_does_not_run(monkeypatch):
 
 
 def test_the_xla_flag_is_added_once_and_never_over_the_users():
-  """xla_flags.set_flags: adds the YNNPACK flag to XLA_FLAGS (after the user's other flags), once;
-  leaves XLA_FLAGS alone when the user names the flag, when ATTNLAB_XLA_TUNING=0, for a jaxlib
-  whose flags were not checked, and once JAX has started."""
+  """xla_flags.set_flags: on an Intel CPU, adds the YNNPACK flag to XLA_FLAGS (after the user's
+  other flags), once; on another CPU only when ATTNLAB_XLA_TUNING=1; never when the user names
+  the flag, when ATTNLAB_XLA_TUNING=0, for a jaxlib whose flags were not checked, or once JAX
+  has started."""
   flags = cpu.xla_flags
   flag = f"--{flags.YNN_FLAG}={flags.YNN_FUSION}"
+  intel, amd = "GenuineIntel", "AuthenticAMD"
   env = {"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}
-  assert flags.set_flags(env, (0, 10), started=False) == flag
+  assert flags.set_flags(env, (0, 10), started=False, vendor=intel) == flag
   assert env["XLA_FLAGS"] == f"--xla_cpu_enable_fast_math=false {flag}"
-  assert flags.set_flags(env, (0, 10), started=False) is None  # already there: once
+  assert flags.set_flags(env, (0, 10), started=False, vendor=intel) is None  # there: once
   assert env["XLA_FLAGS"] == f"--xla_cpu_enable_fast_math=false {flag}"
   env = {}
-  assert flags.set_flags(env, (0, 11), started=False) == flag and env["XLA_FLAGS"] == flag
+  assert flags.set_flags(env, (0, 11), started=False, vendor=intel) == flag
+  assert env["XLA_FLAGS"] == flag
+  env = {"ATTNLAB_XLA_TUNING": "1"}
+  assert flags.set_flags(env, (0, 10), started=False, vendor=amd) == flag
   own = {"XLA_FLAGS": f"--{flags.YNN_FLAG}=dot"}
-  for kept, version, started in ((own, (0, 10), False), ({"ATTNLAB_XLA_TUNING": "0"}, (0, 10), False),
-                                 ({}, (0, 99), False), ({}, (), False), ({}, (0, 10), True)):
+  for kept, version, started, vendor in (
+      ({}, (0, 10), False, amd), ({}, (0, 10), False, ""), (own, (0, 10), False, intel),
+      ({"ATTNLAB_XLA_TUNING": "0"}, (0, 10), False, intel), ({}, (0, 99), False, intel),
+      ({}, (), False, intel), ({}, (0, 10), True, intel),
+      ({"ATTNLAB_XLA_TUNING": "1"}, (0, 10), True, amd)):
     before = dict(kept)
-    assert flags.set_flags(kept, version, started=started) is None
+    assert flags.set_flags(kept, version, started=started, vendor=vendor) is None, (kept, vendor)
     assert kept == before
+
+
+def test_cpu_vendor_reads_cpuinfo(tmp_path):
+  info = tmp_path / "cpuinfo"
+  info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\n\n"
+                  "processor\t: 1\nvendor_id\t: GenuineIntel\n")
+  assert cpu.xla_flags.cpu_vendor(str(info)) == "GenuineIntel"
+  info.write_text("processor\t: 0\nmodel name\t: some CPU\n")
+  assert cpu.xla_flags.cpu_vendor(str(info)) == ""
+  assert cpu.xla_flags.cpu_vendor(str(tmp_path / "absent")) == ""
 
 
 _YNN_PROBE = r"""
@@ -196,18 +214,19 @@ print(json.dumps({"added": added, "xla_flags": os.environ.get("XLA_FLAGS", ""),
 
 
 def test_enable_gives_ynnpack_the_matmuls_alone():
-  """In a fresh process, cpu.enable() before JAX starts adds the flag (which this jaxlib knows:
-  XLA stops a process on an unknown one), and XLA:CPU then hands each of the two matmuls of
-  tanh(x @ w) @ wᵀ to YNNPACK on its own, the tanh and the sum in XLA's loops; the value is
-  the same as NumPy's."""
+  """In a fresh process with the flag asked for (ATTNLAB_XLA_TUNING=1, what an Intel CPU gets by
+  default), cpu.enable() before JAX starts adds it (and this jaxlib knows it: XLA stops a
+  process on an unknown flag), and XLA:CPU then hands each of the two matmuls of
+  tanh(x @ w) @ wᵀ to YNNPACK on its own, the tanh and the sum in XLA's loops; with
+  ATTNLAB_XLA_TUNING=0 XLA_FLAGS stays empty. Both values equal NumPy's."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "ATTNLAB_XLA_TUNING")}
   run = lambda **extra: json.loads(subprocess.run(
       [sys.executable, "-c", _YNN_PROBE], env={**env, **extra}, check=True, capture_output=True,
       text=True).stdout.strip().splitlines()[-1])
-  if cpu.xla_flags.set_flags({}, started=False) is None:
+  if cpu.xla_flags.set_flags({}, started=False, vendor="GenuineIntel") is None:
     pytest.skip("this jaxlib's flags were not checked (xla_flags.CHECKED_JAXLIB)")
-  tuned, untouched = run(), run(ATTNLAB_XLA_TUNING="0")
+  tuned, untouched = run(ATTNLAB_XLA_TUNING="1"), run(ATTNLAB_XLA_TUNING="0")
   assert untouched["added"] is None and untouched["xla_flags"] == ""
   if untouched["ynn"] == 0:
     pytest.skip("XLA:CPU uses no YNNPACK here")

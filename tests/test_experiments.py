@@ -399,6 +399,21 @@ def test_dp_step_benchmark(shared_data):
   assert abs(loss_a - loss_b) < 1e-3  # the same step either way
 
 
+def test_step_profile_benchmark():
+  """step_profile.py times the trainer's step and, with --profile, lists XLA:CPU's events per
+  step (the fusions the compiled step runs among them), largest first."""
+  out = _run("benchmarks/step_profile.py", "--steps=3", "--warmup=1", "--profile",
+             "--arg=size=nano,dataset=synthetic_tokens,data.vocab_size=65,runlocal=True")
+  assert re.search(r"^jax \S+, \d+ device\(s\)", out, re.M), out
+  median = float(re.search(r"^median step ([\d.]+) ms \(3 steps\)", out, re.M).group(1))
+  assert median > 0
+  events = re.findall(r"^\s*([\d.]+)\s+([\d.]+)\s+(\S+)\s+(.+)$",
+                      out.split("ms/step calls/step")[1], re.M)
+  assert events and any("fusion" in name for *_, name in events), out
+  per_step = [float(ms) for ms, *_ in events]
+  assert per_step == sorted(per_step, reverse=True) and per_step[0] > 0
+
+
 def test_gpt_train_benchmark(shared_data):
   _needs_torch()
   out = _run("benchmarks/gpt_train.py", "--rounds=1", "--steps=3", "--gen_tokens=0",

@@ -25,7 +25,9 @@ export PYTHONUNBUFFERED=1
 
 step() {  # step NAME SECONDS COMMAND...: the command's output in $OUT/NAME.txt, its tail shown
   # (SIGNAL=INT: pytest prints its summary on it); timeout ends the step's whole process group.
+  # SECONDS 0 skips the step.
   local name=$1 secs=$2; shift 2
+  if [ "$secs" -le 0 ]; then echo "== $name skipped"; return; fi
   echo "== $name (deadline ${secs} s) $(date -u +%T)"
   timeout -s "${SIGNAL:-TERM}" -k 10 "$secs" "$@" > "$OUT/$name.txt" 2>&1
   echo "== $name exit $? $(date -u +%T)"

@@ -8,10 +8,10 @@
   fused_kernel.py  the fused softmax-attention C++ kernel (flash_attention.cc, AVX-512, float32)
                    through the jax FFI, compiled on first use (ATTNLAB_CPU_KERNEL=0 turns it off)
   matmul.py        `x @ w` with a backward pass laid out for XLA:CPU's matmul kernels (Dense's)
-  xla_flags.py     XLA:CPU's flags for the process: YNNPACK takes the matmuls alone, not the
-                   elementwise work around them (faster on Intel, the same on AMD; added to
-                   XLA_FLAGS before JAX starts, never over the user's value; ATTNLAB_XLA_TUNING=0
-                   leaves XLA_FLAGS alone)
+  xla_flags.py     XLA:CPU's flags for the process: on Intel CPUs YNNPACK takes the matmuls alone,
+                   not the elementwise work around them (faster there, no gain on AMD); added to
+                   XLA_FLAGS before JAX starts, never over the user's value
+                   (ATTNLAB_XLA_TUNING=0: never, 1: on any CPU)
 
 The allocator, the devices and the XLA flags change the whole process, so nothing applies them
 on import: `enable` does, and the trainer (`train.train_and_evaluate`), every `attnlab` command

@@ -5,16 +5,16 @@ YNNPACK takes the matmuls and also fuses reductions and elementwise operations a
 its own graphs; `individual_dot` gives it the matmuls alone and leaves the rest to XLA's own
 loops. Measured on the nano GPT's training step (2 cores, experiments/benchmarks/README.md,
 "Issue #51, fourth pass"): on an Intel Xeon (model 207, AVX-512 with AMX) 44.9 ms against
-53.8-55.7 ms for the default; on an AMD EPYC (AVX-512) the same time as the default within the
-noise (36.5-38.3 against 35.8-39.7 ms), and the RNN encoder-decoder, Transformer and BERT
-configs' steps no slower.
+53.8-55.7 ms for the default, XLA's own matmuls in between (46.9-47.6 ms); on an AMD EPYC
+(AVX-512) no gain: six alternating pairs within the noise, the flag 0.5 ms (1.5%) slower in their
+median. So it is set on Intel CPUs only (/proc/cpuinfo's vendor_id GenuineIntel).
 
 XLA reads its flags from the XLA_FLAGS environment variable once, when JAX starts its first
 backend, and stops the process on a flag name it does not know. So the flag is added only:
   - before JAX has started (a later change would do nothing),
   - when XLA_FLAGS does not already name it (the user's value wins),
   - for the jaxlib versions where it was checked to exist (CHECKED_JAXLIB),
-  - unless ATTNLAB_XLA_TUNING=0.
+  - on an Intel CPU, unless ATTNLAB_XLA_TUNING says otherwise: 0 never, 1 on any CPU.
 Like the allocator settings it changes the whole process, so only an entry point applies it,
 through `attnlab.backends.cpu.enable`.
 """
@@ -48,6 +48,19 @@ def _jaxlib_version() -> tuple[int, ...]:
   return tuple(parts)
 
 
+def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
+  """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), or "" where there is none."""
+  try:
+    with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+          return value.strip()
+  except OSError:
+    pass
+  return ""
+
+
 def _backend_started() -> bool:
   if "jax" not in sys.modules:  # JAX cannot have started
     return False
@@ -59,12 +72,16 @@ def _backend_started() -> bool:
 
 
 def set_flags(environ: dict[str, str] | None = None, jaxlib_version: tuple[int, ...] | None = None,
-              started: bool | None = None) -> str | None:
+              started: bool | None = None, vendor: str | None = None) -> str | None:
   """Adds `--YNN_FLAG=YNN_FUSION` to XLA_FLAGS under the conditions of the module docstring;
   returns the flag added, or None when XLA_FLAGS was left as it was. `environ` (default
-  os.environ), `jaxlib_version` and `started` are for tests."""
+  os.environ), `jaxlib_version`, `started` and `vendor` (default `cpu_vendor()`) are for tests."""
   env = os.environ if environ is None else environ
-  if env.get(ENV, "").strip().lower() in ("0", "off", "false", "no"):
+  mode = env.get(ENV, "").strip().lower()
+  if mode in ("0", "off", "false", "no"):
+    return None
+  if mode not in ("1", "on", "true", "yes") and (
+      cpu_vendor() if vendor is None else vendor) != "GenuineIntel":
     return None
   current = env.get("XLA_FLAGS", "")
   if YNN_FLAG in current:
