@@ -22,8 +22,11 @@ through `attnlab.backends.cpu.enable`.
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 import sys
+
+_LOG = logging.getLogger(__name__)
 
 ENV = "ATTNLAB_XLA_TUNING"
 YNN_FLAG = "xla_cpu_experimental_ynn_fusion_type"
@@ -93,4 +96,6 @@ def set_flags(environ: dict[str, str] | None = None, jaxlib_version: tuple[int, 
     return None
   flag = f"--{YNN_FLAG}={YNN_FUSION}"
   env["XLA_FLAGS"] = f"{current} {flag}".strip()
+  _LOG.info("XLA_FLAGS += %s (YNNPACK takes the matmuls alone; ATTNLAB_XLA_TUNING=0 leaves it "
+            "out)", flag)
   return flag
