@@ -174,11 +174,9 @@ def train_pieces(config):
   return state, train_step, parts.batches, parts.train_rng
 
 
-def time_train_steps(config, iters: int) -> list[float]:
-  """ms of each of `iters` steps of the real trainer's pieces for `config` (`train_pieces`),
-  timed as nanoGPT's loop times an iteration: fetch the batch, train step, host sync on the loss;
-  step to step wall clock."""
-  state, train_step, iterator, train_rng = train_pieces(config)
+def run_steps(state, train_step, iterator, train_rng, iters: int):
+  """(state, ms of each step) after `iters` steps timed as nanoGPT's loop times an iteration:
+  fetch the batch, train step, host sync on the loss; step to step wall clock."""
   times = []
   t0 = time.perf_counter()
   for _ in range(iters):
@@ -188,7 +186,14 @@ def time_train_steps(config, iters: int) -> list[float]:
     t1 = time.perf_counter()
     times.append((t1 - t0) * 1e3)
     t0 = t1
-  return times
+  return state, times
+
+
+def time_train_steps(config, iters: int) -> list[float]:
+  """ms of each of `iters` steps (`run_steps`) of the real trainer's pieces for `config`
+  (`train_pieces`)."""
+  state, train_step, iterator, train_rng = train_pieces(config)
+  return run_steps(state, train_step, iterator, train_rng, iters)[1]
 
 
 def run_attnlab_worker(contender: str, args) -> list[float]:

@@ -31,7 +31,6 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import gpt_vs_nanogpt  # pylint: disable=g-bad-import-order,wrong-import-position
@@ -46,9 +45,7 @@ def profile(step, state, batches, rng, steps: int = 20, top: int = 30) -> list[s
   import jax  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory() as folder:
     with jax.profiler.trace(folder, create_perfetto_trace=True):
-      for _ in range(steps):
-        state, metrics = step(state, next(batches), rng)
-        float(metrics["loss"])
+      gpt_vs_nanogpt.run_steps(state, step, batches, rng, steps)
     path = sorted(glob.glob(f"{folder}/**/perfetto_trace.json.gz", recursive=True))[-1]
     with gzip.open(path) as f:
       events = json.load(f)
@@ -85,20 +82,11 @@ def main(argv=None) -> int:
   import jax  # pylint: disable=g-import-not-at-top
   print(f"jax {jax.__version__}, {len(jax.devices())} device(s); XLA_FLAGS="
         f"{os.environ.get('XLA_FLAGS', '')!r}; {args.config}:{arg}")
-  start = time.perf_counter()
-  state, metrics = step(state, next(batches), rng)
-  float(metrics["loss"])
-  print(f"first step (compile included) {time.perf_counter() - start:.2f} s")
-  for _ in range(args.warmup):
-    state, metrics = step(state, next(batches), rng)
-    float(metrics["loss"])
-  times = []
-  for _ in range(args.steps):
-    start = time.perf_counter()
-    state, metrics = step(state, next(batches), rng)
-    float(metrics["loss"])
-    times.append(time.perf_counter() - start)
-  print(f"median step {statistics.median(times) * 1e3:.2f} ms ({args.steps} steps)")
+  state, (first,) = gpt_vs_nanogpt.run_steps(state, step, batches, rng, 1)
+  print(f"first step (compile included) {first / 1e3:.2f} s")
+  state, _ = gpt_vs_nanogpt.run_steps(state, step, batches, rng, args.warmup)
+  state, times = gpt_vs_nanogpt.run_steps(state, step, batches, rng, args.steps)
+  print(f"median step {statistics.median(times):.2f} ms ({args.steps} steps)")
   if args.profile:
     print("ms/step calls/step  threads                  event")
     print("\n".join(profile(step, state, batches, rng)))

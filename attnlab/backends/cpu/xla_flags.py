@@ -64,14 +64,16 @@ def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
   return ""
 
 
-def _backend_started() -> bool:
+def backend_started(unknown: bool = True) -> bool:
+  """Whether JAX has created its backends (XLA_FLAGS and the CPU device count are then fixed);
+  `unknown`: the answer where this jax version cannot tell."""
   if "jax" not in sys.modules:  # JAX cannot have started
     return False
   try:
     from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
     return bool(xla_bridge.backends_are_initialized())
-  except (ImportError, AttributeError):  # other jax versions: assume started (change nothing)
-    return True
+  except (ImportError, AttributeError):
+    return unknown
 
 
 def set_flags(environ: dict[str, str] | None = None, jaxlib_version: tuple[int, ...] | None = None,
@@ -92,7 +94,7 @@ def set_flags(environ: dict[str, str] | None = None, jaxlib_version: tuple[int, 
   version = _jaxlib_version() if jaxlib_version is None else jaxlib_version
   if tuple(version[:2]) not in CHECKED_JAXLIB:
     return None
-  if _backend_started() if started is None else started:
+  if backend_started() if started is None else started:
     return None
   flag = f"--{YNN_FLAG}={YNN_FUSION}"
   env["XLA_FLAGS"] = f"{current} {flag}".strip()
