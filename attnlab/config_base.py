@@ -43,6 +43,10 @@ def base_config() -> ConfigDict:
   config.allow_config_change = False
   # Let the task write its plots (PNG) into the workdir after the last step.
   config.write_plots = True
+  # The train step's Dense products (attnlab.precision): auto (bfloat16 operands, float32
+  # accumulation, for a float32 model on a CPU with bfloat16 dot instructions; elsewhere JAX's
+  # default), float32 or bfloat16. Evaluation and generation compute in float32 regardless.
+  config.matmul_precision = "auto"
   # Replicas trained at once by jax.vmap (seeds seed, seed+1, ...; 1: an ordinary run).
   config.num_seeds = 1
 

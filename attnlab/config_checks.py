@@ -18,6 +18,8 @@ SCHEDULES = ("cosine", "linear", "constant")
 DECAYS = ("all", "matrices")
 # Values of model.dtype, the compute dtype (attnlab.precision; parameters stay float32).
 DTYPES = ("float32", "bfloat16", "float16")
+# Values of matmul_precision, the train step's Dense products (attnlab.precision).
+MATMUL_PRECISIONS = ("auto", "float32", "bfloat16")
 
 
 def validate(config: ConfigDict) -> None:
@@ -66,6 +68,7 @@ def validate(config: ConfigDict) -> None:
        f"optimizer.weight_decay={opt.weight_decay} is only used by adamw; set optimizer.name=adamw "
        f"or optimizer.weight_decay=0")
   check_choice("optimizer.decay", opt.get("decay", "all"), DECAYS)
+  check_choice("matmul_precision", config.get("matmul_precision", "float32"), MATMUL_PRECISIONS)
   _validate_lengths(config.get("data"))
   _validate_attention(config.get("model"))
   model = config.get("model")

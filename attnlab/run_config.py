@@ -257,7 +257,9 @@ ADDED_DEFAULTS: dict[str, Any] = {"num_seeds": 1, "mesh.data": -1, "mesh.fsdp": 
                                   "finetune.freeze_layers": 0,
                                   # The RNN's GNMT wiring and beam search's coverage penalty (#50).
                                   "model.bidirectional_layers": 0, "model.residual_start": 0,
-                                  "model.attention_from": "top", "decode.coverage_penalty": 0.0}
+                                  "model.attention_from": "top", "decode.coverage_penalty": 0.0,
+                                  # The train step's matmul precision (#51): float32 before.
+                                  "matmul_precision": "float32"}
 
 
 # Fields added to one task's config file after runs of it existed: an older config.json of that
@@ -281,9 +283,11 @@ def added_defaults(data: Mapping[str, Any]) -> dict[str, Any]:
 # The evaluation's batching is among them: it changes no training step, and the evaluated
 # windows only where eval_batches x data.eval_batch_size changes (the nano GPT's default went
 # from 4 x 128 to 16 x 32 windows, the same 512, when batches of 32 proved faster on CPU).
+# So is the train step's matmul precision: like the device split, it changes the float rounding
+# of the steps, not the model or its data (a run of float32 steps may go on in bfloat16 ones).
 RESUMABLE_KEYS = ("allow_config_change", "write_plots", "mesh.data", "mesh.fsdp",
                   "mesh.fsdp_min_size", "mesh.cpu_devices", "eval_batches",
-                  "data.eval_batch_size")
+                  "data.eval_batch_size", "matmul_precision")
 
 
 def config_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:

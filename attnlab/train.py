@@ -89,6 +89,8 @@ def make_train_step(task: tasks.Task, tx: optax.GradientTransformation, schedule
   metrics carry a leading replica axis and the update is vmapped over it. With a mesh, the output
   state keeps `state_shardings` and the metrics are replicated. The returned function's `traces`
   attribute counts how often it was traced (tests check: once per run, no recompiles per step).
+  The step is traced under the config's matmul precision (`precision.matmul_precision`: on a
+  CPU with bfloat16 dot instructions, Dense's products on bfloat16 operands by default).
 
   Data parallel (a mesh without an fsdp split): every device runs the step on its slice of the
   batch (`jax.shard_map`) with a dropout key of its own; the task's loss, written with
@@ -135,6 +137,10 @@ def make_train_step(task: tasks.Task, tx: optax.GradientTransformation, schedule
 
   def train_step(state: TrainState, batch: Any, rng: jax.Array) -> tuple[TrainState, dict]:
     jitted.traces += 1  # this Python body runs once per trace
+    with precision.matmul_scope(matmul):  # the Dense products' operands (attnlab.precision)
+      return split_step(state, batch, rng)
+
+  def split_step(state: TrainState, batch: Any, rng: jax.Array) -> tuple[TrainState, dict]:
     if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
       rng = jax.random.wrap_key_data(rng)  # raw key data, as placed on a multi-host mesh
     if mesh is None:
@@ -159,6 +165,11 @@ def make_train_step(task: tasks.Task, tx: optax.GradientTransformation, schedule
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       return replicas()(state, batch, rng)
 
+  matmul = precision.matmul_precision(task.config)
+  if matmul == "bfloat16":
+    _LOG.info("train step: Dense products on bfloat16 operands, accumulated in float32 "
+              "(matmul_precision=%s; matmul_precision=float32 keeps float32)",
+              task.config.get("matmul_precision"))
   shardings = {} if mesh is None else {
       "out_shardings": (state_shardings, parallel.replicated(mesh))}
   jitted = jax.jit(train_step, donate_argnums=0, **shardings)

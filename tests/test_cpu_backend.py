@@ -190,10 +190,10 @@ def test_cpu_vendor_reads_cpuinfo(tmp_path):
   info = tmp_path / "cpuinfo"
   info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\n\n"
                   "processor\t: 1\nvendor_id\t: GenuineIntel\n")
-  assert cpu.xla_flags.cpu_vendor(str(info)) == "GenuineIntel"
+  assert cpu.cpuinfo.vendor(str(info)) == "GenuineIntel"
   info.write_text("processor\t: 0\nmodel name\t: some CPU\n")
-  assert cpu.xla_flags.cpu_vendor(str(info)) == ""
-  assert cpu.xla_flags.cpu_vendor(str(tmp_path / "absent")) == ""
+  assert cpu.cpuinfo.vendor(str(info)) == ""
+  assert cpu.cpuinfo.vendor(str(tmp_path / "absent")) == ""
 
 
 _YNN_PROBE = r"""

@@ -230,6 +230,111 @@ def test_dynamic_loss_scale_skips_grows_and_shrinks():
   assert precision.loss_scale(tx.init(params)) is not None
 
 
+# ------------------------------------------------------------------------------ matmul precision
+
+
+def _bf16(a):
+  """float32 rounded to the nearest bfloat16 (ties to even), as float64: the reference's own
+  rounding, on the bits."""
+  bits = np.ascontiguousarray(a, np.float32).view(np.uint32)
+  bits = (bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) & np.uint32(0xFFFF0000)
+  return bits.view(np.float32).astype(np.float64)
+
+
+def test_bfloat16_products_round_each_operand_once():
+  """Under jax.default_matmul_precision("bfloat16") Dense's matmul multiplies bfloat16 operands
+  and accumulates in float32: value `bf16(x) @ bf16(w)`, gradients `bf16(g) @ bf16(w)ᵀ` and
+  `bf16(x)ᵀ @ bf16(g)`, checked against NumPy on the rounded operands in float64. The rounding is
+  seen (the exact product is ~1e-3 away, relative), and outside that setting nothing is rounded."""
+  from attnlab import layers  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(3)
+  x, w, g = (jnp.asarray(rng.normal(size=s), jnp.float32)
+             for s in ((3, 5, 40), (40, 24), (3, 5, 24)))
+  loss = lambda x, w: jnp.sum(layers.matmul(x, w) * g)
+  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  with jax.default_matmul_precision("bfloat16"):  # part of jit's cache key: a trace of its own
+    val, (dx, dw) = fn(x, w)
+  xr, wr, gr = _bf16(x), _bf16(w), _bf16(g)
+  assert val.dtype == dx.dtype == dw.dtype == jnp.float32
+  np.testing.assert_allclose(val, np.sum((xr @ wr) * np.asarray(g, np.float64)), rtol=1e-5)
+  np.testing.assert_allclose(dx, gr @ wr.T, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dw, np.einsum("btd,bte->de", xr, gr), rtol=1e-5, atol=1e-5)
+  exact = np.einsum("btd,bte->de", *(np.asarray(a, np.float64) for a in (x, g)))
+  assert np.max(np.abs(np.asarray(dw) - exact)) > 1e-4 * np.max(np.abs(exact))
+  _, (_, dw32) = fn(x, w)  # no setting: the float32 product
+  np.testing.assert_allclose(dw32, exact, rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_precision_auto_asks_for_bfloat16_on_a_bfloat16_cpu(monkeypatch):
+  """auto: bfloat16 products for a float32 model where the CPU multiplies bfloat16 natively
+  (AVX512_BF16 or AMX), JAX's default elsewhere and for a bfloat16 model; explicit values stand;
+  a run written before the field trained in float32; a wrong name is one ConfigError line."""
+  from attnlab.backends.cpu import matmul  # pylint: disable=g-import-not-at-top
+  assert matmul.native_bf16(frozenset({"avx512f", "avx512_bf16"}))
+  assert matmul.native_bf16(frozenset({"amx_bf16", "amx_tile"}))
+  assert not matmul.native_bf16(frozenset({"avx2", "avx512f", "avx512bw"}))
+  for native, want in ((True, "bfloat16"), (False, None)):
+    monkeypatch.setattr(matmul, "native_bf16", lambda native=native: native)
+    assert precision.matmul_precision(_gpt("runlocal=True")) == want
+    assert precision.matmul_precision(_gpt("runlocal=True,model.dtype=bfloat16")) is None
+    assert precision.matmul_precision(_gpt("runlocal=True,matmul_precision=float32")) == "float32"
+    assert precision.matmul_precision(_gpt("runlocal=True,matmul_precision=bfloat16")) == \
+        "bfloat16"
+  old = _gpt("runlocal=True")
+  del old["matmul_precision"]
+  assert precision.matmul_precision(old) == "float32"
+  with pytest.raises(ConfigError) as e:
+    config_utils.validate(_gpt("runlocal=True,matmul_precision=tf32"))
+  assert str(e.value) == "unknown matmul_precision 'tf32'; valid: auto, float32, bfloat16"
+
+
+def _dot_dtypes(fn, *args):
+  """The operand dtypes of every dot in the jaxpr of fn(*args)."""
+  jaxpr = jax.make_jaxpr(fn)(*args)
+  return {str(v.aval.dtype) for e in _jaxpr_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"
+          for v in e.invars}
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float32"])
+def test_the_train_step_alone_takes_the_matmul_precision(name):
+  """The trainer's step traces Dense's products in the config's precision; the evaluation's
+  loss of the same config stays float32 (a run's evaluation records measure the float32 model)."""
+  from attnlab import state as state_lib  # pylint: disable=g-import-not-at-top
+  config = _gpt(f"runlocal=True,dataset=synthetic_tokens,data.vocab_size=50,"
+                f"matmul_precision={name}")
+  task = tasks.build_task(config)
+  parts = state_lib.training(task, config, None)
+  state = state_lib.initial_state(task, parts.tx, parts.init_rng, 1, None, parts.shardings)
+  step = train.make_train_step(task, parts.tx, parts.schedule)
+  batch = next(task.train_iterator())
+  dots = _dot_dtypes(step, state, batch, parts.train_rng)
+  assert "float32" in dots  # the attention's products are never rounded
+  assert ("bfloat16" in dots) == (name == "bfloat16")
+  assert _dot_dtypes(lambda p: task.loss_fn(p, batch, None)[0], state.params) == {"float32"}
+
+
+def test_bfloat16_steps_resume_bit_identically(tmp_path):
+  """A run of bfloat16 products stopped after 3 steps and resumed to 6 ends with the parameters
+  and losses of one run of 6 steps; a float32 run goes on in bfloat16 without a config change."""
+  base = ("runlocal=True,write_plots=False,dataset=synthetic_tokens,data.vocab_size=50,"
+          "eval_every=0,checkpoint_every=0,log_every=1,optimizer.schedule=constant,"
+          "optimizer.warmup_steps=0,matmul_precision=bfloat16")
+  whole = train.train_and_evaluate(_gpt(f"{base},num_train_steps=6"), tmp_path / "whole")
+  train.train_and_evaluate(_gpt(f"{base},num_train_steps=3"), tmp_path / "split")
+  split = train.train_and_evaluate(_gpt(f"{base},num_train_steps=6,allow_config_change=True"),
+                                   tmp_path / "split")
+  for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(split.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  losses = lambda d: [r["loss"] for r in rundir.read_metrics(d) if r["split"] == "train"]
+  assert losses(tmp_path / "whole") == losses(tmp_path / "split")
+  assert len(losses(tmp_path / "whole")) == 6
+  f32 = base.replace("matmul_precision=bfloat16", "matmul_precision=float32")
+  train.train_and_evaluate(_gpt(f"{f32},num_train_steps=3"), tmp_path / "mixed")
+  state = train.train_and_evaluate(_gpt(f"{base},num_train_steps=3"), tmp_path / "mixed")
+  assert int(state.step) == 3  # resumed as it was: the precision is not a config change
+  assert rundir.read_config(tmp_path / "mixed").matmul_precision == "bfloat16"
+
+
 # ------------------------------------------------------------------------------ training
 
 
@@ -244,7 +349,8 @@ def nano_runs(tmp_path_factory):
   for name in ("float32", "bfloat16"):
     config = _gpt(f"runlocal=True,write_plots=False,num_train_steps=200,log_every=10,"
                   f"eval_every=200,checkpoint_every=200,data.manual_dir={shared},"
-                  f"data.data_dir={root / 'tfds'},data.eval_windows=16,model.dtype={name}")
+                  f"data.data_dir={root / 'tfds'},data.eval_windows=16,model.dtype={name},"
+                  f"matmul_precision=float32")  # the float32 run: float32 products throughout
     train.train_and_evaluate(config, root / name)
     runs[name] = root / name
   return runs

@@ -12,8 +12,10 @@ learned position table (`model.position=learned`: nanoGPT's architecture exactly
 default rotary positions, each with the default config (`learned`, `rotary`: on a CPU-only
 machine `mesh.cpu_devices=-1` gives one JAX device per core, each step's batch split over them,
 the gradients summed; what `attnlab train` does), on one device (`learned_1dev`, `rotary_1dev`:
-`mesh.cpu_devices=1`) and with `mesh.cpu_devices=0` (`learned_dp`, `rotary_dp`, the split asked
-for explicitly: the same as the default on a CPU-only machine). Each attnlab
+`mesh.cpu_devices=1`), with `mesh.cpu_devices=0` (`learned_dp`, `rotary_dp`, the split asked
+for explicitly: the same as the default on a CPU-only machine) and with float32 products
+(`learned_f32`, `rotary_f32`: `matmul_precision=float32`; the default, auto, trains on bfloat16
+operands where the CPU has AVX512_BF16 or AMX, while nanoGPT's CPU setting is float32). Each attnlab
 worker is this script started with --worker: it builds the real trainer (task, optimizer, train
 step on the config's mesh, training-batch iterator) and times every step the way nanoGPT's loop
 times an iteration: fetch the batch, train step, and a host sync on the loss (nanoGPT's
@@ -133,19 +135,24 @@ def run_nanogpt(work: pathlib.Path, iters: int, eval_interval: int, out_dir: pat
 # ----------------------------------------------------------------------------- attnlab
 
 
-# attnlab contenders: name -> (model.position, mesh.cpu_devices); None = the config's default
-# (-1: on a CPU-only machine one JAX device per core, each running a slice of the batch), 0 = one
-# device per core asked for explicitly (the same here), 1 = one device (the plain path)
-ATTNLAB = {"learned": ("learned", None), "rotary": ("rotary", None),
-           "learned_1dev": ("learned", 1), "rotary_1dev": ("rotary", 1),
-           "learned_dp": ("learned", 0), "rotary_dp": ("rotary", 0)}
+# attnlab contenders: name -> (model.position, mesh.cpu_devices, matmul_precision); None = the
+# config's default. mesh.cpu_devices: -1 (default) on a CPU-only machine one JAX device per core,
+# each running a slice of the batch; 0 = one device per core asked for explicitly (the same
+# here); 1 = one device (the plain path). matmul_precision: auto (default) the train step's Dense
+# products on bfloat16 operands where the CPU has AVX512_BF16 or AMX; float32 never (nanoGPT's
+# CPU setting is float32 throughout).
+ATTNLAB = {"learned": ("learned", None, None), "rotary": ("rotary", None, None),
+           "learned_1dev": ("learned", 1, None), "rotary_1dev": ("rotary", 1, None),
+           "learned_dp": ("learned", 0, None), "rotary_dp": ("rotary", 0, None),
+           "learned_f32": ("learned", None, "float32"), "rotary_f32": ("rotary", None, "float32")}
 
 
 def attnlab_arg(contender: str, implementation: str, data_dir: pathlib.Path, steps: int) -> str:
-  position, cpu_devices = ATTNLAB[contender]
+  position, cpu_devices, matmul = ATTNLAB[contender]
   mesh = "" if cpu_devices is None else f",mesh.cpu_devices={cpu_devices}"
+  matmul = "" if matmul is None else f",matmul_precision={matmul}"
   return (f"size=nano,model.position={position},implementation={implementation},"
-          f"data.manual_dir={data_dir},num_train_steps={steps}{mesh}")
+          f"data.manual_dir={data_dir},num_train_steps={steps}{mesh}{matmul}")
 
 
 def worker(args) -> None:
@@ -250,7 +257,7 @@ def print_timing_table(args, contenders, nanogpts, per_round, label) -> None:
         rr = [x / a for x, a in zip(per_round[n], per_round[c])]
         print(f"per-round ratio {n}/{c}: " + ", ".join(f"{x:.2f}" for x in rr))
   for learned, rotary in (("learned", "rotary"), ("learned_1dev", "rotary_1dev"),
-                          ("learned_dp", "rotary_dp")):
+                          ("learned_dp", "rotary_dp"), ("learned_f32", "rotary_f32")):
     if learned in per_round and rotary in per_round:
       ratio = statistics.median(per_round[rotary]) / statistics.median(per_round[learned])
       print(f"{rotary} / {learned} ms: {ratio:.3f}")
@@ -284,7 +291,8 @@ def main(argv=None) -> int:
                       "batch split over them), rotary (the default config as it comes, rotary "
                       "positions), learned_1dev and rotary_1dev (the same with "
                       "mesh.cpu_devices=1: one device), learned_dp and rotary_dp "
-                      "(mesh.cpu_devices=0 asked for explicitly)")
+                      "(mesh.cpu_devices=0 asked for explicitly), learned_f32 and rotary_f32 "
+                      "(matmul_precision=float32: float32 products on any CPU)")
   parser.add_argument("--wall_steps", type=int, default=2000,
                       help="steps of the full-run wall-time comparison (0 skips it)")
   parser.add_argument("--wall_rounds", type=int, default=1,
@@ -337,7 +345,9 @@ def main(argv=None) -> int:
            "learned_1dev": "attnlab nano GPT, position=learned, mesh.cpu_devices=1",
            "rotary_1dev": "attnlab nano GPT, rotary, mesh.cpu_devices=1",
            "learned_dp": "attnlab nano GPT, position=learned, mesh.cpu_devices=0",
-           "rotary_dp": "attnlab nano GPT, position=rotary (default), mesh.cpu_devices=0"}
+           "rotary_dp": "attnlab nano GPT, position=rotary (default), mesh.cpu_devices=0",
+           "learned_f32": "attnlab nano GPT, position=learned, matmul_precision=float32",
+           "rotary_f32": "attnlab nano GPT, rotary, matmul_precision=float32"}
 
   per_round: dict[str, list[float]] = {c: [] for c in contenders}
   for r in range(args.rounds):

@@ -2,12 +2,16 @@
 
   allocator.py     glibc's malloc thresholds, raised so that XLA:CPU's large buffers stay in the
                    heap between calls (process-wide; ATTNLAB_MALLOC_TUNING=0 leaves them alone)
+  cpuinfo.py       the CPU's vendor and instruction-set flags (/proc/cpuinfo), read without JAX
   devices.py       the split of a CPU-only process into one JAX device per core, each step's batch
                    spread over them (`mesh.cpu_devices`, default -1; process-wide, and only
                    before JAX starts)
   fused_kernel.py  the fused softmax-attention C++ kernel (flash_attention.cc, AVX-512, float32)
                    through the jax FFI, compiled on first use (ATTNLAB_CPU_KERNEL=0 turns it off)
-  matmul.py        `x @ w` with a backward pass laid out for XLA:CPU's matmul kernels (Dense's)
+  matmul.py        `x @ w` with a backward pass laid out for XLA:CPU's matmul kernels (Dense's),
+                   on bfloat16 operands when the trace asks for them (the train step's
+                   `matmul_precision`, attnlab.precision: by default where the CPU has
+                   AVX512_BF16 or AMX)
   xla_flags.py     XLA:CPU's flags for the process: on Intel CPUs YNNPACK takes the matmuls alone,
                    not the elementwise work around them (faster there, no gain on AMD); added to
                    XLA_FLAGS before JAX starts, never over the user's value
@@ -34,6 +38,7 @@ import dataclasses
 from typing import Any
 
 from attnlab.backends.cpu import allocator
+from attnlab.backends.cpu import cpuinfo  # pylint: disable=unused-import  (cpu.cpuinfo)
 from attnlab.backends.cpu import xla_flags
 
 

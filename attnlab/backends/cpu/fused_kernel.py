@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attnlab.backends.cpu import cpuinfo
+
 _LOG = logging.getLogger(__name__)
 SOURCE = pathlib.Path(__file__).with_name("flash_attention.cc")
 FORWARD, BACKWARD = "attnlab_fused_attention_fwd", "attnlab_fused_attention_bwd"
@@ -45,17 +47,6 @@ FORWARD, BACKWARD = "attnlab_fused_attention_fwd", "attnlab_fused_attention_bwd"
 ENV_SWITCH = "ATTNLAB_CPU_KERNEL"
 _lock = threading.Lock()
 _state: dict[str, object] = {}
-
-
-def _cpu_flags() -> set[str]:
-  try:
-    text = pathlib.Path("/proc/cpuinfo").read_text()
-  except OSError:
-    return set()
-  for line in text.splitlines():
-    if line.startswith("flags"):
-      return set(line.split(":", 1)[1].split())
-  return set()
 
 
 def _compiler() -> str | None:
@@ -107,7 +98,7 @@ def unavailable_reason() -> str | None:
       reason = f"{ENV_SWITCH}=0"
     elif platform.machine() not in ("x86_64", "AMD64"):
       reason = f"not an x86-64 CPU ({platform.machine()})"
-    elif not {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags():
+    elif not {"avx512f", "avx512bw", "avx512vl"} <= cpuinfo.flags():
       reason = "the CPU lacks AVX-512 (F, BW and VL)"
     elif (compiler := _compiler()) is None:
       reason = "no C++ compiler (set CXX, or install g++)"

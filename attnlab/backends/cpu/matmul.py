@@ -8,6 +8,16 @@ nano-GPT training step. Here the stored x is transposed explicitly as a plain co
 `_plain_transpose`), and the matmul then runs in the layout the kernels like. The numbers are
 identical to autodiff's up to float rounding (tests/test_layers.py checks).
 
+bfloat16 operands: under `jax.default_matmul_precision("bfloat16")` (what the trainer sets around
+its train step where `matmul_precision` resolves to bfloat16, attnlab.precision) a float32
+product runs on x, w and the gradient g rounded to bfloat16, accumulated and returned in float32:
+`bf16(x) @ bf16(w)`, `bf16(g) @ bf16(w)ᵀ`, `bf16(x)ᵀ @ bf16(g)`. Each operand is rounded once
+and the backward pass keeps the rounded x and w (half the bytes of the transpose). On a CPU
+with bfloat16 dot instructions (AVX512_BF16) YNNPACK then runs the products at up to twice
+float32's rate: the nano GPT's step 1.2x faster on an AMD EPYC (experiments/benchmarks/README.md,
+"Issue #51, fifth pass"). Without that setting, or for inputs that are not float32, nothing is
+rounded.
+
 It is the default "matmul" kernel of attnlab.backends, which attnlab.layers.dense.matmul calls;
 it changes nothing outside the call and runs on every backend.
 """
@@ -34,9 +44,25 @@ def _plain_transpose(x: Array) -> Array:
   return jax.lax.cond(x[0, 0] == x[0, 0], jnp.transpose, jnp.transpose, x)  # [d, n]
 
 
-@jax.custom_vjp
+# jax_default_matmul_precision values that ask for bfloat16 operands (JAX's names for them).
+BF16_PRECISIONS = ("bfloat16", "BF16_BF16_F32")
+
+
+def bf16_requested() -> bool:
+  """Whether the trace in progress asks for bfloat16 operands (`jax.default_matmul_precision`)."""
+  return jax.config.jax_default_matmul_precision in BF16_PRECISIONS
+
+
 def matmul(x: Array, w: Array) -> Array:
-  """`x @ w` for x `[..., d_in]` and w `[d_in, d_out]`, with a CPU-friendly backward pass."""
+  """`x @ w` for x `[..., d_in]` and w `[d_in, d_out]`, with a CPU-friendly backward pass; on
+  bfloat16 operands for float32 inputs when the trace asks for them (`bf16_requested`)."""
+  if x.dtype == w.dtype == jnp.float32 and bf16_requested():
+    return _bf16_matmul(x, w)
+  return _matmul(x, w)
+
+
+@jax.custom_vjp
+def _matmul(x: Array, w: Array) -> Array:
   return jnp.matmul(x, w)  # [..., d_out]
 
 
@@ -53,4 +79,38 @@ def _matmul_bwd(res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
   return dx, dw.astype(w.dtype)
 
 
-matmul.defvjp(_matmul_fwd, _matmul_bwd)
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def _bf16_product(a: Array, b: Array) -> Array:
+  """`a @ b` of bfloat16 operands, accumulated and returned in float32."""
+  return jnp.matmul(a, b, preferred_element_type=jnp.float32)
+
+
+@jax.custom_vjp
+def _bf16_matmul(x: Array, w: Array) -> Array:
+  return _bf16_product(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))  # [..., d_out] float32
+
+
+def _bf16_matmul_fwd(x: Array, w: Array) -> tuple[Array, tuple[Array, Array]]:
+  x16, w16 = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+  return _bf16_product(x16, w16), (x16, w16)
+
+
+def _bf16_matmul_bwd(res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
+  x16, w16 = res
+  g16 = g.astype(jnp.bfloat16)
+  dx = _bf16_product(g16, w16.T)  # [..., d_in] float32
+  x_t = _plain_transpose(x16.reshape(-1, x16.shape[-1]))  # [d_in, n]
+  dw = _bf16_product(x_t, g16.reshape(-1, g16.shape[-1]))  # [d_in, d_out] float32
+  return dx, dw
+
+
+_bf16_matmul.defvjp(_bf16_matmul_fwd, _bf16_matmul_bwd)
+
+
+def native_bf16(flags: frozenset[str] | None = None) -> bool:
+  """Whether this CPU multiplies bfloat16 natively (/proc/cpuinfo's avx512_bf16 or amx_bf16):
+  where `matmul_precision=auto` trains on bfloat16 operands. `flags`: for tests."""
+  from attnlab.backends.cpu import cpuinfo  # pylint: disable=g-import-not-at-top
+  return bool({"avx512_bf16", "amx_bf16"} & (cpuinfo.flags() if flags is None else flags))

@@ -26,6 +26,8 @@ import logging
 import os
 import sys
 
+from attnlab.backends.cpu import cpuinfo
+
 _LOG = logging.getLogger(__name__)
 
 ENV = "ATTNLAB_XLA_TUNING"
@@ -51,19 +53,6 @@ def _jaxlib_version() -> tuple[int, ...]:
   return tuple(parts)
 
 
-def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
-  """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), or "" where there is none."""
-  try:
-    with open(cpuinfo, encoding="utf-8", errors="replace") as f:
-      for line in f:
-        key, _, value = line.partition(":")
-        if key.strip() == "vendor_id":
-          return value.strip()
-  except OSError:
-    pass
-  return ""
-
-
 def backend_started(unknown: bool = True) -> bool:
   """Whether JAX has created its backends (XLA_FLAGS and the CPU device count are then fixed);
   `unknown`: the answer where this jax version cannot tell."""
@@ -80,13 +69,13 @@ def set_flags(environ: dict[str, str] | None = None, jaxlib_version: tuple[int, 
               started: bool | None = None, vendor: str | None = None) -> str | None:
   """Adds `--YNN_FLAG=YNN_FUSION` to XLA_FLAGS under the conditions of the module docstring;
   returns the flag added, or None when XLA_FLAGS was left as it was. `environ` (default
-  os.environ), `jaxlib_version`, `started` and `vendor` (default `cpu_vendor()`) are for tests."""
+  os.environ), `jaxlib_version`, `started` and `vendor` (default `cpuinfo.vendor()`): for tests."""
   env = os.environ if environ is None else environ
   mode = env.get(ENV, "").strip().lower()
   if mode in ("0", "off", "false", "no"):
     return None
   if mode not in ("1", "on", "true", "yes") and (
-      cpu_vendor() if vendor is None else vendor) != "GenuineIntel":
+      cpuinfo.vendor() if vendor is None else vendor) != "GenuineIntel":
     return None
   current = env.get("XLA_FLAGS", "")
   if YNN_FLAG in current:
