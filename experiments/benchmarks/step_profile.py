@@ -3,6 +3,8 @@
   python experiments/benchmarks/step_profile.py                       # the nano GPT, 150 steps
   python experiments/benchmarks/step_profile.py --profile             # + XLA:CPU's thunks
   ATTNLAB_XLA_TUNING=0 python experiments/benchmarks/step_profile.py  # without attnlab's XLA flag
+  python experiments/benchmarks/step_profile.py \
+      --arg=size=nano,dataset=synthetic_tokens,data.vocab_size=65,matmul_precision=float32
   python experiments/benchmarks/step_profile.py --config=configs/bert.py --arg=runlocal=False
 
 The step is built as `gpt_vs_nanogpt.py`'s worker builds it (`train_pieces`: the CPU tuning of

@@ -82,9 +82,21 @@ def _matmul_bwd(res: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
+@jax.custom_batching.custom_vmap
 def _bf16_product(a: Array, b: Array) -> Array:
   """`a @ b` of bfloat16 operands, accumulated and returned in float32."""
   return jnp.matmul(a, b, preferred_element_type=jnp.float32)
+
+
+@_bf16_product.def_vmap
+def _bf16_product_batched(axis_size: int, in_batched: list[bool], a: Array, b: Array):
+  """Under vmap (a model's seeds, a per-head map) the same numbers from float32 operands (a
+  product of two bfloat16 values is exact in float32): XLA:CPU (jaxlib 0.10) left some batched
+  bfloat16 products to a runtime that has no bfloat16 matmul, and the step failed."""
+  del axis_size
+  axes = tuple(0 if batched else None for batched in in_batched)
+  product = lambda a, b: jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32))
+  return jax.vmap(product, in_axes=axes)(a, b), True
 
 
 @jax.custom_vjp
