@@ -4,7 +4,8 @@
 # nano GPT against nanoGPT, per step and for a whole 2000-step run, and attend() against torch
 # SDPA can be measured there too. Everything runs on two CPU cores (`taskset`, two logical CPUs
 # of different physical cores), the size of the machines the figures here come from; JAX sees
-# the CPU only and torch no GPU.
+# the CPU only and torch no GPU. Per step: nanoGPT, the default (rotary; bfloat16 products where
+# the CPU has AVX512_BF16 or AMX) and the same with float32 products (rotary_f32).
 #
 # Here, once: the wheels of gpu_device.sh's header in .whl/, nanoGPT's export in .whl/nanogpt,
 # and Tiny Shakespeare, which does not travel either:
@@ -54,7 +55,8 @@ torch.__version__)" 2>&1
 } | tee "$OUT/device.txt"
 pin="taskset -c $cores"
 step per_step "$per_step_s" $pin python3 experiments/benchmarks/gpt_vs_nanogpt.py $iters \
-    --contenders=nanogpt,learned,rotary --wall_steps=0 --nanogpt_dir="$nanogpt" --data_dir="$data"
+    --contenders=nanogpt,rotary,rotary_f32 --wall_steps=0 --nanogpt_dir="$nanogpt" \
+    --data_dir="$data"
 step attention "$attention_s" $pin python3 experiments/benchmarks/attention.py --seq=$seq \
     --reps=$reps --impls=blocked,torch --memory-seq=''
 step whole "$whole_s" $pin python3 experiments/benchmarks/gpt_vs_nanogpt.py --rounds=0 \
