@@ -15,7 +15,8 @@ One policy for every family that supports it (GPT, BERT, the Transformer):
   on bfloat16 operands, accumulated in float32 (`jax.default_matmul_precision("bfloat16")`
   around the step's trace, which attnlab.backends.cpu.matmul honours on the CPU). `auto`, the
   default, asks for it where it pays: a CPU with bfloat16 dot instructions (AVX512_BF16 or AMX),
-  where the nano GPT steps 1.2x faster at the same final loss; elsewhere JAX's default stands.
+  where the nano GPT's step is 1.2x faster (2000 steps: validation loss 1.784 against 1.782);
+  elsewhere JAX's default stands.
   Only the train step: evaluation, generation and analysis compute in float32, so a run's
   evaluation records measure the float32 model. `float32` never rounds; `bfloat16` always.
 - float16 only (its 5-bit exponent flushes small gradients to zero): dynamic loss scaling. The
