@@ -81,15 +81,17 @@ def compute_dtype(model_config: Any, family: str) -> Any:
 
 def matmul_precision(config: Any) -> str | None:
   """The `jax.default_matmul_precision` of `config`'s train step: "float32", "bfloat16", or None
-  (JAX's default). `auto` is "bfloat16" for a float32 model on a CPU backend whose CPU has
-  bfloat16 dot instructions, else None; a config without the field (a run written before it)
-  is float32, as it trained."""
+  (JAX's default). `auto` is "bfloat16" for a float32 model of one seed on a CPU backend whose
+  CPU has bfloat16 dot instructions, else None (several seeds are vmapped, and under vmap the
+  products run from float32 copies: the rounding would only cost, 12% on the nano GPT's step);
+  a config without the field (a run written before it) is float32, as it trained."""
   name = config.get("matmul_precision", "float32") or "float32"
   if name not in MATMUL_PRECISIONS:
     raise ConfigError(f"unknown matmul_precision {name!r}; valid: {', '.join(MATMUL_PRECISIONS)}")
   if name != "auto":
     return name
-  if dtype_name(config.get("model")) != "float32" or jax.default_backend() != "cpu":
+  if (dtype_name(config.get("model")) != "float32" or jax.default_backend() != "cpu"
+      or int(config.get("num_seeds", 1) or 1) > 1):  # vmapped seeds: see backends/cpu/matmul.py
     return None
   from attnlab.backends.cpu import matmul  # pylint: disable=g-import-not-at-top
   return "bfloat16" if matmul.native_bf16() else None

@@ -545,7 +545,8 @@ def test_automatic_devices_fall_back_to_one_with_one_line(monkeypatch):
   import logging  # pylint: disable=g-import-not-at-top
   lines = io.StringIO()
   handler, logger = logging.StreamHandler(lines), logging.getLogger("attnlab.backends.cpu.devices")
-  monkeypatch.setattr(logger, "level", logging.INFO)
+  monkeypatch.setattr(logger, "level", logger.level)  # restored after the test
+  logger.setLevel(logging.INFO)  # clears the logger's cache of enabled levels, as setattr does not
   monkeypatch.setattr(devices, "_cpu_only", lambda: True)
   monkeypatch.setattr(devices, "_backend_started", lambda: False)
   monkeypatch.setattr(devices.os, "sched_getaffinity", lambda pid: {0, 1})

@@ -294,8 +294,9 @@ def test_bfloat16_products_under_vmap_round_the_same_way(tmp_path):
 
 
 def test_matmul_precision_auto_asks_for_bfloat16_on_a_bfloat16_cpu(monkeypatch):
-  """auto: bfloat16 products for a float32 model where the CPU multiplies bfloat16 natively
-  (AVX512_BF16 or AMX), JAX's default elsewhere and for a bfloat16 model; explicit values stand;
+  """auto: bfloat16 products for a float32 model of one seed where the CPU multiplies bfloat16
+  natively (AVX512_BF16 or AMX), JAX's default elsewhere, for a bfloat16 model and for vmapped
+  seeds; explicit values stand;
   a run written before the field trained in float32; a wrong name is one ConfigError line."""
   from attnlab.backends.cpu import matmul  # pylint: disable=g-import-not-at-top
   assert matmul.native_bf16(frozenset({"avx512f", "avx512_bf16"}))
@@ -305,6 +306,7 @@ def test_matmul_precision_auto_asks_for_bfloat16_on_a_bfloat16_cpu(monkeypatch):
     monkeypatch.setattr(matmul, "native_bf16", lambda native=native: native)
     assert precision.matmul_precision(_gpt("runlocal=True")) == want
     assert precision.matmul_precision(_gpt("runlocal=True,model.dtype=bfloat16")) is None
+    assert precision.matmul_precision(_gpt("runlocal=True,num_seeds=2")) is None  # vmapped
     assert precision.matmul_precision(_gpt("runlocal=True,matmul_precision=float32")) == "float32"
     assert precision.matmul_precision(_gpt("runlocal=True,matmul_precision=bfloat16")) == \
         "bfloat16"

@@ -42,12 +42,16 @@ def local_run(tmp_path_factory):
   handler, logger = logging.StreamHandler(lines), logging.getLogger("attnlab.train")
   with pytest.MonkeyPatch.context() as patch:  # keep the train steps the run builds
     patch.setattr(train, "make_train_step", lambda *a, **k: steps.append(make(*a, **k)) or steps[-1])
-    patch.setattr(logger, "level", logging.INFO)  # and its progress messages
+    # and its progress messages: setLevel, which also clears the logger's cache of enabled levels
+    # (an INFO line logged earlier in the process, at WARNING, left "INFO: off" there)
+    level = logger.level
+    logger.setLevel(logging.INFO)
     logger.addHandler(handler)
     try:
       state = train.train_and_evaluate(config, workdir)
     finally:
       logger.removeHandler(handler)
+      logger.setLevel(level)
   return config, workdir, state, [step.traces for step in steps], lines.getvalue().splitlines()
 
 

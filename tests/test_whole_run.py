@@ -63,7 +63,8 @@ def gpt_runs(tmp_path_factory, shared_data):
     patch.setattr(causal_lm.CausalLMTask, "write_plots", slow_plots)
     patch.setattr(causal_lm.CausalLMTask, "metric_sums", counted_sums)
     patch.setattr(state_lib, "evaluate", timed_evaluate)
-    patch.setattr(logger, "level", logging.INFO)
+    level = logger.level
+    logger.setLevel(logging.INFO)  # setLevel also clears the logger's cache of enabled levels
     logger.addHandler(handler)
     try:
       plotted = train.train_and_evaluate(_gpt_config(shared_data, tmp), tmp / "plotted")
@@ -71,6 +72,7 @@ def gpt_runs(tmp_path_factory, shared_data):
                          for name in ("sample.txt", "attention.png")}
     finally:
       logger.removeHandler(handler)
+      logger.setLevel(level)
   plain = train.train_and_evaluate(_gpt_config(shared_data, tmp, write_plots=False), tmp / "plain")
   return tmp, plotted, plain, events, traces, files_on_return, log.getvalue().splitlines()
 

@@ -92,7 +92,8 @@ def _bf16_product(a: Array, b: Array) -> Array:
 def _bf16_product_batched(axis_size: int, in_batched: list[bool], a: Array, b: Array):
   """Under vmap (a model's seeds, a per-head map) the same numbers from float32 operands (a
   product of two bfloat16 values is exact in float32): XLA:CPU (jaxlib 0.10) left some batched
-  bfloat16 products to a runtime that has no bfloat16 matmul, and the step failed."""
+  bfloat16 products to a runtime that has no bfloat16 matmul, and the step failed. The rounding
+  then gains nothing, so `matmul_precision=auto` keeps a run of several seeds in float32."""
   del axis_size
   axes = tuple(0 if batched else None for batched in in_batched)
   product = lambda a, b: jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32))
