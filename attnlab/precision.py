@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import optax
 
 from attnlab.config_checks import MATMUL_PRECISIONS
+from attnlab.config_utils import check_choice
 from attnlab.errors import ConfigError
 
 # model.dtype values -> the compute dtype.
@@ -85,9 +86,8 @@ def matmul_precision(config: Any) -> str | None:
   CPU has bfloat16 dot instructions, else None (several seeds are vmapped, and under vmap the
   products run from float32 copies: the rounding would only cost, 12% on the nano GPT's step);
   a config without the field (a run written before it) is float32, as it trained."""
-  name = config.get("matmul_precision", "float32") or "float32"
-  if name not in MATMUL_PRECISIONS:
-    raise ConfigError(f"unknown matmul_precision {name!r}; valid: {', '.join(MATMUL_PRECISIONS)}")
+  name = check_choice("matmul_precision", config.get("matmul_precision", "float32") or "float32",
+                      MATMUL_PRECISIONS)
   if name != "auto":
     return name
   if (dtype_name(config.get("model")) != "float32" or jax.default_backend() != "cpu"

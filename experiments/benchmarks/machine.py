@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import subprocess
 
+from attnlab.backends.cpu import cpuinfo
+
 
 def cores() -> str:
   """"N": the CPUs this process may run on; "N of M" where that is fewer than the machine has."""
@@ -21,25 +23,16 @@ def cores() -> str:
   return str(usable) if usable == total else f"{usable} of {total}"
 
 
-def cpu_line(cpuinfo: str = "/proc/cpuinfo") -> str:
+def cpu_line(path: str = cpuinfo.CPUINFO) -> str:
   """The CPU model (/proc/cpuinfo's model name), the cores in use (`cores`), and the AVX-512
   (with AVX512_BF16) and AMX flags; the platform's processor name where /proc/cpuinfo is
   absent."""
-  try:
-    with open(cpuinfo, encoding="utf-8", errors="replace") as f:
-      text = f.read()
-  except OSError:
+  model, flags = cpuinfo.model(path), cpuinfo.flags(path)
+  if not model and not flags:
     import platform  # pylint: disable=g-import-not-at-top
     return f"CPU: {platform.processor() or platform.machine()} x {cores()}"
-  model, flags = "unknown", set()
-  for line in text.splitlines():
-    key, _, value = line.partition(":")
-    if key.strip() == "model name" and model == "unknown":
-      model = " ".join(value.split())
-    elif key.strip() == "flags" and not flags:
-      flags = set(value.split())
   yes = lambda b: "yes" if b else "no"
-  return (f"CPU: {model} x {cores()}; AVX-512: {yes('avx512f' in flags)} "
+  return (f"CPU: {model or 'unknown'} x {cores()}; AVX-512: {yes('avx512f' in flags)} "
           f"(bf16: {yes('avx512_bf16' in flags)}); AMX: {yes('amx_tile' in flags)}")
 
 

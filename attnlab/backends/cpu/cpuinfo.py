@@ -1,4 +1,4 @@
-"""What /proc/cpuinfo says about this machine's CPU: its vendor and its instruction-set flags.
+"""What /proc/cpuinfo says about this machine's CPU: its vendor, model and instruction-set flags.
 
 Read without importing JAX. Where there is no /proc/cpuinfo (not Linux) both are empty, and
 what depends on them (the Intel XLA flag, the fused kernel's AVX-512, the bfloat16 matmuls)
@@ -30,11 +30,12 @@ def vendor(cpuinfo: str = CPUINFO) -> str:
   return _field("vendor_id", cpuinfo)
 
 
-def flags(cpuinfo: str = CPUINFO) -> frozenset[str]:
-  """The first CPU's instruction-set flags ("avx512f", "avx512_bf16", "amx_bf16", ...)."""
-  return _cached_flags(cpuinfo)
+def model(cpuinfo: str = CPUINFO) -> str:
+  """The first CPU's model name, spaces collapsed, or "" where there is none."""
+  return " ".join(_field("model name", cpuinfo).split())
 
 
 @functools.lru_cache(maxsize=8)
-def _cached_flags(cpuinfo: str) -> frozenset[str]:
+def flags(cpuinfo: str = CPUINFO) -> frozenset[str]:
+  """The first CPU's instruction-set flags ("avx512f", "avx512_bf16", "amx_bf16", ...)."""
   return frozenset(_field("flags", cpuinfo).split())

@@ -27,6 +27,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from attnlab.backends.cpu import cpuinfo
+
 Array = jax.Array
 
 
@@ -125,5 +127,4 @@ _bf16_matmul.defvjp(_bf16_matmul_fwd, _bf16_matmul_bwd)
 def native_bf16(flags: frozenset[str] | None = None) -> bool:
   """Whether this CPU multiplies bfloat16 natively (/proc/cpuinfo's avx512_bf16 or amx_bf16):
   where `matmul_precision=auto` trains on bfloat16 operands. `flags`: for tests."""
-  from attnlab.backends.cpu import cpuinfo  # pylint: disable=g-import-not-at-top
   return bool({"avx512_bf16", "amx_bf16"} & (cpuinfo.flags() if flags is None else flags))
