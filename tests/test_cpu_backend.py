@@ -160,8 +160,8 @@ def test_enable_refuses_a_device_count_jax_does_not_run(monkeypatch):
 def test_the_xla_flag_is_added_once_and_never_over_the_users():
   """xla_flags.set_flags: on an Intel CPU, adds the YNNPACK flag to XLA_FLAGS (after the user's
   other flags), once; on another CPU only when ATTNLAB_XLA_TUNING=1; never when the user names
-  the flag, when ATTNLAB_XLA_TUNING=0, for a jaxlib whose flags were not checked, or once JAX
-  has started."""
+  the flag or XLA_FLAGS names a flags file, when ATTNLAB_XLA_TUNING=0, for a jaxlib whose
+  flags were not checked, or once JAX has started."""
   flags = cpu.xla_flags
   flag = f"--{flags.YNN_FLAG}={flags.YNN_FUSION}"
   intel, amd = "GenuineIntel", "AuthenticAMD"
@@ -180,7 +180,8 @@ def test_the_xla_flag_is_added_once_and_never_over_the_users():
       ({}, (0, 10), False, amd), ({}, (0, 10), False, ""), (own, (0, 10), False, intel),
       ({"ATTNLAB_XLA_TUNING": "0"}, (0, 10), False, intel), ({}, (0, 99), False, intel),
       ({}, (), False, intel), ({}, (0, 10), True, intel),
-      ({"ATTNLAB_XLA_TUNING": "1"}, (0, 10), True, amd)):
+      ({"ATTNLAB_XLA_TUNING": "1"}, (0, 10), True, amd),
+      ({"XLA_FLAGS": "/home/me/xla_flags.txt"}, (0, 10), False, intel)):  # a flags file
     before = dict(kept)
     assert flags.set_flags(kept, version, started=started, vendor=vendor) is None, (kept, vendor)
     assert kept == before

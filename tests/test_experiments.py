@@ -400,13 +400,18 @@ def test_dp_step_benchmark(shared_data):
 
 
 def test_step_profile_benchmark():
-  """step_profile.py times the trainer's step and, with --profile, lists XLA:CPU's events per
-  step (the fusions the compiled step runs among them), largest first."""
-  out = _run("benchmarks/step_profile.py", "--steps=3", "--warmup=1", "--profile",
+  """step_profile.py times the trainer's step; with --loops, rounds of its loop beside the
+  trainer's; with --profile, lists XLA:CPU's events per step (the fusions the compiled step runs
+  among them), largest first."""
+  out = _run("benchmarks/step_profile.py", "--steps=3", "--warmup=1", "--profile", "--loops=2",
              "--arg=size=nano,dataset=synthetic_tokens,data.vocab_size=65,runlocal=True")
   assert re.search(r"^jax \S+, \d+ device\(s\)", out, re.M), out
   median = float(re.search(r"^median step ([\d.]+) ms \(3 steps\)", out, re.M).group(1))
   assert median > 0
+  rounds = re.findall(r"^\s+(\d)\s+([\d.]+)\s+([\d.]+)$", out, re.M)
+  assert [r for r, *_ in rounds] == ["1", "2"] and all(float(v) > 0 for _, *vs in rounds
+                                                        for v in vs), out
+  assert re.search(r"^median\s+[\d.]+\s+[\d.]+\s+\(trainer's / sync: [\d.]+\)$", out, re.M), out
   events = re.findall(r"^\s*([\d.]+)\s+([\d.]+)\s+(\S+)\s+(.+)$",
                       out.split("ms/step calls/step")[1], re.M)
   assert events and any("fusion" in name for *_, name in events), out

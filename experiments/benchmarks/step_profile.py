@@ -6,6 +6,7 @@
   python experiments/benchmarks/step_profile.py \
       --arg=size=nano,dataset=synthetic_tokens,data.vocab_size=65,matmul_precision=float32
   python experiments/benchmarks/step_profile.py --config=configs/bert.py --arg=runlocal=False
+  python experiments/benchmarks/step_profile.py --loops=6 --steps=300   # the trainer's loop too
 
 The step is built as `gpt_vs_nanogpt.py`'s worker builds it (`train_pieces`: the CPU tuning of
 `attnlab.backends.cpu.enable`, the task, the optimizer, the train step on the config's mesh) and
@@ -14,6 +15,11 @@ timed the same way: fetch the batch, run the step, read the loss (a host sync); 
 the Shakespeare vocabulary's 65 ids (the same shapes and work; no corpus, so it runs where
 ../shared/data is absent, e.g. on a device machine's host). XLA_FLAGS and ATTNLAB_XLA_TUNING are
 read at start, so compare settings in separate processes, alternating.
+
+--loops=R: R alternating rounds of `--steps` steps in each of two loops, the same compiled step
+in one process: this script's loop (a host sync every step) and `attnlab train`'s (up to
+train.MAX_STEPS_AHEAD steps in flight, a wait only on the oldest); each round's mean ms a step
+(wall time / steps, which is what a run's "training steps" phase adds up), then their medians.
 
 --profile: 20 more steps under `jax.profiler.trace`; prints the milliseconds per step of each
 kind of event (XLA:CPU's thunks: YNNPACK's dot fusions `ynn_fusion`, XLA's loop fusions, the
@@ -33,6 +39,7 @@ import re
 import statistics
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import gpt_vs_nanogpt  # pylint: disable=g-bad-import-order,wrong-import-position
@@ -64,6 +71,41 @@ def profile(step, state, batches, rng, steps: int = 20, top: int = 30) -> list[s
           for k, us in total.most_common(top)]
 
 
+def run_ahead(state, step, batches, rng, steps: int):
+  """(state, mean ms a step) of `steps` steps dispatched as `attnlab train`'s loop dispatches
+  them: at most train.MAX_STEPS_AHEAD in flight, waiting only on the oldest one's loss."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from attnlab import train  # pylint: disable=g-import-not-at-top
+  ahead = collections.deque()
+  t0 = time.perf_counter()
+  for _ in range(steps):
+    state, metrics = step(state, next(batches), rng)
+    ahead.append(metrics["loss"])
+    if len(ahead) > train.MAX_STEPS_AHEAD:
+      jax.block_until_ready(ahead.popleft())
+  jax.block_until_ready((state, list(ahead)))
+  return state, (time.perf_counter() - t0) * 1e3 / steps
+
+
+def compare_loops(state, step, batches, rng, steps: int, rounds: int):
+  """(state, lines): per round, the mean ms a step of this script's loop (`run_steps`) and of the
+  trainer's (`run_ahead`), alternating which goes first; then the medians over the rounds."""
+  means = {"sync": [], "trainer": []}
+  lines = ["round  sync loop ms  trainer's loop ms  (mean a step)"]
+  for r in range(rounds):
+    for name in (("sync", "trainer") if r % 2 == 0 else ("trainer", "sync")):
+      if name == "sync":
+        state, times = gpt_vs_nanogpt.run_steps(state, step, batches, rng, steps)
+        means[name].append(sum(times) / steps)
+      else:
+        state, mean = run_ahead(state, step, batches, rng, steps)
+        means[name].append(mean)
+    lines.append(f"{r + 1:5d}  {means['sync'][-1]:12.2f}  {means['trainer'][-1]:17.2f}")
+  sync, ahead = (statistics.median(means[k]) for k in ("sync", "trainer"))
+  lines.append(f"median {sync:11.2f}  {ahead:17.2f}  (trainer's / sync: {ahead / sync:.3f})")
+  return state, lines
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--config", default="configs/gpt.py", help="config file (repo-relative)")
@@ -72,9 +114,11 @@ def main(argv=None) -> int:
   parser.add_argument("--steps", type=int, default=150, help="timed steps")
   parser.add_argument("--warmup", type=int, default=30, help="untimed steps after the first")
   parser.add_argument("--profile", action="store_true", help="also trace 20 steps")
+  parser.add_argument("--loops", type=int, default=0,
+                      help="also R alternating rounds of this loop and the trainer's loop")
   args = parser.parse_args(argv)
-  if args.steps < 1 or args.warmup < 0:
-    parser.error("--steps must be >= 1 and --warmup >= 0")
+  if args.steps < 1 or args.warmup < 0 or args.loops < 0:
+    parser.error("--steps must be >= 1, --warmup and --loops >= 0")
   from attnlab import config_utils  # pylint: disable=g-import-not-at-top
   arg = args.arg if args.arg is not None else (GPT_ARG if args.config == "configs/gpt.py" else "")
   config = config_utils.load_config_file(f"{REPO / args.config}:{arg}")
@@ -89,6 +133,9 @@ def main(argv=None) -> int:
   state, _ = gpt_vs_nanogpt.run_steps(state, step, batches, rng, args.warmup)
   state, times = gpt_vs_nanogpt.run_steps(state, step, batches, rng, args.steps)
   print(f"median step {statistics.median(times):.2f} ms ({args.steps} steps)")
+  if args.loops:
+    state, lines = compare_loops(state, step, batches, rng, args.steps, args.loops)
+    print("\n".join(lines))
   if args.profile:
     print("ms/step calls/step  threads                  event")
     print("\n".join(profile(step, state, batches, rng)))

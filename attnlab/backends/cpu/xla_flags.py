@@ -12,7 +12,9 @@ median. So it is set on Intel CPUs only (/proc/cpuinfo's vendor_id GenuineIntel)
 XLA reads its flags from the XLA_FLAGS environment variable once, when JAX starts its first
 backend, and stops the process on a flag name it does not know. So the flag is added only:
   - before JAX has started (a later change would do nothing),
-  - when XLA_FLAGS does not already name it (the user's value wins),
+  - when XLA_FLAGS does not already name it (the user's value wins) and is not the name of a
+    flags file (XLA reads a value that does not start with "--" as one, and stops the process
+    when it cannot open it: a flag appended there would break the user's setting),
   - for the jaxlib versions where it was checked to exist (CHECKED_JAXLIB),
   - on an Intel CPU, unless ATTNLAB_XLA_TUNING says otherwise: 0 never, 1 on any CPU.
 Like the allocator settings it changes the whole process, so only an entry point applies it,
@@ -78,7 +80,7 @@ def set_flags(environ: dict[str, str] | None = None, jaxlib_version: tuple[int, 
       cpuinfo.vendor() if vendor is None else vendor) != "GenuineIntel":
     return None
   current = env.get("XLA_FLAGS", "")
-  if YNN_FLAG in current:
+  if YNN_FLAG in current or (current.strip() and not current.strip().startswith("--")):
     return None
   version = _jaxlib_version() if jaxlib_version is None else jaxlib_version
   if tuple(version[:2]) not in CHECKED_JAXLIB:
