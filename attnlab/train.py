@@ -785,9 +785,12 @@ def _stops_early(stopper: EarlyStopping, step: int, eval_metrics: dict[str, floa
 # logs, every log_every = 50 steps), a nano GPT on two CPU devices stopped in XLA:CPU's
 # collective timeout in about half of a dozen runs of such a loop: one device's part of a step
 # waited at its all-reduce while the other's could not be launched (PjRt's launch blocked on a
-# semaphore held by steps queued behind). Eight ahead: none in six runs, the same step time
-# (experiments/benchmarks/README.md, issue #51's second pass).
-MAX_STEPS_AHEAD = 8
+# semaphore held by steps queued behind). Eight ahead: none in six runs (issue #51's second
+# pass). Two ahead keeps the next step queued behind the running one and was faster on a 2-core
+# CPU: the nano GPT's step 4-7% faster than with eight in alternating rounds of one process, its
+# 800-step runs 2.5% in the mean of eight alternating pairs (experiments/benchmarks/README.md,
+# issue #51's sixth pass).
+MAX_STEPS_AHEAD = 2
 
 
 def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, train_rng,
