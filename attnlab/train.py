@@ -788,7 +788,7 @@ def _stops_early(stopper: EarlyStopping, step: int, eval_metrics: dict[str, floa
 # semaphore held by steps queued behind). Eight ahead: none in six runs (issue #51's second
 # pass). Two ahead keeps the next step queued behind the running one and was faster on a 2-core
 # CPU: the nano GPT's step 4-7% faster than with eight in alternating rounds of one process, its
-# 800-step runs 2.5% in the mean of eight alternating pairs (experiments/benchmarks/README.md,
+# 800-step runs 2.2% over eight alternating pairs (experiments/benchmarks/README.md,
 # issue #51's sixth pass).
 MAX_STEPS_AHEAD = 2
 
