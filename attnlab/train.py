@@ -793,6 +793,20 @@ def _stops_early(stopper: EarlyStopping, step: int, eval_metrics: dict[str, floa
 MAX_STEPS_AHEAD = 2
 
 
+class StepsInFlight:
+  """The losses of the dispatched steps not yet known finished: `add` waits for the oldest once
+  more than MAX_STEPS_AHEAD are in flight (or at once with `wait`). The trainer's loop, and the
+  benchmark that times it (experiments/benchmarks/step_profile.py --loops)."""
+
+  def __init__(self):
+    self._losses: collections.deque = collections.deque()
+
+  def add(self, loss: jax.Array, wait: bool = False) -> None:
+    self._losses.append(loss)
+    if wait or len(self._losses) > MAX_STEPS_AHEAD:
+      jax.block_until_ready(self._losses.popleft())
+
+
 def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, train_rng,
                 seeds, phases: _Phases | None = None,
                 stopper: EarlyStopping | None = None, plots: _Background | None = None,
@@ -806,7 +820,7 @@ def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, trai
   phases = phases or _Phases()
   num_steps, start, num_seeds = config.num_train_steps, state_lib.step_of(state), len(seeds)
   pending: list[tuple[int, dict]] = []  # per-step metrics (on device) since the last log
-  ahead: collections.deque = collections.deque()  # the losses of the steps in flight
+  in_flight = StepsInFlight()
   checked = 0  # pending[:checked] are known to have a finite loss
   with (_MetricLogger(workdir, start, seeds) as logger,
         contextlib.closing(_progress_bar(num_steps, start)) as bar,
@@ -822,9 +836,7 @@ def _train_loop(config, workdir, task, state, train_iter, ckpt, train_step, trai
       with phases("first step (compile)" if first else "training steps"):
         batch = first_batch if first and first_batch is not None else next(train_iter)
         state, metrics = train_step(state, batch, train_rng)
-        ahead.append(metrics["loss"])
-        if first or len(ahead) > MAX_STEPS_AHEAD:
-          jax.block_until_ready(ahead.popleft())
+        in_flight.add(metrics["loss"], wait=first)
       if first:
         _LOG.info("first train step done in %.1f s (compiling it included)",
                   phases.seconds["first step (compile)"])

@@ -17,8 +17,8 @@ the Shakespeare vocabulary's 65 ids (the same shapes and work; no corpus, so it 
 read at start, so compare settings in separate processes, alternating.
 
 --loops=R: R alternating rounds of `--steps` steps in each of two loops, the same compiled step
-in one process: this script's loop (a host sync every step) and `attnlab train`'s (up to
-train.MAX_STEPS_AHEAD steps in flight, a wait only on the oldest); each round's mean ms a step
+in one process: this script's loop (a host sync every step) and `attnlab train`'s
+(train.StepsInFlight: up to train.MAX_STEPS_AHEAD steps in flight); each round's mean ms a step
 (wall time / steps, which is what a run's "training steps" phase adds up), then their medians.
 
 --profile: 20 more steps under `jax.profiler.trace`; prints the milliseconds per step of each
@@ -73,35 +73,36 @@ def profile(step, state, batches, rng, steps: int = 20, top: int = 30) -> list[s
 
 def run_ahead(state, step, batches, rng, steps: int):
   """(state, mean ms a step) of `steps` steps dispatched as `attnlab train`'s loop dispatches
-  them: at most train.MAX_STEPS_AHEAD in flight, waiting only on the oldest one's loss."""
+  them (`train.StepsInFlight`: at most train.MAX_STEPS_AHEAD in flight)."""
   import jax  # pylint: disable=g-import-not-at-top
   from attnlab import train  # pylint: disable=g-import-not-at-top
-  ahead = collections.deque()
+  in_flight = train.StepsInFlight()
   t0 = time.perf_counter()
   for _ in range(steps):
     state, metrics = step(state, next(batches), rng)
-    ahead.append(metrics["loss"])
-    if len(ahead) > train.MAX_STEPS_AHEAD:
-      jax.block_until_ready(ahead.popleft())
-  jax.block_until_ready((state, list(ahead)))
+    in_flight.add(metrics["loss"])
+  jax.block_until_ready(state)  # the last step's output: every step before it has finished
   return state, (time.perf_counter() - t0) * 1e3 / steps
 
 
+def run_synced(state, step, batches, rng, steps: int):
+  """(state, mean ms a step) of `gpt_vs_nanogpt.run_steps`: a host sync every step."""
+  state, times = gpt_vs_nanogpt.run_steps(state, step, batches, rng, steps)
+  return state, sum(times) / steps
+
+
 def compare_loops(state, step, batches, rng, steps: int, rounds: int):
-  """(state, lines): per round, the mean ms a step of this script's loop (`run_steps`) and of the
-  trainer's (`run_ahead`), alternating which goes first; then the medians over the rounds."""
-  means = {"sync": [], "trainer": []}
+  """(state, lines): per round, the mean ms a step of this script's loop (`run_synced`) and of
+  the trainer's (`run_ahead`), alternating which goes first; then the medians over the rounds."""
+  loops = {"sync": run_synced, "trainer": run_ahead}
+  means = {name: [] for name in loops}
   lines = ["round  sync loop ms  trainer's loop ms  (mean a step)"]
   for r in range(rounds):
-    for name in (("sync", "trainer") if r % 2 == 0 else ("trainer", "sync")):
-      if name == "sync":
-        state, times = gpt_vs_nanogpt.run_steps(state, step, batches, rng, steps)
-        means[name].append(sum(times) / steps)
-      else:
-        state, mean = run_ahead(state, step, batches, rng, steps)
-        means[name].append(mean)
+    for name in (list(loops) if r % 2 == 0 else list(loops)[::-1]):
+      state, mean = loops[name](state, step, batches, rng, steps)
+      means[name].append(mean)
     lines.append(f"{r + 1:5d}  {means['sync'][-1]:12.2f}  {means['trainer'][-1]:17.2f}")
-  sync, ahead = (statistics.median(means[k]) for k in ("sync", "trainer"))
+  sync, ahead = (statistics.median(means[k]) for k in loops)
   lines.append(f"median {sync:11.2f}  {ahead:17.2f}  (trainer's / sync: {ahead / sync:.3f})")
   return state, lines
 

@@ -79,8 +79,8 @@ def set_flags(environ: dict[str, str] | None = None, jaxlib_version: tuple[int, 
   if mode not in ("1", "on", "true", "yes") and (
       cpuinfo.vendor() if vendor is None else vendor) != "GenuineIntel":
     return None
-  current = env.get("XLA_FLAGS", "")
-  if YNN_FLAG in current or (current.strip() and not current.strip().startswith("--")):
+  current = env.get("XLA_FLAGS", "").strip()
+  if YNN_FLAG in current or (current and not current.startswith("--")):  # theirs, or a file
     return None
   version = _jaxlib_version() if jaxlib_version is None else jaxlib_version
   if tuple(version[:2]) not in CHECKED_JAXLIB:
